@@ -1,0 +1,66 @@
+# StrideWeave: every target starts from a fresh machine and installs what is missing.
+#   make test      C++ tests (ctest) and Python tests (pytest)
+#   make demo      the main example
+#   make sanitize  C++ tests under ASan+UBSan and under TSan
+SHELL := /bin/bash
+.ONESHELL:
+.SHELLFLAGS := -eu -o pipefail -c
+
+PYTHON ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+JOBS ?= $(shell nproc)
+APT_PACKAGES := libgtest-dev libopenblas-dev g++
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+CMAKE := $(VENV)/bin/cmake
+
+.PHONY: test demo sanitize cpp-test py-test install deps clean
+
+deps: build/.apt-stamp $(VENV)/.stamp
+
+build/.apt-stamp:
+	missing=""
+	for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done
+	if [ -n "$$missing" ]; then
+	  echo "installing Debian packages:$$missing"
+	  $(SUDO) apt-get update -qq
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends $$missing
+	fi
+	mkdir -p build && touch $@
+
+$(VENV)/.stamp: requirements-dev.txt
+	[ -x $(VPY) ] || $(PYTHON) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q -r requirements-dev.txt
+	touch $@
+
+build/cpp/build.ninja: deps CMakeLists.txt
+	$(CMAKE) -S . -B build/cpp -G Ninja -DCMAKE_MAKE_PROGRAM=$(abspath $(VENV)/bin/ninja) \
+	  -DSW_BUILD_PYTHON=OFF -DSW_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=Release
+
+cpp-test: build/cpp/build.ninja
+	$(CMAKE) --build build/cpp -j $(JOBS)
+	$(VENV)/bin/ctest --test-dir build/cpp --output-on-failure -j $(JOBS)
+
+install: deps
+	PATH=$(abspath $(VENV)/bin):$$PATH $(VPY) -m pip install -q --no-build-isolation .
+
+py-test: install
+	$(VPY) -m pytest -q tests
+
+test: cpp-test py-test
+
+demo: install
+	$(VPY) examples/demo.py
+
+sanitize: deps
+	for kind in address thread; do
+	  $(CMAKE) -S . -B build/sanitize-$$kind -G Ninja -DCMAKE_MAKE_PROGRAM=$(abspath $(VENV)/bin/ninja) \
+	    -DSW_BUILD_PYTHON=OFF -DSW_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSW_SANITIZE=$$kind
+	  $(CMAKE) --build build/sanitize-$$kind -j $(JOBS)
+	  ASAN_OPTIONS=halt_on_error=1:detect_leaks=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+	  TSAN_OPTIONS=halt_on_error=1 $(VENV)/bin/ctest --test-dir build/sanitize-$$kind --output-on-failure -j $(JOBS)
+	done
+
+clean:
+	rm -rf build

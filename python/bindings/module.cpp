@@ -1,0 +1,12 @@
+// strideweave._core: the nanobind module. One bind_* function per area.
+#include "common.hpp"
+
+NB_MODULE(_core, m) {
+  m.doc() = "StrideWeave engine (C++20). Import `strideweave`, not this module.";
+  // DType singletons live as class attributes for the life of the process; the
+  // type <-> instance cycle is intended, so the exit-time leak report is noise.
+  nb::set_leak_warnings(false);
+  swpy::bind_errors(m);
+  swpy::bind_dtype(m);
+  swpy::bind_layout(m);
+}
