@@ -292,9 +292,11 @@ Layout::Layout(Shape shape, Stride stride) : shape_(std::move(shape)), stride_(s
   flat_.extents = shape_.tree().leaves();
   flat_.strides = stride_.tree().leaves();
   int64_t last = 0;
-  for (size_t j = 0; j < flat_.extents.size(); ++j)
+  for (size_t j = 0; j < flat_.extents.size(); ++j) {
+    // Each term is <= 2**62 and `last` stays < 2**62, so the sum cannot overflow int64.
     last += checked_mul(flat_.extents[j] - 1, flat_.strides[j], "Layout cosize");
-  if (last >= kMaxExtent) raise<ValueError>("Layout cosize exceeds the supported range (2**62)");
+    if (last >= kMaxExtent) raise<ValueError>("Layout cosize exceeds the supported range (2**62)");
+  }
   cosize_ = last + 1;
 }
 

@@ -47,7 +47,13 @@ sw::IntTuple parse_tree(nb::handle h, const char* kind, int depth) {
 
 }  // namespace
 
-bool is_index(nb::handle h) { return !PyBool_Check(h.ptr()) && PyIndex_Check(h.ptr()); }
+bool is_index(nb::handle h) {
+  if (PyBool_Check(h.ptr())) return false;
+  if (PyLong_Check(h.ptr())) return true;
+  // NumPy arrays define __index__ (only 0-d integer arrays convert); an iterable
+  // one is a mode list or a coordinate, not an int.
+  return PyIndex_Check(h.ptr()) && !is_iterable(h);
+}
 
 int64_t index_value(nb::handle h, const char* what) {
   if (!is_index(h)) sw::raise<sw::TypeError>(what, " must be an int, got ", py_type_name(h));

@@ -17,7 +17,7 @@ void bind_dtype(nb::module_& m) {
       .def_prop_ro("name", [](const DType& d) { return d.name(); })
       .def_prop_ro("bits", [](const DType& d) { return d.bits(); })
       .def("convert", [](const DType& d, nb::handle v) { return from_value(d.convert(to_value(v))); },
-           nb::arg("value"),
+           nb::arg("value").none(),
            "The value as this dtype stores it: Float32 rounds to binary32, Int32 raises OverflowError out of "
            "range, Bool accepts only bool; other types raise TypeError.")
       .def("__repr__", [](const DType& d) { return "DType." + d.name(); })

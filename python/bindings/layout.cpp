@@ -12,7 +12,11 @@ namespace {
 size_t mode_index(nb::handle key, size_t rank, const char* kind) {
   if (PyBool_Check(key.ptr()) || !is_index(key))
     sw::raise<sw::TypeError>(kind, " indices must be ints");
-  int64_t k = index_value(key, "mode index");
+  nb::object v = nb::steal(PyNumber_Index(key.ptr()));
+  if (!v.is_valid()) throw nb::python_error();
+  int overflow = 0;
+  long long k = PyLong_AsLongLongAndOverflow(v.ptr(), &overflow);
+  if (overflow) sw::raise<sw::IndexError>(kind, " mode index out of range for rank ", rank);
   if (k < 0) k += static_cast<int64_t>(rank);
   if (k < 0 || k >= static_cast<int64_t>(rank))
     sw::raise<sw::IndexError>(kind, " mode index out of range for rank ", rank);
@@ -53,15 +57,16 @@ void bind_layout(nb::module_& m) {
                     "Shape(*modes): a tree of extents >= 1. Ordering is first-mode-fastest at every level.")
       .def("__init__", [](Shape* self, nb::args args) { new (self) Shape(modes_from_args(args, "Shape")); })
       .def("__len__", &Shape::rank)
-      .def("__getitem__", [](const Shape& s, nb::handle k) { return s.mode(mode_index(k, s.rank(), "Shape")); })
+      .def("__getitem__", [](const Shape& s, nb::handle k) { return s.mode(mode_index(k, s.rank(), "Shape")); },
+           nb::arg("k").none())
       .def("__iter__", [](const Shape& s) { return nb::iter(sub_list(s)); })
       .def_prop_ro("size", &Shape::size)
       .def_prop_ro("rank", &Shape::rank)
       .def_prop_ro("extents", [](const Shape& s) { return nb::tuple(nb::cast(s.extents())); })
       .def_prop_ro("depth", &Shape::depth)
       .def("decode", [](const Shape& s, nb::handle i) { return coord_to_python(s.decode(index_value(i, "ordinal"))); },
-           nb::arg("ordinal"), "The coordinate of a logical ordinal (first mode fastest).")
-      .def("encode", [](const Shape& s, nb::handle c) { return s.encode(parse_coord(c)); }, nb::arg("coord"),
+           nb::arg("ordinal").none(), "The coordinate of a logical ordinal (first mode fastest).")
+      .def("encode", [](const Shape& s, nb::handle c) { return s.encode(parse_coord(c)); }, nb::arg("coord").none(),
            "The ordinal of a coordinate; any subtree may be given as one integer ordinal.")
       .def("__eq__", [](const Shape& a, nb::handle b) {
         return nb::isinstance<Shape>(b) && a == nb::cast<const Shape&>(b);
@@ -78,7 +83,8 @@ void bind_layout(nb::module_& m) {
   nb::class_<Stride>(m, "Stride", "Stride(*modes): a tree of strides >= 0 (0 broadcasts), congruent to a Shape.")
       .def("__init__", [](Stride* self, nb::args args) { new (self) Stride(modes_from_args(args, "Stride")); })
       .def("__len__", &Stride::rank)
-      .def("__getitem__", [](const Stride& s, nb::handle k) { return s.mode(mode_index(k, s.rank(), "Stride")); })
+      .def("__getitem__", [](const Stride& s, nb::handle k) { return s.mode(mode_index(k, s.rank(), "Stride")); },
+           nb::arg("k").none())
       .def("__iter__", [](const Stride& s) { return nb::iter(sub_list(s)); })
       .def_prop_ro("rank", &Stride::rank)
       .def("__eq__", [](const Stride& a, nb::handle b) {
@@ -95,8 +101,9 @@ void bind_layout(nb::module_& m) {
 
   nb::class_<Layout>(m, "Layout", "Layout(shape, stride): maps logical coordinates to physical slot offsets.")
       .def("__init__", [](Layout* self, nb::handle shape, nb::handle stride) {
-        new (self) Layout(to_shape(shape), to_stride(stride));
-      }, nb::arg("shape"), nb::arg("stride"))
+        Shape sh = to_shape(shape);  // shape first: errors name the first bad argument
+        new (self) Layout(std::move(sh), to_stride(stride));
+      }, nb::arg("shape").none(), nb::arg("stride").none())
       .def_prop_ro("shape", [](const Layout& l) { return l.shape(); })
       .def_prop_ro("stride", [](const Layout& l) { return l.stride(); })
       .def_prop_ro("size", &Layout::size)
@@ -104,13 +111,14 @@ void bind_layout(nb::module_& m) {
       .def_prop_ro("cosize", &Layout::cosize)
       .def_prop_ro("is_injective", &Layout::is_injective)
       .def("__len__", &Layout::rank)
-      .def("__getitem__", [](const Layout& l, nb::handle k) { return l.mode(mode_index(k, l.rank(), "Layout")); })
+      .def("__getitem__", [](const Layout& l, nb::handle k) { return l.mode(mode_index(k, l.rank(), "Layout")); },
+           nb::arg("k").none())
       .def("__iter__", [](const Layout& l) { return nb::iter(sub_list(l)); })
-      .def("index", [](const Layout& l, nb::handle key) { return l.index(parse_coord(key)); }, nb::arg("key"),
+      .def("index", [](const Layout& l, nb::handle key) { return l.index(parse_coord(key)); }, nb::arg("key").none(),
            "Physical offset of a logical ordinal or coordinate.")
-      .def("__call__", [](const Layout& l, nb::handle key) { return l.index(parse_coord(key)); }, nb::arg("key"))
+      .def("__call__", [](const Layout& l, nb::handle key) { return l.index(parse_coord(key)); }, nb::arg("key").none())
       .def("broadcast_to", [](const Layout& l, nb::handle shape) { return l.broadcast_to(to_shape(shape)); },
-           nb::arg("shape"), "Extent-1 leaves take the target extent with stride 0; nothing else may change.")
+           nb::arg("shape").none(), "Extent-1 leaves take the target extent with stride 0; nothing else may change.")
       .def("__eq__", [](const Layout& a, nb::handle b) {
         return nb::isinstance<Layout>(b) && a == nb::cast<const Layout&>(b);
       })
