@@ -5,6 +5,8 @@
 
 #include <nanobind/nanobind.h>
 
+#include <exception>
+
 #include "strideweave/dtype.hpp"
 #include "strideweave/layout.hpp"
 
@@ -15,6 +17,25 @@ namespace swpy {
 void bind_errors(nb::module_& m);
 void bind_dtype(nb::module_& m);
 void bind_layout(nb::module_& m);
+void bind_carriers(nb::module_& m);
+void bind_tensor(nb::module_& m);
+void bind_completion(nb::module_& m);
+void bind_extension(nb::module_& m);
+
+// Sets the Python error indicator for a C++ exception (the one translation point, errors.cpp).
+void set_python_error(std::exception_ptr error);
+
+// A Python object that may be dropped from any thread: the GIL is taken to release it.
+struct GilObject {
+  explicit GilObject(nb::object o) : obj(std::move(o)) {}
+  ~GilObject();
+  GilObject(const GilObject&) = delete;
+  GilObject& operator=(const GilObject&) = delete;
+  nb::object obj;
+};
+
+// The DType singleton object for a C++ dtype; a non-DType argument raises TypeError with `what`.
+const sw::DType& to_dtype(nb::handle h, const char* what = "dtype must be a DType");
 
 // An int that is not a bool (Python int or anything with __index__).
 bool is_index(nb::handle h);

@@ -9,4 +9,8 @@ NB_MODULE(_core, m) {
   swpy::bind_errors(m);
   swpy::bind_dtype(m);
   swpy::bind_layout(m);
+  swpy::bind_carriers(m);
+  swpy::bind_tensor(m);
+  swpy::bind_completion(m);
+  swpy::bind_extension(m);
 }

@@ -1,20 +1,80 @@
 """StrideWeave: tensors whose storage is tiled and tiered.
 
 A C++20 engine (``strideweave._core``) with a thin Python face. Layouts map
-logical coordinates to physical slots; carriers hold the slots.
+logical coordinates to physical slots; carriers hold the slots; tensors are
+views of carriers; movement is asynchronous behind one completion contract.
 """
 
-from . import friendly, layout
-from ._core import DType, Layout, Shape, Stride
+from . import carriers, friendly, layout
+from ._core import (
+    CPU,
+    AwaitMove,
+    AwaitResult,
+    BlockDevice,
+    BlockDeviceCarrier,
+    Carrier,
+    DependentCarrier,
+    DType,
+    Evictable,
+    FileBacked,
+    Generic,
+    Layout,
+    Shape,
+    Stride,
+    Tensor,
+    move_async,
+)
+from .carriers import extension
+from .carriers.extension import (
+    CarrierDefinition,
+    CarrierFacet,
+    PreparedTransfer,
+    StorageProvider,
+    TransferProvider,
+    TransferRequest,
+    TransferRoute,
+    Unsupported,
+    register_carrier_definition,
+)
 from .friendly import column_major, row_major
 
+
+def move(tensor, destination):
+    """Exactly ``move_async(tensor, destination).wait()``."""
+    return move_async(tensor, destination).wait()
+
+
 __all__ = [
+    "AwaitMove",
+    "AwaitResult",
+    "BlockDevice",
+    "BlockDeviceCarrier",
+    "CPU",
+    "Carrier",
+    "CarrierDefinition",
+    "CarrierFacet",
     "DType",
+    "DependentCarrier",
+    "Evictable",
+    "FileBacked",
+    "Generic",
     "Layout",
+    "PreparedTransfer",
     "Shape",
+    "StorageProvider",
     "Stride",
+    "Tensor",
+    "TransferProvider",
+    "TransferRequest",
+    "TransferRoute",
+    "Unsupported",
+    "carriers",
     "column_major",
+    "extension",
     "friendly",
     "layout",
+    "move",
+    "move_async",
+    "register_carrier_definition",
     "row_major",
 ]

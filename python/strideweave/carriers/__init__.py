@@ -1,5 +1,29 @@
-"""Carriers: flat, fixed-size arrays of physical slots of one storage dtype."""
+"""Carriers: flat, fixed-size arrays of physical slots of one storage dtype.
 
-from .._core import DType
+Shipped classes are final; new kinds subclass :class:`Carrier` and register a
+definition with :func:`strideweave.carriers.extension.register_carrier_definition`.
+"""
 
-__all__ = ["DType"]
+from .._core import (
+    CPU,
+    BlockDevice,
+    BlockDeviceCarrier,
+    Carrier,
+    DependentCarrier,
+    DType,
+    Evictable,
+    FileBacked,
+    Generic,
+)
+
+__all__ = [
+    "Carrier",
+    "DependentCarrier",
+    "Generic",
+    "CPU",
+    "FileBacked",
+    "BlockDevice",
+    "BlockDeviceCarrier",
+    "Evictable",
+    "DType",
+]

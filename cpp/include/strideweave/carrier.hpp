@@ -1,0 +1,190 @@
+// strideweave/carrier.hpp — the Carrier base: a flat, fixed-size array of
+// physical slots of one storage dtype. Tensors never own data; they reference
+// a carrier.
+//
+// Ownership and lifetime. Carriers are always held by std::shared_ptr (the
+// Python face shares the same object). A carrier may be *claimed* by a
+// composite carrier or by an in-flight request (a move, a projection); while
+// any claim is held the carrier is "owned": others may read it, but public
+// writes, release() and moves raise RuntimeError. A Claim is a move-only token
+// whose end is recorded exactly once, on success and failure alike.
+//
+// Versions. `version()` only grows. Every successful public write (slot write,
+// tensor write, a move or scatter into the carrier) increments it; allocation,
+// release and residency movement never do. The counter lives on the carrier so
+// every view of it sees one counter (see Note [Version on the carrier]).
+//
+// Data access. Public element access (`get`, `set`) checks state and converts
+// values; engine code uses the bulk, unchecked `read_slots`/`write_slots`
+// (a run of slots in one call) and, for native memory, `native_data()`, so no
+// hot path pays a per-slot virtual call.
+//
+// Thread-safety. State queries and claims are atomic / internally locked.
+// Concurrent bulk reads are safe; concurrent writes to the same slots race as
+// they would on plain memory. release() is serialised with claims.
+//
+// Note [Version on the carrier]: PyTorch keeps its version counter on the
+// storage for the same reason: a tensor saved for backward and a view that
+// writes must observe one counter.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "strideweave/dtype.hpp"
+
+namespace sw {
+
+class Carrier;
+using CarrierPtr = std::shared_ptr<Carrier>;
+
+// The storage behaviour of a user-defined carrier kind (implemented by the
+// Python bindings over the user's StorageProvider callables).
+class StorageProviderIface {
+ public:
+  virtual ~StorageProviderIface() = default;
+  virtual bool supports_dtype(const Carrier& c, const DType& dtype) = 0;
+  virtual int64_t physical_size(const Carrier& c) = 0;
+  virtual void allocate(Carrier& c, int64_t slots) = 0;
+  virtual void release(Carrier& c) = 0;
+  virtual Value read(const Carrier& c, int64_t slot) = 0;
+  virtual void write(Carrier& c, int64_t slot, const Value& value) = 0;
+  // A fresh carrier of the same user kind (constructed through its class).
+  virtual CarrierPtr construct(int64_t slots, const DType& dtype, bool is_mutable) = 0;
+  bool elementwise_fallback = false;
+};
+
+// The identity of a carrier kind (its exact class): shipped kinds use a static
+// tag, user kinds their registered definition.
+struct CarrierKind {
+  std::string name;  // class name for messages
+  bool shipped = false;
+  bool storage_only = false;  // executes no operations
+  bool dependent = false;     // composes other carriers
+};
+
+class Carrier : public std::enable_shared_from_this<Carrier> {
+ public:
+  // A user-defined kind: storage through `provider`. The binding constructs
+  // the object, then calls allocate_storage(slots) (the provider's allocate).
+  Carrier(const CarrierKind* kind, std::shared_ptr<StorageProviderIface> provider, const DType& dtype,
+          bool is_mutable);
+  void allocate_storage(int64_t slots);
+  virtual ~Carrier();
+  Carrier(const Carrier&) = delete;
+  Carrier& operator=(const Carrier&) = delete;
+
+  const CarrierKind& kind() const noexcept { return *kind_; }
+  const std::string& kind_name() const noexcept { return kind_->name; }
+  const DType& dtype() const noexcept { return *dtype_; }
+  virtual int64_t size() const;
+
+  uint64_t version() const noexcept { return version_.load(std::memory_order_acquire); }
+  void bump_version() noexcept { version_.fetch_add(1, std::memory_order_acq_rel); }
+
+  bool created_mutable() const noexcept { return mutable_; }
+  bool is_owned() const noexcept { return claims_.load(std::memory_order_acquire) > 0; }
+  bool is_mutable() const noexcept { return mutable_ && !is_owned(); }
+  bool is_released() const noexcept { return released_.load(std::memory_order_acquire); }
+  // Frees storage; idempotent. RuntimeError while owned.
+  void release();
+
+  // -------- ownership
+  class Claim {
+   public:
+    Claim() = default;
+    Claim(Claim&& o) noexcept : carrier_(std::move(o.carrier_)) {}
+    Claim& operator=(Claim&& o) noexcept;
+    ~Claim() { end(); }
+    void end() noexcept;  // idempotent
+    bool active() const noexcept { return carrier_ != nullptr; }
+    const CarrierPtr& carrier() const noexcept { return carrier_; }
+
+   private:
+    friend class Carrier;
+    explicit Claim(CarrierPtr c) : carrier_(std::move(c)) {}
+    CarrierPtr carrier_;
+  };
+  // Claims this carrier for `owner` (a description for messages). RuntimeError
+  // when released. Several claims may be held at once.
+  [[nodiscard]] Claim claim(std::string owner);
+  std::string owner_description() const;
+  int claim_count() const noexcept { return claims_.load(); }
+
+  // -------- checked public element access
+  Value get(int64_t slot) const;                 // live, in range
+  void set(int64_t slot, const Value& value);    // live, publicly mutable, in range; bumps version
+  // State checks shared by entry points: RuntimeError with `action` in the message.
+  void check_live(const char* action) const;
+  void check_writable(const char* action) const;
+  void check_index(int64_t slot) const;
+
+  // -------- unchecked bulk access (engine code; caller validated state and range)
+  virtual void read_slots(int64_t start, int64_t count, void* out) const;
+  virtual void write_slots(int64_t start, int64_t count, const void* in);
+  // Raw pointer to slot 0 for native host memory, else nullptr.
+  virtual std::byte* native_data() const noexcept { return nullptr; }
+  // One element without conversion checks (already-converted value).
+  virtual Value read_value(int64_t slot) const;
+  virtual void write_value(int64_t slot, const Value& value);
+
+  // -------- allocation
+  virtual bool supports_storage_dtype(const DType& dtype) const;
+  // Whether an empty carrier of this kind can grow to a requested size.
+  virtual bool can_grow() const { return provider_ != nullptr; }
+  bool is_allocatable() const { return size() == 0 && can_grow(); }
+  // Grows an allocatable carrier to `slots` zero-filled slots (content
+  // unspecified when `zero` is false).
+  virtual void grow(int64_t slots, bool zero);
+  // A fresh carrier of the same kind.
+  virtual CarrierPtr allocate_like(int64_t slots, bool is_mutable, const DType& dtype, bool empty) const;
+  CarrierPtr new_like(std::span<const Value> values, bool is_mutable, const DType& dtype) const;
+
+  StorageProviderIface* provider() const noexcept { return provider_.get(); }
+  // Whether element-by-element transfer through read_value/write_value is allowed.
+  virtual bool allows_elementwise_fallback() const { return provider_ ? provider_->elementwise_fallback : true; }
+
+  // Opaque per-carrier slot for the language binding (never dereferenced here).
+  std::atomic<void*>& binding_slot() noexcept { return binding_slot_; }
+
+ protected:
+  // For shipped kinds.
+  Carrier(const CarrierKind* kind, const DType& dtype, bool is_mutable);
+  virtual void do_release() {}
+  void check_dtype_supported(const DType& dtype) const;
+
+ private:
+  const CarrierKind* kind_;
+  const DType* dtype_;
+  bool mutable_;
+  std::atomic<uint64_t> version_{0};
+  std::atomic<int> claims_{0};
+  std::atomic<bool> released_{false};
+  mutable std::mutex state_mutex_;  // serialises release with claims; guards owners_
+  std::vector<std::string> owners_;
+  std::shared_ptr<StorageProviderIface> provider_;
+  bool provider_released_ = false;
+  std::atomic<void*> binding_slot_{nullptr};
+};
+
+// Base of carriers that compose other carriers (Evictable, TiledEvictable):
+// they claim their tiers for their lifetime and release them with themselves.
+class DependentCarrier : public Carrier {
+ protected:
+  using Carrier::Carrier;
+};
+
+// Element size in bytes of a storage dtype (Bool is one byte).
+inline size_t slot_bytes(const DType& d) { return d.itemsize(); }
+
+// Writes `value` (already converted for `dtype`) into raw element memory.
+void store_value(const DType& dtype, void* dst, const Value& value);
+Value load_value(const DType& dtype, const void* src);
+
+}  // namespace sw

@@ -1,0 +1,85 @@
+// strideweave/carriers/native.hpp — the shipped in-memory carriers.
+//
+// Generic  the reference carrier: a plain vector of elements and the simplest
+//          obviously-correct loops; the oracle fast carriers are tested against.
+// CPU      aligned native host memory (64-byte aligned; 2 MiB aligned and
+//          huge-page advised from 1 MiB up, so first touch is cheap); the fast
+//          kernels run here; native_data() exposes the pointer.
+// Both are allocatable when empty and are final.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+
+#include "strideweave/carrier.hpp"
+
+namespace sw {
+
+// Owning aligned host buffer. Zero-filled on request.
+class AlignedBuffer {
+ public:
+  AlignedBuffer() = default;
+  AlignedBuffer(size_t bytes, bool zero);
+  ~AlignedBuffer();
+  AlignedBuffer(AlignedBuffer&& o) noexcept;
+  AlignedBuffer& operator=(AlignedBuffer&& o) noexcept;
+  AlignedBuffer(const AlignedBuffer&) = delete;
+  AlignedBuffer& operator=(const AlignedBuffer&) = delete;
+  std::byte* data() const noexcept { return data_; }
+  size_t bytes() const noexcept { return bytes_; }
+  void reset() noexcept;
+
+ private:
+  std::byte* data_ = nullptr;
+  size_t bytes_ = 0;
+  bool mapped_ = false;
+};
+
+const CarrierKind& generic_kind();
+const CarrierKind& cpu_kind();
+
+class GenericCarrier final : public Carrier {
+ public:
+  GenericCarrier(int64_t slots, const DType& dtype, bool is_mutable);
+  int64_t size() const override { return is_released() ? 0 : slots_; }
+  void read_slots(int64_t start, int64_t count, void* out) const override;
+  void write_slots(int64_t start, int64_t count, const void* in) override;
+  Value read_value(int64_t slot) const override { return values_[static_cast<size_t>(slot)]; }
+  void write_value(int64_t slot, const Value& v) override { values_[static_cast<size_t>(slot)] = v; }
+  bool can_grow() const override { return true; }
+  void grow(int64_t slots, bool zero) override;
+  CarrierPtr allocate_like(int64_t slots, bool is_mutable, const DType& dtype, bool empty) const override;
+  bool allows_elementwise_fallback() const override { return true; }
+
+ protected:
+  void do_release() override;
+
+ private:
+  Value zero() const;
+  int64_t slots_;
+  std::vector<Value> values_;  // one converted Value per slot: obviously correct, deliberately simple
+};
+
+class CPUCarrier final : public Carrier {
+ public:
+  CPUCarrier(int64_t slots, const DType& dtype, bool is_mutable, bool empty);
+  int64_t size() const override { return is_released() ? 0 : slots_; }
+  void read_slots(int64_t start, int64_t count, void* out) const override;
+  void write_slots(int64_t start, int64_t count, const void* in) override;
+  std::byte* native_data() const noexcept override { return buffer_.data(); }
+  Value read_value(int64_t slot) const override;
+  void write_value(int64_t slot, const Value& v) override;
+  bool can_grow() const override { return true; }
+  void grow(int64_t slots, bool zero) override;
+  CarrierPtr allocate_like(int64_t slots, bool is_mutable, const DType& dtype, bool empty) const override;
+  bool allows_elementwise_fallback() const override { return true; }
+
+ protected:
+  void do_release() override;
+
+ private:
+  int64_t slots_;
+  AlignedBuffer buffer_;
+};
+
+}  // namespace sw

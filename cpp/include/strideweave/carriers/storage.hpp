@@ -1,0 +1,156 @@
+// strideweave/carriers/storage.hpp — storage-only carriers (they execute no
+// operations): FileBacked, BlockDevice + BlockDeviceCarrier, and the
+// whole-extent dependent carrier Evictable.
+//
+// FileBacked   slots live in a file, read and written with pread/pwrite (one
+//              call per contiguous run). An empty filename makes an anonymous
+//              temporary file removed on release. Starts at the file's size,
+//              grows (zero-filled, by ftruncate) when allocated. Float32/Int32.
+// BlockDevice  an arena over a block device or a preallocated file, read and
+//              written with direct (O_DIRECT), 4096-byte-aligned I/O when the
+//              filesystem allows it; `allocate` hands out 4096-aligned extents
+//              as BlockDeviceCarriers, which return their extent on release.
+// Evictable    a dependent carrier whose whole extent is either on `primary`
+//              or on `secondary`; it claims both tiers for its lifetime.
+//
+// Thread-safety: concurrent bulk reads are safe; writes to distinct slots of a
+// BlockDeviceCarrier are serialised where they share a device block.
+#pragma once
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "strideweave/carrier.hpp"
+
+namespace sw {
+
+const CarrierKind& file_backed_kind();
+const CarrierKind& block_device_carrier_kind();
+const CarrierKind& evictable_kind();
+
+class FileBackedCarrier final : public Carrier {
+ public:
+  // Opens (or creates) `filename`; an empty name makes an anonymous temporary file.
+  FileBackedCarrier(const std::string& filename, const DType& dtype, bool is_mutable);
+  ~FileBackedCarrier() override;
+
+  int64_t size() const override { return is_released() ? 0 : slots_; }
+  void read_slots(int64_t start, int64_t count, void* out) const override;
+  void write_slots(int64_t start, int64_t count, const void* in) override;
+  bool supports_storage_dtype(const DType& dtype) const override;
+  bool can_grow() const override { return true; }
+  void grow(int64_t slots, bool zero) override;
+  CarrierPtr allocate_like(int64_t slots, bool is_mutable, const DType& dtype, bool empty) const override;
+  bool allows_elementwise_fallback() const override { return true; }
+
+  const std::string& filename() const noexcept { return path_; }
+  bool is_anonymous() const noexcept { return anonymous_; }
+  int fd() const noexcept { return fd_; }
+
+ protected:
+  void do_release() override;
+
+ private:
+  void close_file() noexcept;
+  std::string path_;
+  bool anonymous_ = false;
+  int fd_ = -1;
+  int64_t slots_ = 0;
+};
+
+class BlockDeviceCarrier;
+
+class BlockDevice : public std::enable_shared_from_this<BlockDevice> {
+ public:
+  static constexpr int64_t kBlock = 4096;
+  explicit BlockDevice(const std::string& path);
+  ~BlockDevice();
+  BlockDevice(const BlockDevice&) = delete;
+  BlockDevice& operator=(const BlockDevice&) = delete;
+
+  std::shared_ptr<BlockDeviceCarrier> allocate(int64_t slots, const DType& dtype, bool is_mutable, bool empty);
+  const std::string& path() const noexcept { return path_; }
+  int64_t capacity_bytes() const noexcept { return capacity_; }
+  int64_t free_bytes() const;
+  bool is_direct() const noexcept { return direct_; }
+
+  // Byte-addressed I/O; unaligned ranges go through aligned bounce buffers.
+  void read(int64_t offset, size_t bytes, void* out) const;
+  void write(int64_t offset, size_t bytes, const void* in);
+
+ private:
+  friend class BlockDeviceCarrier;
+  int64_t reserve(int64_t bytes);     // returns an aligned extent start
+  void give_back(int64_t start, int64_t bytes) noexcept;
+  std::string path_;
+  int fd_ = -1;
+  bool direct_ = false;
+  int64_t capacity_ = 0;
+  mutable std::mutex mutex_;  // extent table and read-modify-write of partial blocks
+  std::vector<std::pair<int64_t, int64_t>> free_;  // (start, length), sorted
+};
+
+class BlockDeviceCarrier final : public Carrier {
+ public:
+  BlockDeviceCarrier(std::shared_ptr<BlockDevice> device, int64_t start, int64_t slots, const DType& dtype,
+                     bool is_mutable);
+  ~BlockDeviceCarrier() override;
+  int64_t size() const override { return is_released() ? 0 : slots_; }
+  void read_slots(int64_t start, int64_t count, void* out) const override;
+  void write_slots(int64_t start, int64_t count, const void* in) override;
+  bool supports_storage_dtype(const DType& dtype) const override;
+  bool can_grow() const override { return true; }
+  void grow(int64_t slots, bool zero) override;
+  CarrierPtr allocate_like(int64_t slots, bool is_mutable, const DType& dtype, bool empty) const override;
+  bool allows_elementwise_fallback() const override { return true; }
+  const std::shared_ptr<BlockDevice>& device() const noexcept { return device_; }
+  int64_t device_offset() const noexcept { return start_; }
+
+ protected:
+  void do_release() override;
+
+ private:
+  void free_extent() noexcept;
+  std::shared_ptr<BlockDevice> device_;
+  int64_t start_ = 0;
+  int64_t bytes_ = 0;
+  int64_t slots_ = 0;
+};
+
+class EvictableCarrier final : public DependentCarrier {
+ public:
+  EvictableCarrier(CarrierPtr primary, CarrierPtr secondary);
+  ~EvictableCarrier() override;
+  int64_t size() const override { return is_released() ? 0 : slots_; }
+  void read_slots(int64_t start, int64_t count, void* out) const override;
+  void write_slots(int64_t start, int64_t count, const void* in) override;
+  std::byte* native_data() const noexcept override;
+  bool supports_storage_dtype(const DType& dtype) const override;
+  bool can_grow() const override { return false; }
+  CarrierPtr allocate_like(int64_t slots, bool is_mutable, const DType& dtype, bool empty) const override;
+
+  void evict();
+  void promote();
+  bool is_evicted() const;
+  CarrierPtr primary() const;
+  CarrierPtr secondary() const;
+
+ protected:
+  void do_release() override;
+
+ private:
+  void check_resident(const char* action) const;
+  mutable std::mutex mutex_;
+  CarrierPtr primary_, secondary_;
+  Claim primary_claim_, secondary_claim_;
+  bool evicted_ = false;
+  int64_t slots_ = 0;
+};
+
+// Copies `count` slots between two carriers of one dtype in bulk (memcpy for
+// native memory, one read or write call per run otherwise).
+void copy_slots(const Carrier& src, int64_t src_start, Carrier& dst, int64_t dst_start, int64_t count);
+
+}  // namespace sw

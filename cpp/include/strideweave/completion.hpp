@@ -1,0 +1,145 @@
+// strideweave/completion.hpp — one-shot completions and bounded executors.
+//
+// Completion<T> is a shared, one-shot result: it is set exactly once, to a
+// value or to an error (setting it again is refused with InternalError).
+// Waiters block until it is terminal; callbacks registered with `then` run
+// once it is, on the thread that completes it (or immediately if already
+// terminal), with no internal lock held; they must not block.
+//
+// Executor is a bounded, named thread pool, started lazily on first submit.
+// Three process-wide pools exist: `io()` (residency transfers, I/O bound),
+// `select()` (gather/scatter, compute bound) and `moves()`. However many
+// requests are pending, the thread count stays bounded. Work holds its own
+// state: a dropped handle neither blocks nor cancels it. The pools are never
+// destroyed (their threads outlive static destruction safely).
+//
+// Example:
+//   auto c = std::make_shared<Completion<int>>();
+//   Executor::moves().submit([c] { c->set_value(42); });
+//   c->wait(); c->value();  // 42
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "strideweave/errors.hpp"
+
+namespace sw {
+
+class CompletionBase {
+ public:
+  virtual ~CompletionBase() = default;
+  bool done() const {
+    std::lock_guard lock(mutex_);
+    return done_;
+  }
+  void wait() const {
+    std::unique_lock lock(mutex_);
+    cv_.wait(lock, [&] { return done_; });
+  }
+  // True when terminal within `timeout`.
+  bool wait_for(std::chrono::milliseconds timeout) const {
+    std::unique_lock lock(mutex_);
+    return cv_.wait_for(lock, timeout, [&] { return done_; });
+  }
+  std::exception_ptr error() const {
+    std::lock_guard lock(mutex_);
+    return error_;
+  }
+  void set_error(std::exception_ptr e) { finish(std::move(e)); }
+  // Runs `cb` once terminal (now, if already terminal).
+  void then(std::function<void()> cb) {
+    {
+      std::lock_guard lock(mutex_);
+      if (!done_) {
+        callbacks_.push_back(std::move(cb));
+        return;
+      }
+    }
+    cb();
+  }
+
+ protected:
+  void finish(std::exception_ptr e) {
+    std::vector<std::function<void()>> cbs;
+    {
+      std::lock_guard lock(mutex_);
+      SW_ASSERT(!done_, "a completion was set twice");
+      error_ = std::move(e);
+      done_ = true;
+      cbs.swap(callbacks_);
+    }
+    cv_.notify_all();
+    for (auto& cb : cbs) cb();
+  }
+  mutable std::mutex mutex_;
+
+ private:
+  mutable std::condition_variable cv_;
+  bool done_ = false;
+  std::exception_ptr error_;
+  std::vector<std::function<void()>> callbacks_;
+};
+
+template <class T>
+class Completion final : public CompletionBase {
+ public:
+  void set_value(T v) {
+    {
+      std::lock_guard lock(mutex_);
+      value_ = std::move(v);
+    }
+    finish(nullptr);
+  }
+  // The value after successful completion (rethrows the error otherwise).
+  const T& value() const {
+    wait();
+    if (auto e = error()) std::rethrow_exception(e);
+    return *value_;
+  }
+
+ private:
+  std::optional<T> value_;
+};
+
+template <class T>
+using CompletionPtr = std::shared_ptr<Completion<T>>;
+
+class Executor {
+ public:
+  Executor(std::string name, size_t threads);
+  ~Executor();
+  Executor(const Executor&) = delete;
+  Executor& operator=(const Executor&) = delete;
+
+  void submit(std::function<void()> work);
+  const std::string& name() const noexcept { return name_; }
+  size_t max_threads() const noexcept { return max_threads_; }
+  size_t started_threads() const;
+
+  static Executor& io();
+  static Executor& select();
+  static Executor& moves();
+
+ private:
+  void run();
+  std::string name_;
+  size_t max_threads_;
+  mutable std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> queue_;
+  std::vector<std::thread> threads_;
+  size_t idle_ = 0;
+  bool stopping_ = false;
+};
+
+}  // namespace sw

@@ -1,0 +1,36 @@
+// strideweave/io.hpp — the system-call sites of file-backed storage, with
+// test-only fault injection.
+//
+// Every open/pread/pwrite/fsync of FileBacked and BlockDevice goes through
+// these wrappers. Tests arm a fault with `io::inject(op, errno, count, after)`:
+// the next `count` calls of `op` (after skipping `after` calls) fail with that
+// errno instead of reaching the kernel. Failures raise RuntimeError naming the
+// operation, the file and strerror ("pwrite of /tmp/x failed: No space left on
+// device (ENOSPC)"). Full reads and writes loop over short transfers and EINTR.
+//
+// Thread-safety: the fault table is atomic; wrappers are safe from any thread.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace sw::io {
+
+enum class Op { Open = 0, Pread = 1, Pwrite = 2, Fsync = 3 };
+
+// Arms a fault: after `after` more successful calls of `op`, the next `count`
+// calls fail with `error`. count < 0 fails every call until cleared.
+void inject(Op op, int error, int count = 1, int after = 0);
+void clear_faults();
+// Calls of `op` so far (successful or injected).
+int64_t calls(Op op);
+
+int open_file(const std::string& path, int flags, int mode = 0644);
+void pread_full(int fd, void* buf, size_t bytes, int64_t offset, const std::string& what);
+void pwrite_full(int fd, const void* buf, size_t bytes, int64_t offset, const std::string& what);
+void fsync_file(int fd, const std::string& what);
+
+}  // namespace sw::io

@@ -1,0 +1,436 @@
+#include "strideweave/carriers/storage.hpp"
+
+#include <fcntl.h>
+#include <linux/fs.h>
+#include <sys/ioctl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+
+#include "strideweave/carriers/native.hpp"
+#include "strideweave/errors.hpp"
+#include "strideweave/io.hpp"
+
+namespace sw {
+
+const CarrierKind& file_backed_kind() {
+  static const CarrierKind k{"FileBacked", true, true, false};
+  return k;
+}
+const CarrierKind& block_device_carrier_kind() {
+  static const CarrierKind k{"BlockDeviceCarrier", true, true, false};
+  return k;
+}
+const CarrierKind& evictable_kind() {
+  static const CarrierKind k{"Evictable", true, false, true};
+  return k;
+}
+
+namespace {
+bool file_dtype(const DType& d) { return d.id() == DTypeId::Float32 || d.id() == DTypeId::Int32; }
+
+std::string temp_dir() {
+  const char* t = std::getenv("TMPDIR");
+  return (t && *t) ? t : "/tmp";
+}
+}  // namespace
+
+// ---------------------------------------------------------------- copy_slots
+
+void copy_slots(const Carrier& src, int64_t src_start, Carrier& dst, int64_t dst_start, int64_t count) {
+  if (count <= 0) return;
+  const size_t w = slot_bytes(src.dtype());
+  if (std::byte* s = src.native_data()) {
+    dst.write_slots(dst_start, count, s + static_cast<size_t>(src_start) * w);
+    return;
+  }
+  if (std::byte* d = dst.native_data()) {
+    src.read_slots(src_start, count, d + static_cast<size_t>(dst_start) * w);
+    return;
+  }
+  constexpr int64_t kChunkBytes = int64_t{8} << 20;
+  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / static_cast<int64_t>(w));
+  AlignedBuffer bounce(static_cast<size_t>(std::min(chunk, count)) * w, false);
+  for (int64_t done = 0; done < count; done += chunk) {
+    int64_t n = std::min(chunk, count - done);
+    src.read_slots(src_start + done, n, bounce.data());
+    dst.write_slots(dst_start + done, n, bounce.data());
+  }
+}
+
+// ---------------------------------------------------------------- FileBacked
+
+FileBackedCarrier::FileBackedCarrier(const std::string& filename, const DType& dtype, bool is_mutable)
+    : Carrier(&file_backed_kind(), dtype, is_mutable) {
+  if (!file_dtype(dtype)) raise<TypeError>("FileBacked stores Float32 and Int32, not ", dtype.name());
+  if (filename.empty()) {
+    std::string pattern = temp_dir() + "/strideweave-XXXXXX";
+    std::vector<char> buf(pattern.begin(), pattern.end());
+    buf.push_back('\0');
+    int fd = ::mkostemp(buf.data(), O_CLOEXEC);
+    if (fd < 0) raise<RuntimeError>("cannot create an anonymous FileBacked file in ", temp_dir(), ": ", std::strerror(errno));
+    ::close(fd);
+    path_ = buf.data();
+    anonymous_ = true;
+    try {
+      fd_ = io::open_file(path_, O_RDWR);
+    } catch (...) {
+      ::unlink(path_.c_str());
+      throw;
+    }
+  } else {
+    path_ = filename;
+    fd_ = io::open_file(path_, is_mutable ? (O_RDWR | O_CREAT) : (O_RDONLY | O_CREAT));
+  }
+  struct stat st;
+  if (::fstat(fd_, &st) < 0) {
+    int e = errno;
+    close_file();
+    raise<RuntimeError>("fstat of ", path_, " failed: ", std::strerror(e));
+  }
+  slots_ = static_cast<int64_t>(st.st_size) / static_cast<int64_t>(slot_bytes(dtype));
+}
+
+FileBackedCarrier::~FileBackedCarrier() { close_file(); }
+
+void FileBackedCarrier::close_file() noexcept {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
+  if (anonymous_ && !path_.empty()) ::unlink(path_.c_str());
+  anonymous_ = false;
+}
+
+void FileBackedCarrier::read_slots(int64_t start, int64_t count, void* out) const {
+  const size_t w = slot_bytes(dtype());
+  io::pread_full(fd_, out, static_cast<size_t>(count) * w, start * static_cast<int64_t>(w), path_);
+}
+
+void FileBackedCarrier::write_slots(int64_t start, int64_t count, const void* in) {
+  const size_t w = slot_bytes(dtype());
+  io::pwrite_full(fd_, in, static_cast<size_t>(count) * w, start * static_cast<int64_t>(w), path_);
+}
+
+bool FileBackedCarrier::supports_storage_dtype(const DType& dtype) const { return file_dtype(dtype); }
+
+void FileBackedCarrier::grow(int64_t slots, bool) {
+  if (slots < 0) raise<ValueError>("FileBacked size must be >= 0, got ", slots);
+  if (slots_ != 0) raise<ValueError>("FileBacked carrier is not allocatable (size ", slots_, " != 0)");
+  if (::ftruncate(fd_, slots * static_cast<int64_t>(slot_bytes(dtype()))) < 0)
+    raise<RuntimeError>("ftruncate of ", path_, " failed: ", std::strerror(errno));
+  slots_ = slots;
+}
+
+CarrierPtr FileBackedCarrier::allocate_like(int64_t slots, bool is_mutable, const DType& dtype, bool) const {
+  // Anonymous files are always opened read-write: public mutability is a permission, not a file mode.
+  auto c = std::make_shared<FileBackedCarrier>("", dtype, is_mutable);
+  c->grow(slots, true);
+  return c;
+}
+
+void FileBackedCarrier::do_release() { close_file(); }
+
+// ---------------------------------------------------------------- BlockDevice
+
+BlockDevice::BlockDevice(const std::string& path) : path_(path) {
+  try {
+    fd_ = io::open_file(path, O_RDWR | O_DIRECT);
+    direct_ = true;
+  } catch (const RuntimeError&) {
+    // Filesystems without O_DIRECT (tmpfs) refuse it with EINVAL: fall back to buffered I/O.
+    fd_ = io::open_file(path, O_RDWR);
+    direct_ = false;
+  }
+  struct stat st;
+  if (::fstat(fd_, &st) < 0) raise<RuntimeError>("fstat of ", path, " failed: ", std::strerror(errno));
+  if (S_ISBLK(st.st_mode)) {
+    uint64_t bytes = 0;
+    if (::ioctl(fd_, BLKGETSIZE64, &bytes) < 0) raise<RuntimeError>("BLKGETSIZE64 of ", path, " failed");
+    capacity_ = static_cast<int64_t>(bytes);
+  } else if (S_ISREG(st.st_mode)) {
+    capacity_ = st.st_size;
+  } else {
+    ::close(fd_);
+    raise<ValueError>("BlockDevice path ", path, " is neither a block device nor a regular file");
+  }
+  capacity_ = capacity_ / kBlock * kBlock;
+  if (capacity_ > 0) free_.emplace_back(0, capacity_);
+}
+
+BlockDevice::~BlockDevice() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+int64_t BlockDevice::free_bytes() const {
+  std::lock_guard lock(mutex_);
+  int64_t n = 0;
+  for (auto [s, l] : free_) n += l;
+  return n;
+}
+
+int64_t BlockDevice::reserve(int64_t bytes) {
+  int64_t need = std::max<int64_t>(kBlock, (bytes + kBlock - 1) / kBlock * kBlock);
+  std::lock_guard lock(mutex_);
+  for (auto it = free_.begin(); it != free_.end(); ++it) {
+    if (it->second < need) continue;
+    int64_t start = it->first;
+    it->first += need;
+    it->second -= need;
+    if (it->second == 0) free_.erase(it);
+    return start;
+  }
+  raise<ValueError>("BlockDevice ", path_, " has no free extent of ", need, " bytes (capacity ", capacity_, ")");
+}
+
+void BlockDevice::give_back(int64_t start, int64_t bytes) noexcept {
+  int64_t len = std::max<int64_t>(kBlock, (bytes + kBlock - 1) / kBlock * kBlock);
+  std::lock_guard lock(mutex_);
+  auto it = std::lower_bound(free_.begin(), free_.end(), std::make_pair(start, int64_t{0}));
+  it = free_.insert(it, {start, len});
+  if (it + 1 != free_.end() && it->first + it->second == (it + 1)->first) {
+    it->second += (it + 1)->second;
+    free_.erase(it + 1);
+  }
+  if (it != free_.begin() && (it - 1)->first + (it - 1)->second == it->first) {
+    (it - 1)->second += it->second;
+    free_.erase(it);
+  }
+}
+
+void BlockDevice::read(int64_t offset, size_t bytes, void* out) const {
+  if (bytes == 0) return;
+  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % kBlock == 0; };
+  if (!direct_ || (offset % kBlock == 0 && bytes % kBlock == 0 && aligned(out))) {
+    io::pread_full(fd_, out, bytes, offset, path_);
+    return;
+  }
+  constexpr int64_t kChunk = int64_t{4} << 20;
+  AlignedBuffer bounce(static_cast<size_t>(kChunk + 2 * kBlock), false);
+  auto* dst = static_cast<char*>(out);
+  int64_t pos = offset, end = offset + static_cast<int64_t>(bytes);
+  while (pos < end) {
+    int64_t a0 = pos / kBlock * kBlock;
+    int64_t a1 = std::min<int64_t>(a0 + kChunk, (end + kBlock - 1) / kBlock * kBlock);
+    io::pread_full(fd_, bounce.data(), static_cast<size_t>(a1 - a0), a0, path_);
+    int64_t take = std::min(end, a1) - pos;
+    std::memcpy(dst, bounce.data() + (pos - a0), static_cast<size_t>(take));
+    dst += take;
+    pos += take;
+  }
+}
+
+void BlockDevice::write(int64_t offset, size_t bytes, const void* in) {
+  if (bytes == 0) return;
+  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % kBlock == 0; };
+  if (!direct_ || (offset % kBlock == 0 && bytes % kBlock == 0 && aligned(in))) {
+    io::pwrite_full(fd_, in, bytes, offset, path_);
+    return;
+  }
+  constexpr int64_t kChunk = int64_t{4} << 20;
+  AlignedBuffer bounce(static_cast<size_t>(kChunk + 2 * kBlock), false);
+  auto* src = static_cast<const char*>(in);
+  int64_t pos = offset, end = offset + static_cast<int64_t>(bytes);
+  std::lock_guard lock(mutex_);  // read-modify-write of partial blocks
+  while (pos < end) {
+    int64_t a0 = pos / kBlock * kBlock;
+    int64_t a1 = std::min<int64_t>(a0 + kChunk, (end + kBlock - 1) / kBlock * kBlock);
+    int64_t take = std::min(end, a1) - pos;
+    if (pos != a0 || pos + take != a1) io::pread_full(fd_, bounce.data(), static_cast<size_t>(a1 - a0), a0, path_);
+    std::memcpy(bounce.data() + (pos - a0), src, static_cast<size_t>(take));
+    io::pwrite_full(fd_, bounce.data(), static_cast<size_t>(a1 - a0), a0, path_);
+    src += take;
+    pos += take;
+  }
+}
+
+std::shared_ptr<BlockDeviceCarrier> BlockDevice::allocate(int64_t slots, const DType& dtype, bool is_mutable,
+                                                          bool empty) {
+  if (slots < 0) raise<ValueError>("BlockDevice allocation size must be >= 0, got ", slots);
+  if (!file_dtype(dtype)) raise<TypeError>("BlockDeviceCarrier stores Float32 and Int32, not ", dtype.name());
+  int64_t bytes = slots * static_cast<int64_t>(slot_bytes(dtype));
+  int64_t start = slots > 0 ? reserve(bytes) : 0;
+  std::shared_ptr<BlockDeviceCarrier> c;
+  try {
+    c = std::make_shared<BlockDeviceCarrier>(shared_from_this(), start, slots, dtype, is_mutable);
+    if (!empty && bytes > 0) {
+      int64_t len = (bytes + kBlock - 1) / kBlock * kBlock;
+      constexpr int64_t kChunk = int64_t{4} << 20;
+      AlignedBuffer zeros(static_cast<size_t>(std::min(len, kChunk)), true);
+      for (int64_t done = 0; done < len; done += kChunk)
+        write(start + done, static_cast<size_t>(std::min(kChunk, len - done)), zeros.data());
+    }
+  } catch (...) {
+    if (!c && slots > 0) give_back(start, bytes);
+    throw;
+  }
+  return c;
+}
+
+BlockDeviceCarrier::BlockDeviceCarrier(std::shared_ptr<BlockDevice> device, int64_t start, int64_t slots,
+                                       const DType& dtype, bool is_mutable)
+    : Carrier(&block_device_carrier_kind(), dtype, is_mutable),
+      device_(std::move(device)),
+      start_(start),
+      bytes_(slots * static_cast<int64_t>(slot_bytes(dtype))),
+      slots_(slots) {}
+
+BlockDeviceCarrier::~BlockDeviceCarrier() { free_extent(); }
+
+void BlockDeviceCarrier::free_extent() noexcept {
+  if (slots_ > 0 && bytes_ > 0) device_->give_back(start_, bytes_);
+  bytes_ = 0;
+}
+
+void BlockDeviceCarrier::read_slots(int64_t start, int64_t count, void* out) const {
+  const int64_t w = static_cast<int64_t>(slot_bytes(dtype()));
+  device_->read(start_ + start * w, static_cast<size_t>(count * w), out);
+}
+
+void BlockDeviceCarrier::write_slots(int64_t start, int64_t count, const void* in) {
+  const int64_t w = static_cast<int64_t>(slot_bytes(dtype()));
+  device_->write(start_ + start * w, static_cast<size_t>(count * w), in);
+}
+
+bool BlockDeviceCarrier::supports_storage_dtype(const DType& dtype) const { return file_dtype(dtype); }
+
+void BlockDeviceCarrier::grow(int64_t slots, bool zero) {
+  if (slots_ != 0) raise<ValueError>("BlockDeviceCarrier is not allocatable (size ", slots_, " != 0)");
+  auto fresh = device_->allocate(slots, dtype(), true, !zero);
+  // Take over the fresh extent.
+  start_ = fresh->start_;
+  bytes_ = fresh->bytes_;
+  slots_ = slots;
+  fresh->bytes_ = 0;
+  fresh->slots_ = 0;
+}
+
+CarrierPtr BlockDeviceCarrier::allocate_like(int64_t slots, bool is_mutable, const DType& dtype, bool empty) const {
+  return device_->allocate(slots, dtype, is_mutable, empty);
+}
+
+void BlockDeviceCarrier::do_release() { free_extent(); }
+
+// ---------------------------------------------------------------- Evictable
+
+EvictableCarrier::EvictableCarrier(CarrierPtr primary, CarrierPtr secondary)
+    : DependentCarrier(&evictable_kind(), primary ? primary->dtype() : DType::Float32(), true) {
+  if (!primary || !secondary) raise<TypeError>("Evictable tiers must be Carrier instances");
+  if (primary == secondary) raise<ValueError>("Evictable primary and secondary must be distinct carriers");
+  for (const auto* c : {primary.get(), secondary.get()}) {
+    if (c->kind().dependent) raise<TypeError>("Evictable tiers must not be dependent carriers, got ", c->kind_name());
+    c->check_live("become an Evictable tier");
+    if (c->is_owned()) raise<RuntimeError>(c->kind_name(), " carrier is owned; it cannot become an Evictable tier");
+  }
+  if (primary->dtype() != secondary->dtype())
+    raise<TypeError>("Evictable tiers must share one dtype, got ", primary->dtype().name(), " and ",
+                     secondary->dtype().name());
+  int64_t p = primary->size(), s = secondary->size();
+  if (p > 0) {
+    if (s != 0 && s != p) raise<ValueError>("Evictable secondary must have 0 or ", p, " slots, got ", s);
+    if (s == 0 && !secondary->can_grow()) raise<ValueError>("Evictable secondary is empty and not allocatable");
+    slots_ = p;
+    evicted_ = false;
+  } else {
+    if (s == 0) raise<ValueError>("Evictable needs a non-empty primary or secondary tier");
+    if (!primary->can_grow()) raise<ValueError>("Evictable primary is empty and not allocatable");
+    slots_ = s;
+    evicted_ = true;
+  }
+  primary_claim_ = primary->claim("an Evictable carrier");
+  secondary_claim_ = secondary->claim("an Evictable carrier");
+  primary_ = std::move(primary);
+  secondary_ = std::move(secondary);
+}
+
+EvictableCarrier::~EvictableCarrier() = default;
+
+void EvictableCarrier::check_resident(const char* action) const {
+  if (evicted_) raise<RuntimeError>("Evictable carrier is evicted; promote() it before you ", action);
+}
+
+void EvictableCarrier::read_slots(int64_t start, int64_t count, void* out) const {
+  std::lock_guard lock(mutex_);
+  check_resident("read it");
+  primary_->read_slots(start, count, out);
+}
+
+void EvictableCarrier::write_slots(int64_t start, int64_t count, const void* in) {
+  std::lock_guard lock(mutex_);
+  check_resident("write it");
+  primary_->write_slots(start, count, in);
+}
+
+std::byte* EvictableCarrier::native_data() const noexcept {
+  std::lock_guard lock(mutex_);
+  return evicted_ ? nullptr : primary_->native_data();
+}
+
+bool EvictableCarrier::supports_storage_dtype(const DType& dtype) const {
+  return primary_->supports_storage_dtype(dtype) && secondary_->supports_storage_dtype(dtype);
+}
+
+CarrierPtr EvictableCarrier::allocate_like(int64_t slots, bool is_mutable, const DType& dtype, bool empty) const {
+  std::lock_guard lock(mutex_);
+  auto p = primary_->allocate_like(slots, true, dtype, empty);
+  auto s = secondary_->allocate_like(0, true, dtype, true);
+  return std::make_shared<EvictableCarrier>(std::move(p), std::move(s));
+}
+
+void EvictableCarrier::evict() {
+  check_live("evict");
+  std::lock_guard lock(mutex_);
+  if (evicted_) return;
+  if (secondary_->size() == 0) secondary_->grow(slots_, false);
+  copy_slots(*primary_, 0, *secondary_, 0, slots_);
+  // Replace the resident primary storage by an empty carrier of its kind.
+  CarrierPtr empty = primary_->allocate_like(0, true, dtype(), true);
+  Claim fresh = empty->claim("an Evictable carrier");
+  primary_claim_.end();
+  primary_->release();
+  primary_ = std::move(empty);
+  primary_claim_ = std::move(fresh);
+  evicted_ = true;
+}
+
+void EvictableCarrier::promote() {
+  check_live("promote");
+  std::lock_guard lock(mutex_);
+  if (!evicted_) return;
+  CarrierPtr fresh = primary_->allocate_like(slots_, true, dtype(), true);
+  copy_slots(*secondary_, 0, *fresh, 0, slots_);
+  Claim c = fresh->claim("an Evictable carrier");
+  primary_claim_.end();
+  primary_->release();
+  primary_ = std::move(fresh);
+  primary_claim_ = std::move(c);
+  evicted_ = false;
+}
+
+bool EvictableCarrier::is_evicted() const {
+  std::lock_guard lock(mutex_);
+  return evicted_;
+}
+
+CarrierPtr EvictableCarrier::primary() const {
+  std::lock_guard lock(mutex_);
+  return primary_;
+}
+
+CarrierPtr EvictableCarrier::secondary() const {
+  std::lock_guard lock(mutex_);
+  return secondary_;
+}
+
+void EvictableCarrier::do_release() {
+  std::lock_guard lock(mutex_);
+  primary_claim_.end();
+  secondary_claim_.end();
+  primary_->release();
+  secondary_->release();
+}
+
+}  // namespace sw

@@ -1,0 +1,140 @@
+#include "strideweave/io.hpp"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <array>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+
+#include "strideweave/errors.hpp"
+
+namespace sw::io {
+
+namespace {
+struct Fault {
+  std::atomic<int> error{0};
+  std::atomic<int> remaining{0};  // < 0: forever
+  std::atomic<int> skip{0};
+  std::atomic<int64_t> calls{0};
+};
+std::array<Fault, 4> g_faults;
+std::atomic<bool> g_armed{false};
+
+const char* op_name(Op op) {
+  switch (op) {
+    case Op::Open: return "open";
+    case Op::Pread: return "pread";
+    case Op::Pwrite: return "pwrite";
+    case Op::Fsync: return "fsync";
+  }
+  return "?";
+}
+
+const char* errno_name(int e) {
+  switch (e) {
+    case EIO: return "EIO";
+    case ENOSPC: return "ENOSPC";
+    case EACCES: return "EACCES";
+    case ENOENT: return "ENOENT";
+    case EINVAL: return "EINVAL";
+    case EBADF: return "EBADF";
+    case EROFS: return "EROFS";
+    case EDQUOT: return "EDQUOT";
+    default: return "errno";
+  }
+}
+
+// Returns an injected errno for this call, or 0.
+int injected(Op op) {
+  Fault& f = g_faults[static_cast<int>(op)];
+  f.calls.fetch_add(1, std::memory_order_relaxed);
+  if (!g_armed.load(std::memory_order_acquire)) return 0;
+  int e = f.error.load();
+  if (!e) return 0;
+  int skip = f.skip.load();
+  while (skip > 0) {
+    if (f.skip.compare_exchange_weak(skip, skip - 1)) return 0;
+  }
+  int left = f.remaining.load();
+  while (true) {
+    if (left == 0) return 0;
+    if (left < 0) return e;
+    if (f.remaining.compare_exchange_weak(left, left - 1)) return e;
+  }
+}
+
+[[noreturn]] void fail(Op op, const std::string& what, int e) {
+  raise<RuntimeError>(op_name(op), " of ", what, " failed: ", std::strerror(e), " (", errno_name(e), ")");
+}
+}  // namespace
+
+void inject(Op op, int error, int count, int after) {
+  Fault& f = g_faults[static_cast<int>(op)];
+  f.error.store(error);
+  f.skip.store(after);
+  f.remaining.store(count);
+  g_armed.store(true, std::memory_order_release);
+}
+
+void clear_faults() {
+  for (auto& f : g_faults) {
+    f.error.store(0);
+    f.remaining.store(0);
+    f.skip.store(0);
+  }
+  g_armed.store(false, std::memory_order_release);
+}
+
+int64_t calls(Op op) { return g_faults[static_cast<int>(op)].calls.load(); }
+
+int open_file(const std::string& path, int flags, int mode) {
+  if (int e = injected(Op::Open)) fail(Op::Open, path, e);
+  int fd;
+  do fd = ::open(path.c_str(), flags | O_CLOEXEC, mode);
+  while (fd < 0 && errno == EINTR);
+  if (fd < 0) fail(Op::Open, path, errno);
+  return fd;
+}
+
+void pread_full(int fd, void* buf, size_t bytes, int64_t offset, const std::string& what) {
+  if (int e = injected(Op::Pread)) fail(Op::Pread, what, e);
+  auto* p = static_cast<char*>(buf);
+  while (bytes > 0) {
+    ssize_t n = ::pread(fd, p, bytes, offset);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      fail(Op::Pread, what, errno);
+    }
+    if (n == 0) {  // past the end of the file: the rest reads as zeros
+      std::memset(p, 0, bytes);
+      return;
+    }
+    p += n;
+    bytes -= static_cast<size_t>(n);
+    offset += n;
+  }
+}
+
+void pwrite_full(int fd, const void* buf, size_t bytes, int64_t offset, const std::string& what) {
+  if (int e = injected(Op::Pwrite)) fail(Op::Pwrite, what, e);
+  auto* p = static_cast<const char*>(buf);
+  while (bytes > 0) {
+    ssize_t n = ::pwrite(fd, p, bytes, offset);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      fail(Op::Pwrite, what, errno);
+    }
+    p += n;
+    bytes -= static_cast<size_t>(n);
+    offset += n;
+  }
+}
+
+void fsync_file(int fd, const std::string& what) {
+  if (int e = injected(Op::Fsync)) fail(Op::Fsync, what, e);
+  if (::fsync(fd) < 0) fail(Op::Fsync, what, errno);
+}
+
+}  // namespace sw::io

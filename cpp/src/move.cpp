@@ -1,0 +1,184 @@
+#include "strideweave/move.hpp"
+
+#include <map>
+#include <mutex>
+
+#include "strideweave/carriers/native.hpp"
+#include "strideweave/carriers/storage.hpp"
+#include "strideweave/errors.hpp"
+#include "strideweave/grad_mode.hpp"
+
+namespace sw {
+
+namespace {
+thread_local bool t_grad_enabled = true;
+
+std::mutex g_routes_mutex;
+// Intentionally leaked: routes may hold language-binding objects that must not be destroyed at exit.
+auto& g_routes = *new std::map<std::pair<const CarrierKind*, const CarrierKind*>, std::shared_ptr<TransferRouteIface>>();
+std::mutex g_hook_mutex;
+auto& g_hook = *new MoveNodeHook();
+
+bool is_native_storage(const CarrierKind* k) {
+  return k == &generic_kind() || k == &cpu_kind() || k == &file_backed_kind() || k == &block_device_carrier_kind();
+}
+
+std::shared_ptr<TransferRouteIface> find_route(const CarrierKind* s, const CarrierKind* d) {
+  std::lock_guard lock(g_routes_mutex);
+  auto it = g_routes.find({s, d});
+  return it == g_routes.end() ? nullptr : it->second;
+}
+
+enum class RouteKind { Builtin, Registered, Fallback };
+}  // namespace
+
+bool is_grad_enabled() noexcept { return t_grad_enabled; }
+void set_grad_enabled(bool enabled) noexcept { t_grad_enabled = enabled; }
+
+void register_route(const CarrierKind* source, const CarrierKind* destination,
+                    std::shared_ptr<TransferRouteIface> route) {
+  std::lock_guard lock(g_routes_mutex);
+  if (!g_routes.emplace(std::make_pair(source, destination), std::move(route)).second)
+    raise<ValueError>("a route from ", source->name, " to ", destination->name, " is already registered");
+}
+
+bool has_route(const CarrierKind* s, const CarrierKind* d, bool sf, bool df) {
+  if (is_native_storage(s) && is_native_storage(d)) return true;
+  if (find_route(s, d)) return true;
+  return sf && df;
+}
+
+void set_move_node_hook(MoveNodeHook hook) {
+  std::lock_guard lock(g_hook_mutex);
+  g_hook = std::move(hook);
+}
+
+CompletionPtr<TensorPtr> move_async(const TensorPtr& tensor, const CarrierPtr& destination) {
+  if (!tensor) raise<TypeError>("move: tensor must be a Tensor");
+  const CarrierPtr& source = tensor->carrier;
+  // 2. source released or owned
+  if (source->is_released()) raise<RuntimeError>("move: the source ", source->kind_name(), " carrier is released");
+  if (source->is_owned())
+    raise<RuntimeError>("move: the source ", source->kind_name(), " carrier is owned by ", source->owner_description(),
+                        "; wait for that work before moving it");
+  // 3. destination type
+  if (!destination) raise<TypeError>("move: destination must be a Carrier instance");
+  // 4. own carrier
+  if (destination == source) raise<ValueError>("move: the destination is the tensor's own carrier");
+  // 5. destination state
+  if (destination->is_released()) raise<RuntimeError>("move: the destination ", destination->kind_name(), " carrier is released");
+  if (!destination->is_mutable())
+    raise<RuntimeError>("move: the destination ", destination->kind_name(), " carrier is not publicly mutable",
+                        destination->is_owned() ? " (it is owned by another request)" : "");
+  // 6. dtype
+  if (destination->dtype() != tensor->dtype())
+    raise<TypeError>("move: dtype mismatch: the tensor is ", tensor->dtype().name(), " but the destination ",
+                     destination->kind_name(), " carrier is ", destination->dtype().name());
+  // 7. extent
+  const int64_t need = tensor->layout.cosize();
+  const bool grow = destination->size() < need;
+  if (grow && !destination->is_allocatable())
+    raise<ValueError>("move: the destination ", destination->kind_name(), " carrier has ", destination->size(),
+                      " slots but the layout needs ", need, " and it is not allocatable");
+  // 8. route
+  const CarrierKind* sk = &source->kind();
+  const CarrierKind* dk = &destination->kind();
+  RouteKind route_kind;
+  std::shared_ptr<TransferRouteIface> route;
+  TransferRouteIface::Submit submit;
+  std::string unsupported;
+  TransferRequest request{tensor, destination, sk, dk, &tensor->dtype(), tensor->layout,
+                          tensor->offset, tensor->offset + need};
+  const bool fallback = source->allows_elementwise_fallback() && destination->allows_elementwise_fallback() &&
+                        !sk->dependent && !dk->dependent;
+  if (is_native_storage(sk) && is_native_storage(dk)) {
+    route_kind = RouteKind::Builtin;
+  } else if ((route = find_route(sk, dk)) && (submit = route->prepare(request, unsupported))) {
+    route_kind = RouteKind::Registered;
+  } else if (fallback) {
+    route_kind = RouteKind::Fallback;
+  } else {
+    raise<NotImplementedError>("move: no route from ", sk->name, " to ", dk->name,
+                               unsupported.empty() ? "" : " (the registered route is unsupported: ", unsupported,
+                               unsupported.empty() ? "" : ")");
+  }
+  const bool record = is_grad_enabled() && tensor->is_differentiable();
+  if (record) {
+    bool reverse = has_route(dk, sk, destination->allows_elementwise_fallback() && !dk->dependent,
+                             source->allows_elementwise_fallback() && !sk->dependent);
+    if (!reverse)
+      raise<NotImplementedError>("move: grad mode is on and the tensor is differentiable, but there is no reverse route from ",
+                                 dk->name, " to ", sk->name, " for its gradient");
+  }
+
+  // Work starts: take ownership for the duration.
+  auto claims = std::make_shared<std::pair<Carrier::Claim, Carrier::Claim>>(source->claim("a move"),
+                                                                              destination->claim("a move"));
+  auto done = std::make_shared<Completion<TensorPtr>>();
+  TransferRouteIface::Waiter waiter;
+  if (route_kind == RouteKind::Registered) {
+    try {
+      if (grow) destination->grow(need, true);
+      waiter = submit();
+    } catch (...) {
+      claims.reset();
+      done->set_error(std::current_exception());
+      return done;
+    }
+  }
+  auto finish = [tensor, destination, done, record]() {
+    TensorPtr result;
+    try {
+      result = make_tensor(destination, 0, tensor->layout);
+      destination->bump_version();
+      tensor->carrier->release();
+      if (record) {
+        MoveNodeHook hook;
+        {
+          std::lock_guard lock(g_hook_mutex);
+          hook = g_hook;
+        }
+        if (hook) hook(tensor, result);
+      }
+    } catch (...) {
+      done->set_error(std::current_exception());
+      return;
+    }
+    done->set_value(std::move(result));
+  };
+  Executor::moves().submit([tensor, destination, route_kind, waiter = std::move(waiter), grow, need,
+                            claims = std::move(claims), done, finish]() mutable {
+    try {
+      const Carrier& src = *tensor->carrier;
+      switch (route_kind) {
+        case RouteKind::Builtin:
+          if (grow) destination->grow(need, !tensor->layout.is_contiguous());
+          for (const Run& r : tensor->layout.runs())
+            copy_slots(src, tensor->offset + r.offset, *destination, r.offset, r.length);
+          break;
+        case RouteKind::Registered:
+          if (waiter) waiter();
+          break;
+        case RouteKind::Fallback: {
+          if (grow) destination->grow(need, true);
+          const FlatLayout& flat = tensor->layout.flat();
+          const int64_t n = tensor->layout.size();
+          for (int64_t i = 0; i < n; ++i) {
+            int64_t off = flat.index(i);
+            destination->write_value(off, src.read_value(tensor->offset + off));
+          }
+          break;
+        }
+      }
+    } catch (...) {
+      claims.reset();
+      done->set_error(std::current_exception());
+      return;
+    }
+    claims.reset();  // ownership ends exactly once, before the result is published
+    finish();
+  });
+  return done;
+}
+
+}  // namespace sw

@@ -1,0 +1,223 @@
+// Carrier base and the shipped carrier classes.
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include "common.hpp"
+#include "extension.hpp"
+#include "strideweave/carriers/native.hpp"
+#include "strideweave/carriers/storage.hpp"
+#include "strideweave/errors.hpp"
+
+namespace swpy {
+
+namespace {
+
+int64_t slot_index(nb::handle key) {
+  if (PyBool_Check(key.ptr()) || !is_index(key))
+    sw::raise<sw::TypeError>("carrier slot index must be an int, got ", nb::type_name(key.type()).c_str());
+  int overflow = 0;
+  nb::object v = nb::steal(PyNumber_Index(key.ptr()));
+  long long x = PyLong_AsLongLongAndOverflow(v.ptr(), &overflow);
+  if (overflow) sw::raise<sw::IndexError>("carrier slot index is out of range");
+  return x;
+}
+
+const sw::DType& dtype_or(nb::handle h, const sw::DType& fallback) {
+  return h.is_none() ? fallback : to_dtype(h);
+}
+
+std::vector<sw::Value> values_of(nb::handle values, const sw::DType& dtype) {
+  if (PyUnicode_Check(values.ptr()) || PyBytes_Check(values.ptr()))
+    sw::raise<sw::TypeError>("values must be an iterable of elements, got str");
+  std::vector<sw::Value> out;
+  nb::object it;
+  try {
+    it = nb::iter(values);
+  } catch (nb::python_error&) {
+    sw::raise<sw::TypeError>("values must be an iterable of elements, got ", nb::type_name(values.type()).c_str());
+  }
+  for (nb::handle v : values) out.push_back(dtype.convert(to_value(v)));
+  return out;
+}
+
+std::string path_of(nb::handle h) {
+  nb::object fs = nb::module_::import_("os").attr("fspath");
+  nb::object p;
+  try {
+    p = fs(h);
+  } catch (nb::python_error&) {
+    sw::raise<sw::TypeError>("filename must be a str or os.PathLike, got ", nb::type_name(h.type()).c_str());
+  }
+  if (!PyUnicode_Check(p.ptr())) sw::raise<sw::TypeError>("filename must be a str path");
+  return nb::cast<std::string>(p);
+}
+
+}  // namespace
+
+const sw::DType& to_dtype(nb::handle h, const char* what) {
+  if (!nb::isinstance<sw::DType>(h)) sw::raise<sw::TypeError>(what, ", got ", nb::type_name(h.type()).c_str());
+  return nb::cast<const sw::DType&>(h);
+}
+
+nb::object py_carrier(const sw::Carrier& c) {
+  auto sp = const_cast<sw::Carrier&>(c).shared_from_this();
+  return nb::cast(sp);
+}
+
+void bind_carriers(nb::module_& m) {
+  using sw::Carrier;
+
+  nb::class_<Carrier>(m, "Carrier",
+                      "A flat, fixed-size array of physical slots of one storage dtype. Subclass it and register a "
+                      "CarrierDefinition to add a carrier kind.")
+      .def("__init__", [](nb::handle self, nb::handle slots, nb::handle dtype, bool is_mutable) {
+        // Constructed by hand so that the provider's allocate(c, slots) can see the Python object.
+        if (nb::inst_ready(self)) sw::raise<sw::RuntimeError>("Carrier.__init__ called twice");
+        nb::handle cls = self.type();
+        Definition* def = find_definition(cls);
+        if (!def)
+          sw::raise<sw::TypeError>(nb::cast<std::string>(cls.attr("__name__")),
+                                   " has no carrier definition: subclass Carrier and call register_carrier_definition first");
+        int64_t n = index_value(slots, "carrier size");
+        const sw::DType& dt = to_dtype(dtype);
+        Carrier* p = nb::inst_ptr<Carrier>(self);
+        new (p) Carrier(&def->kind, def->provider, dt, is_mutable);
+        p->binding_slot().store(self.ptr());  // borrowed: the C++ object lives inside this Python object
+        nb::inst_mark_ready(self);
+        p->allocate_storage(n);
+      }, nb::arg("slots"), nb::kw_only(), nb::arg("dtype"), nb::arg("mutable") = true)
+      .def("size", &Carrier::size, "Number of physical slots.")
+      .def("dtype", [](const Carrier& c) -> const sw::DType& { return c.dtype(); }, nb::rv_policy::reference)
+      .def_prop_ro("version", &Carrier::version)
+      .def("is_mutable", &Carrier::is_mutable)
+      .def("is_owned", &Carrier::is_owned)
+      .def("is_released", &Carrier::is_released)
+      .def("release", [](Carrier& c) { c.release(); }, "Frees storage; idempotent. RuntimeError while owned.")
+      .def("supports_storage_dtype", [](const Carrier& c, nb::handle d) {
+        return c.supports_storage_dtype(to_dtype(d, "dtype must be a DType"));
+      }, nb::arg("dtype"))
+      .def("__getitem__", [](const Carrier& c, nb::handle key) { return from_value(c.get(slot_index(key))); })
+      .def("__setitem__", [](Carrier& c, nb::handle key, nb::handle value) {
+        int64_t i = slot_index(key);
+        c.check_writable("write");
+        c.check_index(i);
+        c.set(i, to_value(value));
+      })
+      .def("new_like", [](const Carrier& c, nb::handle values, bool is_mutable, nb::handle dtype) {
+        const sw::DType& dt = dtype_or(dtype, c.dtype());
+        std::vector<sw::Value> vals = values_of(values, dt);
+        return c.new_like(vals, is_mutable, dt);
+      }, nb::arg("values"), nb::kw_only(), nb::arg("mutable") = true, nb::arg("dtype") = nb::none())
+      .def("allocate_like", [](const Carrier& c, nb::handle size, bool is_mutable, nb::handle dtype, bool empty) {
+        int64_t n = index_value(size, "allocate_like size");
+        if (n < 0) sw::raise<sw::ValueError>("allocate_like size must be >= 0, got ", n);
+        const sw::DType& dt = dtype_or(dtype, c.dtype());
+        if (!c.supports_storage_dtype(dt)) sw::raise<sw::TypeError>(c.kind_name(), " does not store ", dt.name());
+        return c.allocate_like(n, is_mutable, dt, empty);
+      }, nb::arg("size"), nb::kw_only(), nb::arg("mutable") = true, nb::arg("dtype") = nb::none(),
+         nb::arg("empty") = false)
+      .def("facet", [](nb::handle self, nb::handle t) -> nb::object {
+        if (!PyType_Check(t.ptr())) sw::raise<sw::TypeError>("facet type must be a class");
+        Definition* def = find_definition(self.type());
+        if (!def) return nb::none();
+        for (nb::handle f : def->facets)
+          if (PyObject_IsInstance(f.ptr(), t.ptr()) == 1) return nb::borrow(f);
+        return nb::none();
+      }, nb::arg("facet_type"))
+      .def("require_facet", [](nb::handle self, nb::handle t) -> nb::object {
+        nb::object f = self.attr("facet")(t);
+        if (f.is_none())
+          sw::raise<sw::NotImplementedError>(nb::type_name(self.type()).c_str(), " has no facet of type ",
+                                             nb::type_name(t).c_str());
+        return f;
+      }, nb::arg("facet_type"))
+      .def("__repr__", [](nb::handle self) {
+        const Carrier& c = nb::cast<const Carrier&>(self);
+        std::string s = nb::cast<std::string>(self.type().attr("__name__")) + "(size=" + std::to_string(c.size()) +
+                        ", dtype=DType." + c.dtype().name();
+        if (c.is_released()) s += ", released";
+        else if (c.is_owned()) s += ", owned";
+        else if (!c.created_mutable()) s += ", immutable";
+        return s + ")";
+      });
+
+  nb::class_<sw::DependentCarrier, Carrier>(m, "DependentCarrier",
+                                            "Base of carriers that compose other carriers and own their tiers.")
+      .def("__init__", [](sw::DependentCarrier*, nb::args, nb::kwargs) {
+        sw::raise<sw::TypeError>("DependentCarrier cannot be constructed directly");
+      });
+
+  nb::class_<sw::GenericCarrier, Carrier>(m, "Generic", nb::is_final(),
+                                          "Generic(values, *, mutable=True, dtype=DType.Float32): the reference carrier.")
+      .def("__init__", [](sw::GenericCarrier* self, nb::handle values, bool is_mutable, nb::handle dtype) {
+        const sw::DType& dt = dtype_or(dtype, sw::DType::Float32());
+        if (!dt.is_storage()) sw::raise<sw::TypeError>("Generic: ", dt.name(), " is not a storage dtype");
+        std::vector<sw::Value> vals = values_of(values, dt);
+        new (self) sw::GenericCarrier(static_cast<int64_t>(vals.size()), dt, is_mutable);
+        for (size_t k = 0; k < vals.size(); ++k) self->write_value(static_cast<int64_t>(k), vals[k]);
+      }, nb::arg("values"), nb::kw_only(), nb::arg("mutable") = true, nb::arg("dtype") = nb::none());
+
+  nb::class_<sw::CPUCarrier, Carrier>(m, "CPU", nb::is_final(),
+                                      "CPU(size, *, mutable=True, dtype=DType.Float32, empty=False): aligned host memory.")
+      .def("__init__", [](sw::CPUCarrier* self, nb::handle size, bool is_mutable, nb::handle dtype, bool empty) {
+        const sw::DType& dt = dtype_or(dtype, sw::DType::Float32());
+        int64_t n = index_value(size, "CPU size");
+        new (self) sw::CPUCarrier(n, dt, is_mutable, empty);
+      }, nb::arg("size"), nb::kw_only(), nb::arg("mutable") = true, nb::arg("dtype") = nb::none(),
+         nb::arg("empty") = false);
+
+  nb::class_<sw::FileBackedCarrier, Carrier>(m, "FileBacked", nb::is_final(),
+                                             "FileBacked(filename=None, *, mutable=True, dtype=DType.Float32): slots in a file.")
+      .def("__init__", [](sw::FileBackedCarrier* self, nb::handle filename, bool is_mutable, nb::handle dtype) {
+        const sw::DType& dt = dtype_or(dtype, sw::DType::Float32());
+        std::string path = filename.is_none() ? std::string() : path_of(filename);
+        if (!filename.is_none() && path.empty()) sw::raise<sw::ValueError>("FileBacked filename must not be empty");
+        new (self) sw::FileBackedCarrier(path, dt, is_mutable);
+      }, nb::arg("filename") = nb::none(), nb::kw_only(), nb::arg("mutable") = true, nb::arg("dtype") = nb::none())
+      .def_prop_ro("filename", [](const sw::FileBackedCarrier& c) { return c.filename(); })
+      .def("is_anonymous", &sw::FileBackedCarrier::is_anonymous);
+
+  nb::class_<sw::BlockDevice>(m, "BlockDevice",
+                              "BlockDevice(path): an arena over a block device or a preallocated file (direct I/O).")
+      .def("__init__", [](sw::BlockDevice* self, nb::handle path) { new (self) sw::BlockDevice(path_of(path)); },
+           nb::arg("path"))
+      .def("allocate", [](sw::BlockDevice& d, nb::handle size, bool is_mutable, nb::handle dtype, bool empty) {
+        int64_t n = index_value(size, "allocation size");
+        return d.allocate(n, dtype_or(dtype, sw::DType::Float32()), is_mutable, empty);
+      }, nb::arg("size"), nb::kw_only(), nb::arg("mutable") = true, nb::arg("dtype") = nb::none(),
+         nb::arg("empty") = false)
+      .def_prop_ro("path", &sw::BlockDevice::path)
+      .def_prop_ro("capacity", [](const sw::BlockDevice& d) { return d.capacity_bytes(); })
+      .def_prop_ro("free_bytes", &sw::BlockDevice::free_bytes)
+      .def_prop_ro("is_direct", &sw::BlockDevice::is_direct);
+
+  nb::class_<sw::BlockDeviceCarrier, Carrier>(m, "BlockDeviceCarrier", nb::is_final(),
+                                              "A carrier on a BlockDevice extent; made by BlockDevice.allocate.")
+      .def("__init__", [](sw::BlockDeviceCarrier*, nb::args, nb::kwargs) {
+        sw::raise<sw::TypeError>("BlockDeviceCarrier is not constructible directly; use BlockDevice.allocate");
+      })
+      .def_prop_ro("device", [](const sw::BlockDeviceCarrier& c) { return c.device(); });
+
+  nb::class_<sw::EvictableCarrier, sw::DependentCarrier>(m, "Evictable", nb::is_final(),
+                                                         "Evictable(primary, secondary): whole-extent residency over two tiers.")
+      .def("__init__", [](sw::EvictableCarrier* self, nb::handle primary, nb::handle secondary) {
+        if (!nb::isinstance<Carrier>(primary) || !nb::isinstance<Carrier>(secondary))
+          sw::raise<sw::TypeError>("Evictable tiers must be Carrier instances");
+        new (self) sw::EvictableCarrier(nb::cast<std::shared_ptr<Carrier>>(primary),
+                                        nb::cast<std::shared_ptr<Carrier>>(secondary));
+      }, nb::arg("primary"), nb::arg("secondary"))
+      .def("evict", [](sw::EvictableCarrier& c) {
+        nb::gil_scoped_release nogil;
+        c.evict();
+      })
+      .def("promote", [](sw::EvictableCarrier& c) {
+        nb::gil_scoped_release nogil;
+        c.promote();
+      })
+      .def("is_evicted", &sw::EvictableCarrier::is_evicted)
+      .def_prop_ro("primary", &sw::EvictableCarrier::primary)
+      .def_prop_ro("secondary", &sw::EvictableCarrier::secondary);
+}
+
+}  // namespace swpy

@@ -1,0 +1,79 @@
+// AwaitResult and its subclasses; move_async / move.
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+
+#include <chrono>
+
+#include "common.hpp"
+#include "completion_py.hpp"
+#include "strideweave/errors.hpp"
+#include "strideweave/move.hpp"
+
+namespace swpy {
+
+nb::object AwaitHandle::wait_py() {
+  if (!cached_result.is_valid() && !cached_error.is_valid()) {
+    while (true) {
+      bool finished;
+      {
+        nb::gil_scoped_release nogil;
+        finished = state->wait_for(std::chrono::milliseconds(20));
+      }
+      if (finished) break;
+      if (PyErr_CheckSignals() != 0) throw nb::python_error();  // Ctrl-C
+    }
+    // Caching happens with the GIL held, so concurrent waiters observe one object.
+    if (!cached_result.is_valid() && !cached_error.is_valid()) {
+      if (auto e = state->error()) {
+        set_python_error(e);
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyErr_NormalizeException(&type, &value, &tb);
+        if (tb) PyException_SetTraceback(value, tb);
+        cached_error = nb::steal(value);
+        Py_XDECREF(type);
+        Py_XDECREF(tb);
+      } else {
+        cached_result = result();
+      }
+    }
+  }
+  if (cached_error.is_valid()) {
+    PyErr_SetObject((PyObject*)Py_TYPE(cached_error.ptr()), cached_error.ptr());
+    throw nb::python_error();
+  }
+  return cached_result;
+}
+
+void bind_completion(nb::module_& m) {
+  nb::class_<AwaitHandle>(m, "AwaitResult",
+                          "A one-shot completion created by the framework: `done` and `wait()`. wait() returns the "
+                          "same object (or raises the same exception) every time; handles never cancel work.")
+      .def("__init__", [](AwaitHandle*, nb::args, nb::kwargs) {
+        sw::raise<sw::TypeError>("AwaitResult handles are created by the framework, not constructed directly");
+      })
+      .def_prop_ro("done", [](const AwaitHandle& h) { return h.state->done(); })
+      .def("wait", &AwaitHandle::wait_py, "Blocks until terminal (interruptibly, without the GIL); returns the result "
+                                          "or raises the failure.")
+      .def("__repr__", [](nb::handle self) {
+        const AwaitHandle& h = nb::cast<const AwaitHandle&>(self);
+        return std::string(nb::type_name(self.type()).c_str()) + (h.state->done() ? "(done)" : "(pending)");
+      });
+  nb::class_<AwaitMove, AwaitHandle>(m, "AwaitMove", "AwaitResult[Tensor] of move_async and scatter.");
+
+  m.def("move_async", [](nb::handle tensor, nb::handle destination) {
+    if (!nb::isinstance<sw::TensorImpl>(tensor))
+      sw::raise<sw::TypeError>("move_async: tensor must be a Tensor, got ", nb::type_name(tensor.type()).c_str());
+    sw::TensorPtr t = nb::cast<sw::TensorPtr>(tensor);
+    sw::CarrierPtr dest;
+    if (nb::isinstance<sw::Carrier>(destination)) dest = nb::cast<sw::CarrierPtr>(destination);
+    auto c = sw::move_async(t, dest);
+    auto* h = new AwaitMove();
+    h->state = c;
+    h->result = [c]() { return nb::cast(c->value()); };
+    return nb::cast(h, nb::rv_policy::take_ownership);
+  }, nb::arg("tensor"), nb::arg("destination"),
+     "Moves a tensor's values to `destination` asynchronously; returns an AwaitMove.");
+}
+
+}  // namespace swpy

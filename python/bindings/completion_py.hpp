@@ -1,0 +1,23 @@
+// The Python face of a completion: caches the result / exception object.
+#pragma once
+
+#include <functional>
+#include <memory>
+
+#include "common.hpp"
+#include "strideweave/completion.hpp"
+
+namespace swpy {
+
+struct AwaitHandle {
+  virtual ~AwaitHandle() = default;
+  std::shared_ptr<sw::CompletionBase> state;
+  std::function<nb::object()> result;  // called once, with the GIL, after success
+  nb::object cached_result;
+  nb::object cached_error;
+  nb::object wait_py();
+};
+
+struct AwaitMove : AwaitHandle {};
+
+}  // namespace swpy

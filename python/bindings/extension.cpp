@@ -1,0 +1,213 @@
+// User-defined carrier kinds: the registry of definitions, and the C++
+// interfaces implemented over the user's Python callables. Every callback
+// takes the GIL and runs with autograd disabled.
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+
+#include <map>
+#include <mutex>
+
+#include "common.hpp"
+#include "extension.hpp"
+#include "strideweave/carriers/native.hpp"
+#include "strideweave/carriers/storage.hpp"
+#include "strideweave/errors.hpp"
+#include "strideweave/grad_mode.hpp"
+#include "strideweave/io.hpp"
+#include "strideweave/move.hpp"
+
+namespace swpy {
+
+namespace {
+
+std::mutex g_mutex;
+// class -> definition. Intentionally leaked: definitions hold Python objects, which must not be
+// released by static destructors after the interpreter is gone.
+auto& g_definitions = *new std::map<PyObject*, std::unique_ptr<Definition>>();
+
+nb::object self_of(const sw::Carrier& c) {
+  void* h = const_cast<sw::Carrier&>(c).binding_slot().load();
+  if (!h) sw::raise<sw::InternalError>("a user-defined carrier has no Python object");
+  return nb::borrow(static_cast<PyObject*>(h));
+}
+
+class PyStorageProvider final : public sw::StorageProviderIface {
+ public:
+  PyStorageProvider(nb::object cls, nb::object storage) : cls_(std::move(cls)), storage_(std::move(storage)) {
+    elementwise_fallback = nb::cast<bool>(storage_.obj.attr("elementwise_fallback"));
+  }
+  bool supports_dtype(const sw::Carrier& c, const sw::DType& d) override {
+    nb::gil_scoped_acquire gil;
+    sw::GradModeGuard off(false);
+    nb::object r = storage_.obj.attr("supports_dtype")(self_of(c), nb::cast(&d, nb::rv_policy::reference));
+    return PyObject_IsTrue(r.ptr()) == 1;
+  }
+  int64_t physical_size(const sw::Carrier& c) override {
+    nb::gil_scoped_acquire gil;
+    sw::GradModeGuard off(false);
+    nb::object r = storage_.obj.attr("physical_size")(self_of(c));
+    if (!is_index(r)) sw::raise<sw::TypeError>("StorageProvider.physical_size must return an int");
+    return index_value(r, "physical_size");
+  }
+  void allocate(sw::Carrier& c, int64_t slots) override {
+    nb::gil_scoped_acquire gil;
+    sw::GradModeGuard off(false);
+    storage_.obj.attr("allocate")(self_of(c), slots);
+  }
+  void release(sw::Carrier& c) override {
+    nb::gil_scoped_acquire gil;
+    sw::GradModeGuard off(false);
+    storage_.obj.attr("release")(self_of(c));
+  }
+  sw::Value read(const sw::Carrier& c, int64_t slot) override {
+    nb::gil_scoped_acquire gil;
+    sw::GradModeGuard off(false);
+    return to_value(storage_.obj.attr("read")(self_of(c), slot));
+  }
+  void write(sw::Carrier& c, int64_t slot, const sw::Value& v) override {
+    nb::gil_scoped_acquire gil;
+    sw::GradModeGuard off(false);
+    storage_.obj.attr("write")(self_of(c), slot, from_value(v));
+  }
+  sw::CarrierPtr construct(int64_t slots, const sw::DType& d, bool is_mutable) override {
+    nb::gil_scoped_acquire gil;
+    nb::object obj = cls_.obj(slots, nb::arg("dtype") = nb::cast(&d, nb::rv_policy::reference),
+                              nb::arg("mutable") = is_mutable);
+    return nb::cast<sw::CarrierPtr>(obj);
+  }
+
+ private:
+  GilObject cls_;
+  GilObject storage_;
+};
+
+class PyRoute final : public sw::TransferRouteIface {
+ public:
+  explicit PyRoute(nb::object provider) : provider_(std::make_shared<GilObject>(std::move(provider))) {}
+
+  Submit prepare(const sw::TransferRequest& r, std::string& unsupported) override {
+    nb::gil_scoped_acquire gil;
+    sw::GradModeGuard off(false);
+    nb::module_ ext = nb::module_::import_("strideweave.carriers.extension");
+    nb::object tensor = nb::cast(r.tensor);
+    nb::object dest = nb::cast(r.destination);
+    nb::object request = ext.attr("TransferRequest")(
+        nb::arg("tensor") = tensor, nb::arg("destination") = dest,
+        nb::arg("source_class") = nb::borrow(r.tensor->carrier ? self_type(*r.tensor->carrier) : nb::none()),
+        nb::arg("destination_class") = self_type(*r.destination),
+        nb::arg("dtype") = nb::cast(r.dtype, nb::rv_policy::reference), nb::arg("layout") = nb::cast(r.layout),
+        nb::arg("physical_span") = nb::make_tuple(r.span_begin, r.span_end));
+    nb::object prepared = provider_->obj.attr("prepare")(request);
+    if (nb::isinstance(prepared, ext.attr("Unsupported"))) {
+      unsupported = nb::cast<std::string>(prepared.attr("reason"));
+      return {};
+    }
+    if (!nb::isinstance(prepared, ext.attr("PreparedTransfer")))
+      sw::raise<sw::TypeError>("TransferProvider.prepare must return a PreparedTransfer or Unsupported, got ",
+                               nb::type_name(prepared.type()).c_str());
+    auto submit = std::make_shared<GilObject>(prepared.attr("submit"));
+    return [submit]() -> Waiter {
+      nb::gil_scoped_acquire gil;
+      sw::GradModeGuard off(false);
+      nb::object pending = submit->obj();
+      if (pending.is_none()) return {};
+      if (!nb::hasattr(pending, "wait") || !nb::hasattr(pending, "done"))
+        sw::raise<sw::TypeError>("PreparedTransfer.submit must return None or an object with done and wait()");
+      auto held = std::make_shared<GilObject>(std::move(pending));
+      return [held]() {
+        nb::gil_scoped_acquire gil;
+        sw::GradModeGuard off(false);
+        held->obj.attr("wait")();
+      };
+    };
+  }
+
+ private:
+  static nb::object self_type(const sw::Carrier& c) { return nb::borrow(py_carrier(c).type()); }
+  std::shared_ptr<GilObject> provider_;
+};
+
+}  // namespace
+
+Definition* find_definition(nb::handle cls) {
+  std::lock_guard lock(g_mutex);
+  auto it = g_definitions.find(cls.ptr());
+  return it == g_definitions.end() ? nullptr : it->second.get();
+}
+
+const sw::CarrierKind* kind_of_class(nb::handle cls) {
+  if (cls.is(nb::type<sw::GenericCarrier>())) return &sw::generic_kind();
+  if (cls.is(nb::type<sw::CPUCarrier>())) return &sw::cpu_kind();
+  if (cls.is(nb::type<sw::FileBackedCarrier>())) return &sw::file_backed_kind();
+  if (cls.is(nb::type<sw::BlockDeviceCarrier>())) return &sw::block_device_carrier_kind();
+  if (cls.is(nb::type<sw::EvictableCarrier>())) return &sw::evictable_kind();
+  Definition* d = find_definition(cls);
+  return d ? &d->kind : nullptr;
+}
+
+void bind_extension(nb::module_& m) {
+  m.def("_register_definition", [](nb::handle cls, nb::handle definition) {
+    nb::handle carrier_type = nb::type<sw::Carrier>();
+    if (!PyType_Check(cls.ptr()) || !PyType_IsSubtype((PyTypeObject*)cls.ptr(), (PyTypeObject*)carrier_type.ptr()) ||
+        cls.is(carrier_type))
+      sw::raise<sw::TypeError>("register_carrier_definition: cls must be a subclass of Carrier");
+    if (kind_of_class(cls) && !find_definition(cls))
+      sw::raise<sw::TypeError>("register_carrier_definition: shipped carrier classes cannot be given a definition");
+    {
+      // Exact subclass of Carrier: not of a shipped class or another registered kind.
+      nb::object mro = cls.attr("__mro__");
+      for (nb::handle base : mro) {
+        if (base.is(cls) || base.is(carrier_type)) continue;
+        if (PyType_IsSubtype((PyTypeObject*)base.ptr(), (PyTypeObject*)carrier_type.ptr()))
+          sw::raise<sw::TypeError>("register_carrier_definition: ", nb::type_name(cls).c_str(),
+                                   " must derive from Carrier directly, not from ", nb::type_name(base).c_str());
+      }
+    }
+    if (find_definition(cls))
+      sw::raise<sw::ValueError>("register_carrier_definition: ", nb::type_name(cls).c_str(), " is already registered");
+    auto def = std::make_unique<Definition>();
+    def->kind = sw::CarrierKind{nb::cast<std::string>(cls.attr("__name__")), false, false, false};
+    def->provider = std::make_shared<PyStorageProvider>(nb::borrow(cls), definition.attr("storage"));
+    def->facets = nb::borrow(definition.attr("facets"));
+    def->definition = nb::borrow(definition);
+    // Validate routes before registering anything.
+    std::vector<std::pair<const sw::CarrierKind*, nb::object>> routes;
+    for (nb::handle route : definition.attr("transfers")) {
+      if (!route.attr("source_class").is(cls))
+        sw::raise<sw::ValueError>("TransferRoute source_class must be the registering class ", nb::type_name(cls).c_str());
+      nb::handle dst = route.attr("destination_class");
+      const sw::CarrierKind* dk = dst.is(cls) ? &def->kind : kind_of_class(dst);
+      if (!dk)
+        sw::raise<sw::ValueError>("TransferRoute destination_class ", nb::type_name(dst).c_str(),
+                                  " is not a shipped or registered carrier class");
+      routes.emplace_back(dk, nb::borrow(route.attr("provider")));
+    }
+    Definition* raw = def.get();
+    {
+      std::lock_guard lock(g_mutex);
+      cls.inc_ref();  // registered classes live for the process
+      g_definitions.emplace(cls.ptr(), std::move(def));
+    }
+    for (auto& [dk, provider] : routes)
+      sw::register_route(&raw->kind, dk, std::make_shared<PyRoute>(std::move(provider)));
+  }, nb::arg("cls"), nb::arg("definition"));
+
+  // Test-only fault injection at the system-call sites of file-backed storage.
+  m.def("_io_inject", [](const std::string& op, int error, int count, int after) {
+    sw::io::Op o;
+    if (op == "open") o = sw::io::Op::Open;
+    else if (op == "pread") o = sw::io::Op::Pread;
+    else if (op == "pwrite") o = sw::io::Op::Pwrite;
+    else if (op == "fsync") o = sw::io::Op::Fsync;
+    else sw::raise<sw::ValueError>("unknown I/O operation ", op, " (open, pread, pwrite, fsync)");
+    sw::io::inject(o, error, count, after);
+  }, nb::arg("op"), nb::arg("error"), nb::arg("count") = 1, nb::arg("after") = 0);
+  m.def("_io_clear", &sw::io::clear_faults);
+
+  m.def("_definition_of", [](nb::handle cls) -> nb::object {
+    Definition* d = find_definition(cls);
+    return d ? d->definition : nb::none();
+  });
+}
+
+}  // namespace swpy

@@ -1,0 +1,167 @@
+// Tensor: one Python object per TensorImpl; NumPy interop; bulk fill.
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+
+#include <cstring>
+
+#include "common.hpp"
+#include "extension.hpp"
+#include "strideweave/carriers/native.hpp"
+#include "strideweave/errors.hpp"
+#include "strideweave/tensor.hpp"
+
+namespace swpy {
+
+namespace {
+
+using sw::TensorImpl;
+using sw::TensorPtr;
+
+// Each top-level mode as one (extent, stride) pair, when its leaves coalesce.
+bool mode_strides(const sw::Layout& l, std::vector<size_t>& shape, std::vector<int64_t>& strides) {
+  for (size_t k = 0; k < l.rank(); ++k) {
+    sw::Layout mode = l.mode(k);
+    const auto& f = mode.flat();
+    int64_t extent = 1, stride = 0;
+    bool have = false;
+    for (size_t j = 0; j < f.extents.size(); ++j) {
+      if (f.extents[j] == 1) continue;
+      if (!have) {
+        extent = f.extents[j];
+        stride = f.strides[j];
+        have = true;
+      } else if (f.strides[j] == extent * stride) {
+        extent *= f.extents[j];
+      } else {
+        return false;
+      }
+    }
+    shape.push_back(static_cast<size_t>(extent));
+    strides.push_back(stride);
+  }
+  return true;
+}
+
+nb::dlpack::dtype dl_dtype(const sw::DType& d) {
+  switch (d.id()) {
+    case sw::DTypeId::Int32: return nb::dtype<int32_t>();
+    case sw::DTypeId::Bool: return nb::dtype<bool>();
+    default: return nb::dtype<float>();
+  }
+}
+
+nb::object to_numpy(nb::handle self) {
+  const TensorImpl& t = nb::cast<const TensorImpl&>(self);
+  t.carrier->check_live("export a tensor to NumPy");
+  std::vector<size_t> shape;
+  std::vector<int64_t> strides;
+  bool representable = mode_strides(t.layout, shape, strides);
+  std::byte* base = t.carrier->native_data();
+  const size_t w = sw::slot_bytes(t.dtype());
+  nb::object arr;
+  if (base && representable) {
+    // Zero-copy view; the tensor object keeps the carrier alive.
+    arr = nb::cast(nb::ndarray<nb::numpy>(base + static_cast<size_t>(t.offset) * w, shape.size(), shape.data(), self,
+                                          strides.data(), dl_dtype(t.dtype())));
+    if (!t.is_mutable()) arr.attr("flags").attr("writeable") = false;
+    return arr;
+  }
+  // A copy in first-mode-fastest order, read in bulk per contiguous run.
+  for (size_t k = 0; k < shape.size(); ++k) shape[k] = static_cast<size_t>(t.layout.shape().extents()[k]);
+  if (!representable) {
+    shape.clear();
+    for (int64_t e : t.layout.shape().extents()) shape.push_back(static_cast<size_t>(e));
+  }
+  const int64_t n = t.size();
+  auto* buf = new std::byte[static_cast<size_t>(n) * w];
+  nb::capsule owner(buf, [](void* p) noexcept { delete[] static_cast<std::byte*>(p); });
+  for (const sw::Run& r : t.physical_runs()) t.carrier->read_slots(r.offset, r.length, buf + r.ordinal * w);
+  std::vector<int64_t> dense(shape.size());
+  int64_t run = 1;
+  for (size_t k = 0; k < shape.size(); ++k) {
+    dense[k] = run;
+    run *= static_cast<int64_t>(shape[k]);
+  }
+  arr = nb::cast(nb::ndarray<nb::numpy>(buf, shape.size(), shape.data(), owner, dense.data(), dl_dtype(t.dtype())));
+  arr.attr("flags").attr("writeable") = false;
+  return arr;
+}
+
+void fill_from_array(sw::Carrier& c, nb::ndarray<nb::c_contig, nb::device::cpu> a) {
+  const size_t w = sw::slot_bytes(c.dtype());
+  if (a.itemsize() != w) sw::raise<sw::TypeError>("array itemsize does not match ", c.dtype().name());
+  int64_t n = static_cast<int64_t>(a.size());
+  if (n > c.size()) sw::raise<sw::ValueError>("array has ", n, " elements but the carrier ", c.size(), " slots");
+  c.write_slots(0, n, a.data());
+}
+
+}  // namespace
+
+void bind_tensor(nb::module_& m) {
+  nb::class_<TensorImpl>(m, "Tensor", "Tensor(carrier, offset, layout): a view of a carrier placed by a layout.")
+      .def("__init__", [](TensorImpl* self, nb::handle carrier, nb::handle offset, nb::handle layout) {
+        if (!nb::isinstance<sw::Carrier>(carrier))
+          sw::raise<sw::TypeError>("Tensor carrier must be a Carrier instance, got ", nb::type_name(carrier.type()).c_str());
+        if (PyBool_Check(offset.ptr()) || !is_index(offset))
+          sw::raise<sw::TypeError>("Tensor offset must be an int, got ", nb::type_name(offset.type()).c_str());
+        if (!nb::isinstance<sw::Layout>(layout))
+          sw::raise<sw::TypeError>("Tensor layout must be a Layout, got ", nb::type_name(layout.type()).c_str());
+        int64_t off = index_value(offset, "Tensor offset");
+        new (self) TensorImpl(nb::cast<std::shared_ptr<sw::Carrier>>(carrier), off, nb::cast<sw::Layout>(layout));
+      }, nb::arg("carrier"), nb::arg("offset"), nb::arg("layout"))
+      .def_prop_ro("carrier", [](const TensorImpl& t) { return t.carrier; })
+      .def_prop_ro("offset", [](const TensorImpl& t) { return t.offset; })
+      .def_prop_ro("layout", [](const TensorImpl& t) { return t.layout; })
+      .def_prop_ro("shape", [](const TensorImpl& t) { return t.layout.shape(); })
+      .def_prop_ro("version", &TensorImpl::version)
+      .def("dtype", [](const TensorImpl& t) -> const sw::DType& { return t.dtype(); }, nb::rv_policy::reference)
+      .def("size", &TensorImpl::size)
+      .def("is_mutable", &TensorImpl::is_mutable)
+      .def("is_differentiable", &TensorImpl::is_differentiable)
+      .def_prop_rw("grad",
+                   [](const TensorImpl& t) {
+                     if (!t.is_differentiable())
+                       sw::raise<sw::RuntimeError>(t.dtype().name(), " tensor is not differentiable; it has no grad");
+                     std::lock_guard lock(t.mutex);
+                     return t.grad;
+                   },
+                   [](TensorImpl& t, nb::handle g) {
+                     if (!t.is_differentiable())
+                       sw::raise<sw::RuntimeError>(t.dtype().name(), " tensor is not differentiable; it has no grad");
+                     TensorPtr value;
+                     if (!g.is_none()) {
+                       if (!nb::isinstance<TensorImpl>(g)) sw::raise<sw::TypeError>("grad must be a Tensor or None");
+                       value = nb::cast<TensorPtr>(g);
+                       if (!(value->layout.shape() == t.layout.shape()))
+                         sw::raise<sw::ValueError>("grad shape ", value->layout.shape().str(),
+                                                   " does not match the tensor's ", t.layout.shape().str());
+                     }
+                     std::lock_guard lock(t.mutex);
+                     t.grad = std::move(value);
+                   },
+                   nb::arg("value").none())
+      .def("__getitem__", [](const TensorImpl& t, nb::handle key) { return from_value(t.get(parse_coord(key))); })
+      .def("__setitem__", [](TensorImpl& t, nb::handle key, nb::handle value) {
+        t.carrier->check_writable("write a tensor element");
+        t.set(parse_coord(key), to_value(value));
+      })
+      .def("__array__", [](nb::handle self, nb::handle dtype, nb::handle copy) {
+        nb::object arr = to_numpy(self);
+        if (!dtype.is_none()) arr = arr.attr("astype")(dtype);
+        else if (!copy.is_none() && nb::cast<bool>(copy)) arr = arr.attr("copy")();
+        return arr;
+      }, nb::arg("dtype") = nb::none(), nb::kw_only(), nb::arg("copy") = nb::none())
+      .def("__dlpack__", [](nb::handle self, nb::kwargs kw) { return to_numpy(self).attr("__dlpack__")(**kw); })
+      .def("__dlpack_device__", [](nb::handle) { return nb::make_tuple(1, 0); })
+      .def("__repr__", [](const TensorImpl& t) {
+        return "Tensor(" + t.carrier->kind_name() + ", offset=" + std::to_string(t.offset) + ", layout=" +
+               t.layout.str() + ", dtype=DType." + t.dtype().name() + ")";
+      });
+
+  m.def("_fill_from_array", [](sw::Carrier& c, nb::ndarray<nb::c_contig, nb::device::cpu> a) {
+    fill_from_array(c, a);
+  }, "Bulk-writes a C-contiguous array into slots [0, a.size) (internal; used by friendly.tensor).");
+}
+
+}  // namespace swpy
