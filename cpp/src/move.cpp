@@ -16,8 +16,15 @@ thread_local bool t_grad_enabled = true;
 std::mutex g_routes_mutex;
 // Intentionally leaked: routes may hold language-binding objects that must not be destroyed at exit.
 auto& g_routes = *new std::map<std::pair<const CarrierKind*, const CarrierKind*>, std::shared_ptr<TransferRouteIface>>();
-std::mutex g_hook_mutex;
-auto& g_hook = *new MoveNodeHook();
+// Function-local: safe to use from other translation units' initialisers.
+std::mutex& hook_mutex() {
+  static std::mutex m;
+  return m;
+}
+MoveNodeHook& hook_slot() {
+  static auto* h = new MoveNodeHook();  // intentionally leaked
+  return *h;
+}
 
 bool is_native_storage(const CarrierKind* k) {
   return k == &generic_kind() || k == &cpu_kind() || k == &file_backed_kind() || k == &block_device_carrier_kind();
@@ -49,8 +56,8 @@ bool has_route(const CarrierKind* s, const CarrierKind* d, bool sf, bool df) {
 }
 
 void set_move_node_hook(MoveNodeHook hook) {
-  std::lock_guard lock(g_hook_mutex);
-  g_hook = std::move(hook);
+  std::lock_guard lock(hook_mutex());
+  hook_slot() = std::move(hook);
 }
 
 CompletionPtr<TensorPtr> move_async(const TensorPtr& tensor, const CarrierPtr& destination) {
@@ -135,8 +142,8 @@ CompletionPtr<TensorPtr> move_async(const TensorPtr& tensor, const CarrierPtr& d
       if (record) {
         MoveNodeHook hook;
         {
-          std::lock_guard lock(g_hook_mutex);
-          hook = g_hook;
+          std::lock_guard lock(hook_mutex());
+          hook = hook_slot();
         }
         if (hook) hook(tensor, result);
       }

@@ -21,6 +21,8 @@ void bind_carriers(nb::module_& m);
 void bind_tensor(nb::module_& m);
 void bind_completion(nb::module_& m);
 void bind_extension(nb::module_& m);
+void bind_ops(nb::module_& m);
+void bind_tensor_operators(nb::module_& m);
 
 // Sets the Python error indicator for a C++ exception (the one translation point, errors.cpp).
 void set_python_error(std::exception_ptr error);

@@ -145,6 +145,19 @@ const sw::CarrierKind* kind_of_class(nb::handle cls) {
   return d ? &d->kind : nullptr;
 }
 
+nb::object class_of_kind(const sw::CarrierKind* kind) {
+  if (!kind) return nb::none();
+  if (kind == &sw::generic_kind()) return nb::borrow(nb::type<sw::GenericCarrier>());
+  if (kind == &sw::cpu_kind()) return nb::borrow(nb::type<sw::CPUCarrier>());
+  if (kind == &sw::file_backed_kind()) return nb::borrow(nb::type<sw::FileBackedCarrier>());
+  if (kind == &sw::block_device_carrier_kind()) return nb::borrow(nb::type<sw::BlockDeviceCarrier>());
+  if (kind == &sw::evictable_kind()) return nb::borrow(nb::type<sw::EvictableCarrier>());
+  std::lock_guard lock(g_mutex);
+  for (auto& [cls, def] : g_definitions)
+    if (&def->kind == kind) return nb::borrow(cls);
+  return nb::none();
+}
+
 void bind_extension(nb::module_& m) {
   m.def("_register_definition", [](nb::handle cls, nb::handle definition) {
     nb::handle carrier_type = nb::type<sw::Carrier>();

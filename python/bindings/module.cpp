@@ -13,4 +13,6 @@ NB_MODULE(_core, m) {
   swpy::bind_tensor(m);
   swpy::bind_completion(m);
   swpy::bind_extension(m);
+  swpy::bind_ops(m);
+  swpy::bind_tensor_operators(m);
 }

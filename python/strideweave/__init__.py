@@ -22,8 +22,19 @@ from ._core import (
     Shape,
     Stride,
     Tensor,
+    add,
+    div,
+    elementwise_mul,
+    exp,
+    matmul,
     move_async,
+    mul,
+    neg,
+    reduce_sum,
+    relu,
+    sub,
 )
+from .autograd import is_grad_enabled, no_grad, set_grad_enabled
 from .carriers import extension
 from .carriers.extension import (
     CarrierDefinition,
@@ -45,6 +56,19 @@ def move(tensor, destination):
 
 
 __all__ = [
+    "add",
+    "div",
+    "elementwise_mul",
+    "exp",
+    "is_grad_enabled",
+    "matmul",
+    "mul",
+    "neg",
+    "no_grad",
+    "reduce_sum",
+    "relu",
+    "set_grad_enabled",
+    "sub",
     "AwaitMove",
     "AwaitResult",
     "BlockDevice",

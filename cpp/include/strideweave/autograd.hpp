@@ -1,0 +1,60 @@
+// strideweave/autograd.hpp — reverse-mode autograd: nodes and the engine.
+//
+// A node is recorded when grad mode is on, an input is differentiable and the
+// result is differentiable. The result's `node` is that node; the node keeps
+// its tensor operands (`inputs`, in order), the values it saves for backward
+// (with their carrier versions at save time) and a weak reference to its
+// output. `backward` traverses the graph in topological order, sums
+// contributions per tensor, accumulates leaves into `.grad` (allocated with the
+// leaf carrier's new_like) and keeps non-leaf grads only after retain_grad().
+// Without retain_graph the traversed nodes are freed; using one again raises
+// RuntimeError mentioning "retain_graph=True". Before a node's backward runs,
+// every saved tensor's version is compared with the saved one ("modified
+// in-place", naming the operation, the shape and both versions).
+//
+// Custom nodes (moves, projection, scatter) derive from Node and implement
+// `apply`; the engine needs no change to run them.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "strideweave/tensor.hpp"
+
+namespace sw {
+
+struct SavedTensor {
+  TensorPtr tensor;
+  uint64_t version = 0;
+};
+
+struct Node : std::enable_shared_from_this<Node> {
+  virtual ~Node() = default;
+  std::string name;
+  const CarrierKind* dispatch_kind = nullptr;
+  std::vector<TensorPtr> inputs;     // tensor operands, in order
+  std::vector<SavedTensor> saved;
+  std::weak_ptr<TensorImpl> output;
+  bool freed = false;
+
+  // Records `t` for backward with its current version.
+  void save(const TensorPtr& t) { saved.push_back({t, t->version()}); }
+  // Gradients for `inputs` (nullptr where none flows), given the output's gradient.
+  virtual std::vector<TensorPtr> apply(const TensorPtr& grad_output) = 0;
+  // Drops what backward needed.
+  virtual void release_saved() { saved.clear(); }
+};
+
+// Attaches `node` to `result` (sets result->node and node->output).
+void attach_node(const std::shared_ptr<Node>& node, const TensorPtr& result);
+
+void backward(const TensorPtr& root, const TensorPtr& gradient, bool retain_graph);
+
+// Whether any operand tensor is differentiable (and grad mode is on).
+bool should_record(std::span<const TensorPtr> inputs, const TensorPtr& result);
+
+// Installs the autograd node hooks of lower layers (the move node). Idempotent.
+void install_autograd_hooks();
+
+}  // namespace sw

@@ -1,0 +1,114 @@
+// strideweave/ops.hpp — the operation table, dtype plans, broadcasting and dispatch.
+//
+// Six central operations (add, elementwise_mul, mul, relu, reduce_sum, matmul)
+// plus sub, div, neg, exp for ordinary tensors. One table entry per operation
+// carries its name, arity and VJP; the table is guarded so a half-added
+// operation fails to compile (see kOpCount and the static_assert in ops.cpp).
+//
+// Semantics (substrate §8):
+//  - Operands are tensors; `mul` also takes a weak scalar on either side.
+//    Tensor operands share one exact carrier kind ("Tensor backing carriers
+//    must match", TypeError); there is no implicit movement.
+//  - Broadcasting: same hierarchical profile; each leaf extent equal or 1.
+//  - Dtypes: Int32 with Int32 stays Int32 (overflow -> OverflowError); any other
+//    mix gives Float32; weak int with Int32 stays Int32, weak float gives
+//    Float32; relu/reduce_sum keep the dtype; accumulator Float64 accumulates
+//    in double and returns Float32.
+//  - Results are fresh dense carriers of the dispatching (first tensor
+//    operand's) kind at offset 0.
+//
+// Execution goes through a per-kind OpBackend: Generic runs the reference
+// loops, CPU the fast kernels (contiguous fast paths, threads, BLAS),
+// Evictable its primary tier's backend. Later layers (TiledEvictable)
+// register their own backend for their kind without touching this file.
+#pragma once
+
+#include <array>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "strideweave/tensor.hpp"
+
+namespace sw {
+
+enum class OpId : uint8_t { Add, ElementwiseMul, Mul, Relu, ReduceSum, Matmul, Sub, Div, Neg, Exp };
+inline constexpr size_t kOpCount = 10;
+
+struct OpDef {
+  OpId id;
+  const char* name;
+  int arity;       // operand count
+  bool central;    // one of the six operations every executing carrier (and TiledEvictable) accepts
+  bool weak_scalars;  // accepts a weak scalar operand (mul)
+};
+
+const OpDef& op_def(OpId id);
+std::optional<OpId> op_from_name(std::string_view name);
+const std::array<OpDef, kOpCount>& op_table();
+
+// A tensor or a weak scalar (a Python number: it never receives a gradient).
+struct Operand {
+  TensorPtr tensor;
+  Value scalar;
+  bool is_tensor() const { return tensor != nullptr; }
+  static Operand of(TensorPtr t) { return {std::move(t), {}}; }
+  static Operand weak(Value v) { return {nullptr, v}; }
+};
+
+struct OpOptions {
+  std::optional<std::string> description;  // reduce_sum: "a b -> a"
+  bool accumulate_f64 = false;             // accumulator_dtype=DType.Float64
+};
+
+// Executes an operation for one carrier kind (no autograd, operands validated).
+class OpBackend {
+ public:
+  virtual ~OpBackend() = default;
+  virtual TensorPtr forward(OpId id, std::span<const Operand> operands, const OpOptions& options) = 0;
+  // Whether this backend executes `id` (capabilities and dispatch_op).
+  virtual bool supports(OpId id) const = 0;
+};
+
+void register_backend(const CarrierKind* kind, std::shared_ptr<OpBackend> backend);
+OpBackend* backend_for(const CarrierKind& kind);
+
+// Validates operands (types, carrier kinds, released carriers, profiles,
+// dtypes) and runs the operation, recording an autograd node when grad mode
+// is on and a differentiable input and result exist.
+TensorPtr call_op(OpId id, std::span<const Operand> operands, const OpOptions& options = {});
+
+// The result dtype of a validated operand list.
+const DType& result_dtype(OpId id, std::span<const Operand> operands, const OpOptions& options);
+// The broadcast result shape of elementwise operands (ValueError when incompatible).
+Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op);
+
+// reduce_sum description: kept top-level modes of the input, in result order.
+std::vector<size_t> parse_reduce_description(const std::optional<std::string>& description, size_t rank);
+
+// Capabilities: one entry per accepted operand signature.
+struct OperandSignature {
+  bool weak_scalar;
+  const DType* dtype;
+};
+struct Capability {
+  OpId op;
+  std::vector<OperandSignature> operands;
+};
+std::vector<Capability> operation_capabilities(const Carrier& carrier, std::optional<OpId> only);
+
+// Helpers shared by backends and VJPs.
+TensorPtr dense_result(const Carrier& prototype, const Shape& shape, const DType& dtype);
+// A view with top-level modes reordered (no copy).
+TensorPtr permute_modes(const TensorPtr& t, const std::vector<size_t>& order);
+// A tensor filled with `value` of `shape` on `prototype`'s kind.
+TensorPtr full_like_kind(const Carrier& prototype, const Shape& shape, const DType& dtype, double value);
+// Sums `grad` over the leaves broadcast from `target` (the VJP of broadcasting).
+TensorPtr unbroadcast(const TensorPtr& grad, const Shape& target);
+// Repeats `t` (of shape `from`) along stride-0 leaves to `to` as a dense result.
+TensorPtr expand_dense(const TensorPtr& t, const Shape& to);
+
+}  // namespace sw

@@ -1,0 +1,200 @@
+#include "strideweave/autograd.hpp"
+
+#include <algorithm>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "strideweave/carriers/storage.hpp"
+#include "strideweave/errors.hpp"
+#include "strideweave/grad_mode.hpp"
+#include "strideweave/ops.hpp"
+
+namespace sw {
+
+void attach_node(const std::shared_ptr<Node>& node, const TensorPtr& result) {
+  node->output = result;
+  std::lock_guard lock(result->mutex);
+  result->node = node;
+}
+
+bool should_record(std::span<const TensorPtr> inputs, const TensorPtr& result) {
+  if (!is_grad_enabled() || !result || !result->is_differentiable()) return false;
+  for (const auto& t : inputs)
+    if (t && t->is_differentiable()) return true;
+  return false;
+}
+
+namespace {
+
+TensorPtr add_grads(const TensorPtr& a, const TensorPtr& b) {
+  std::vector<Operand> ops{Operand::of(a), Operand::of(b)};
+  return call_op(OpId::Add, ops);
+}
+
+// The gradient as the leaf's carrier kind holds it (new_like of the leaf).
+TensorPtr on_leaf_kind(const TensorImpl& leaf, const TensorPtr& g) {
+  if (&g->carrier->kind() == &leaf.carrier->kind() && g->layout == column_major(leaf.layout.shape())) return g;
+  CarrierPtr c = leaf.carrier->allocate_like(g->size(), true, DType::Float32(), /*empty=*/true);
+  TensorPtr dense = g;
+  if (!g->layout.is_contiguous() || g->offset != 0) dense = expand_dense(g, g->layout.shape());
+  copy_slots(*dense->carrier, 0, *c, 0, dense->size());
+  return make_tensor(std::move(c), 0, column_major(leaf.layout.shape()));
+}
+
+void accumulate_into(TensorImpl& t, const TensorPtr& g) {
+  TensorPtr current;
+  {
+    std::lock_guard lock(t.mutex);
+    current = t.grad;
+  }
+  TensorPtr sum = current ? add_grads(current, g) : g;
+  TensorPtr value = on_leaf_kind(t, sum);
+  std::lock_guard lock(t.mutex);
+  t.grad = value;
+}
+
+void check_saved(const Node& node) {
+  for (const auto& s : node.saved) {
+    uint64_t now = s.tensor->version();
+    if (now != s.version)
+      raise<RuntimeError>("one of the tensors needed for gradient computation has been modified in-place: ", node.name,
+                          " saved a tensor of shape ", s.tensor->layout.shape().str(), " at version ", s.version,
+                          ", but it is now at version ", now,
+                          ". Do not write to tensors (or their carriers) that a recorded operation still needs; "
+                          "compute on a copy instead");
+  }
+}
+
+}  // namespace
+
+void backward(const TensorPtr& root, const TensorPtr& gradient, bool retain_graph) {
+  if (!root->is_differentiable())
+    raise<RuntimeError>("backward: a ", root->dtype().name(), " tensor is not differentiable");
+  TensorPtr seed = gradient;
+  if (!seed) {
+    if (root->size() != 1)
+      raise<ValueError>("backward: gradient can be omitted only for single-element outputs; this one has shape ",
+                        root->layout.shape().str());
+    seed = full_like_kind(*root->carrier, root->layout.shape(), DType::Float32(), 1.0);
+  } else if (!(seed->layout.shape() == root->layout.shape())) {
+    raise<ValueError>("backward: gradient shape ", seed->layout.shape().str(), " does not match the output's ",
+                      root->layout.shape().str());
+  }
+  GradModeGuard no_grad(false);
+  std::shared_ptr<Node> root_node;
+  {
+    std::lock_guard lock(root->mutex);
+    root_node = root->node;
+  }
+  if (!root_node) {  // a leaf
+    accumulate_into(*root, seed);
+    return;
+  }
+  // Discover the graph and count dependencies.
+  std::unordered_map<Node*, int> deps;
+  std::vector<std::shared_ptr<Node>> stack{root_node}, order;
+  std::unordered_set<Node*> seen{root_node.get()};
+  while (!stack.empty()) {
+    auto n = stack.back();
+    stack.pop_back();
+    if (n->freed)
+      raise<RuntimeError>("backward: the graph of ", n->name,
+                          " was already freed by an earlier backward; pass retain_graph=True to the first backward "
+                          "to run backward through it again");
+    order.push_back(n);
+    for (const auto& in : n->inputs) {
+      std::shared_ptr<Node> child;
+      {
+        std::lock_guard lock(in->mutex);
+        child = in->node;
+      }
+      if (!child) continue;
+      deps[child.get()]++;
+      if (seen.insert(child.get()).second) stack.push_back(child);
+    }
+  }
+  for (const auto& n : order) check_saved(*n);
+  // Kahn's algorithm from the root.
+  std::unordered_map<Node*, TensorPtr> grads{{root_node.get(), seed}};
+  std::vector<std::shared_ptr<Node>> ready{root_node};
+  std::unordered_map<Node*, std::shared_ptr<Node>> by_ptr;
+  for (const auto& n : order) by_ptr[n.get()] = n;
+  while (!ready.empty()) {
+    auto n = ready.back();
+    ready.pop_back();
+    TensorPtr g = grads[n.get()];
+    grads.erase(n.get());
+    if (auto out = n->output.lock()) {
+      bool keep;
+      {
+        std::lock_guard lock(out->mutex);
+        keep = out->retains_grad;
+      }
+      if (keep && g) accumulate_into(*out, g);
+    }
+    std::vector<TensorPtr> in_grads;
+    if (g) in_grads = n->apply(g);  // a node whose output received no gradient does no work
+    for (size_t i = 0; i < n->inputs.size(); ++i) {
+      const TensorPtr& in = n->inputs[i];
+      TensorPtr gi = i < in_grads.size() ? in_grads[i] : nullptr;
+      std::shared_ptr<Node> child;
+      {
+        std::lock_guard lock(in->mutex);
+        child = in->node;
+      }
+      if (child) {
+        if (gi) {
+          auto& slot = grads[child.get()];
+          slot = slot ? add_grads(slot, gi) : gi;
+        }
+        if (--deps[child.get()] == 0) ready.push_back(child);
+      } else if (gi && in->is_differentiable()) {
+        accumulate_into(*in, gi);
+      }
+    }
+  }
+  if (!retain_graph)
+    for (const auto& n : order) {
+      n->freed = true;
+      n->release_saved();
+    }
+}
+
+}  // namespace sw
+
+// ---------------------------------------------------------------- the move node
+
+#include "strideweave/move.hpp"
+
+namespace sw {
+
+namespace {
+
+struct MoveNode final : Node {
+  CarrierPtr source_prototype;  // the (consumed) source carrier: its kind receives the gradient
+  std::vector<TensorPtr> apply(const TensorPtr& g) override {
+    // Move a private dense copy back along the reverse route (a move consumes its source).
+    TensorPtr copy = expand_dense(g, g->layout.shape());
+    CarrierPtr dest = source_prototype->allocate_like(0, true, DType::Float32(), true);
+    return {move(copy, dest)};
+  }
+};
+
+}  // namespace
+
+void install_autograd_hooks() {
+  static const bool installed = [] {
+  set_move_node_hook([](const TensorPtr& source, const TensorPtr& result) {
+    auto node = std::make_shared<MoveNode>();
+    node->name = "move";
+    node->dispatch_kind = &result->carrier->kind();
+    node->inputs = {source};
+    node->source_prototype = source->carrier;
+    attach_node(node, result);
+  });
+  return true;
+  }();
+  (void)installed;
+}
+
+}  // namespace sw

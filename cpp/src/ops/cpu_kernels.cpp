@@ -1,0 +1,322 @@
+// The fast CPU kernels: contiguous fast paths the compiler vectorises,
+// broadcast/strided runs without per-element dispatch, threads for large
+// work, and BLAS (OpenBLAS) for matmul.
+#include <cblas.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "kernels.hpp"
+#include "strided.hpp"
+#include "strideweave/errors.hpp"
+
+namespace sw::detail {
+
+namespace {
+
+constexpr int64_t kGrain = int64_t{1} << 16;
+
+template <class T>
+const T* typed(const KernelInput& in) {
+  return reinterpret_cast<const T*>(in.carrier ? in.data : in.scalar_bytes);
+}
+
+struct AddF { template <class C> C operator()(C a, C b) const { return a + b; } };
+struct SubF { template <class C> C operator()(C a, C b) const { return a - b; } };
+struct MulF { template <class C> C operator()(C a, C b) const { return a * b; } };
+struct DivF { template <class C> C operator()(C a, C b) const { return a / b; } };
+struct ReluF { template <class C> C operator()(C a) const { return a > C(0) ? a : C(0); } };
+struct NegF { template <class C> C operator()(C a) const { return -a; } };
+struct ExpF {
+  float operator()(float a) const { return std::exp(a); }
+  double operator()(double a) const { return std::exp(a); }
+};
+
+template <class TO, class C>
+inline bool store(TO* dst, C v) {
+  if constexpr (std::is_same_v<TO, int32_t>) {
+    *dst = static_cast<int32_t>(v);
+    return v >= std::numeric_limits<int32_t>::min() && v <= std::numeric_limits<int32_t>::max();
+  } else if constexpr (std::is_same_v<TO, bool>) {
+    *dst = v != C(0);
+    return true;
+  } else {
+    *dst = static_cast<TO>(v);
+    return true;
+  }
+}
+
+template <class C, class TO, class TA, class TB, class F>
+void binary(const KernelInput& a, const KernelInput& b, TO* out, const std::vector<int64_t>& ext, F f,
+            std::atomic<bool>& overflow) {
+  std::array<const std::vector<int64_t>*, 2> strides{&a.strides, &b.strides};
+  auto plan = StridedPlan<2>::make(ext, strides, {a.carrier ? a.offset : 0, b.carrier ? b.offset : 0});
+  const TA* pa = typed<TA>(a);
+  const TB* pb = typed<TB>(b);
+  parallel_for(plan.size, kGrain, [&](int64_t begin, int64_t end) {
+    bool ok = true;
+    plan.for_each_run(begin, end, [&](int64_t ord, const std::array<int64_t, 2>& off, int64_t n,
+                                      const std::array<int64_t, 2>& st) {
+      const TA* x = pa + off[0];
+      const TB* y = pb + off[1];
+      TO* o = out + ord;
+      if constexpr (std::is_integral_v<C>) {
+        for (int64_t i = 0; i < n; ++i) ok &= store(o + i, f(C(x[i * st[0]]), C(y[i * st[1]])));
+      } else if (st[0] == 1 && st[1] == 1) {
+        for (int64_t i = 0; i < n; ++i) store(o + i, f(C(x[i]), C(y[i])));
+      } else if (st[0] == 1 && st[1] == 0) {
+        const C yv = C(*y);
+        for (int64_t i = 0; i < n; ++i) store(o + i, f(C(x[i]), yv));
+      } else if (st[0] == 0 && st[1] == 1) {
+        const C xv = C(*x);
+        for (int64_t i = 0; i < n; ++i) store(o + i, f(xv, C(y[i])));
+      } else {
+        for (int64_t i = 0; i < n; ++i) store(o + i, f(C(x[i * st[0]]), C(y[i * st[1]])));
+      }
+    });
+    if (!ok) overflow.store(true);
+  });
+}
+
+template <class C, class TO, class TA, class F>
+void unary(const KernelInput& a, TO* out, const std::vector<int64_t>& ext, F f, std::atomic<bool>& overflow) {
+  std::array<const std::vector<int64_t>*, 1> strides{&a.strides};
+  auto plan = StridedPlan<1>::make(ext, strides, {a.offset});
+  const TA* pa = typed<TA>(a);
+  parallel_for(plan.size, kGrain, [&](int64_t begin, int64_t end) {
+    bool ok = true;
+    plan.for_each_run(begin, end, [&](int64_t ord, const std::array<int64_t, 1>& off, int64_t n,
+                                      const std::array<int64_t, 1>& st) {
+      const TA* x = pa + off[0];
+      TO* o = out + ord;
+      if (st[0] == 1) {
+        for (int64_t i = 0; i < n; ++i) ok &= store(o + i, f(C(x[i])));
+      } else {
+        for (int64_t i = 0; i < n; ++i) ok &= store(o + i, f(C(x[i * st[0]])));
+      }
+    });
+    if (!ok) overflow.store(true);
+  });
+}
+
+template <class F>
+void dispatch_binary(const std::vector<KernelInput>& in, const std::vector<int64_t>& ext, Carrier& out, F f,
+                     std::atomic<bool>& overflow) {
+  const DTypeId od = out.dtype().id();
+  const bool any_int = in[0].dtype == DTypeId::Int32 || in[1].dtype == DTypeId::Int32;
+  visit_dtype(in[0].dtype, [&](auto ta) {
+    visit_dtype(in[1].dtype, [&](auto tb) {
+      using TA = decltype(ta);
+      using TB = decltype(tb);
+      if constexpr (!std::is_same_v<TA, double> && !std::is_same_v<TB, double>) {
+        if (od == DTypeId::Int32) {
+          binary<int64_t, int32_t, TA, TB>(in[0], in[1], reinterpret_cast<int32_t*>(out.native_data()), ext, f,
+                                           overflow);
+        } else if (any_int) {  // exact: compute in double as the reference does
+          binary<double, float, TA, TB>(in[0], in[1], reinterpret_cast<float*>(out.native_data()), ext, f, overflow);
+        } else {
+          binary<float, float, TA, TB>(in[0], in[1], reinterpret_cast<float*>(out.native_data()), ext, f, overflow);
+        }
+      }
+    });
+  });
+}
+
+template <class F>
+void dispatch_unary(const KernelInput& a, const std::vector<int64_t>& ext, Carrier& out, F f,
+                    std::atomic<bool>& overflow) {
+  const DTypeId od = out.dtype().id();
+  visit_dtype(a.dtype, [&](auto ta) {
+    using TA = decltype(ta);
+    if constexpr (!std::is_same_v<TA, double>) {
+      if (od == DTypeId::Int32) {
+        if constexpr (!std::is_same_v<F, ExpF>)
+          unary<int64_t, int32_t, TA>(a, reinterpret_cast<int32_t*>(out.native_data()), ext, f, overflow);
+      } else if (od == DTypeId::Bool) {
+        if constexpr (std::is_same_v<F, ReluF>)
+          unary<int32_t, bool, TA>(a, reinterpret_cast<bool*>(out.native_data()), ext, f, overflow);
+      } else if (a.dtype == DTypeId::Int32) {
+        unary<double, float, TA>(a, reinterpret_cast<float*>(out.native_data()), ext, f, overflow);
+      } else {
+        unary<float, float, TA>(a, reinterpret_cast<float*>(out.native_data()), ext, f, overflow);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+void cpu_elementwise(OpId id, const std::vector<KernelInput>& in, const std::vector<int64_t>& ext, Carrier& out) {
+  std::atomic<bool> overflow{false};
+  switch (id) {
+    case OpId::Add: dispatch_binary(in, ext, out, AddF{}, overflow); break;
+    case OpId::Sub: dispatch_binary(in, ext, out, SubF{}, overflow); break;
+    case OpId::Mul:
+    case OpId::ElementwiseMul: dispatch_binary(in, ext, out, MulF{}, overflow); break;
+    case OpId::Div: dispatch_binary(in, ext, out, DivF{}, overflow); break;
+    case OpId::Relu: dispatch_unary(in[0], ext, out, ReluF{}, overflow); break;
+    case OpId::Neg: dispatch_unary(in[0], ext, out, NegF{}, overflow); break;
+    case OpId::Exp: dispatch_unary(in[0], ext, out, ExpF{}, overflow); break;
+    default: SW_ASSERT(false, "not an element-wise op");
+  }
+  if (overflow.load()) raise<OverflowError>(op_def(id).name, ": Int32 result overflows");
+}
+
+void cpu_reduce_sum(const TensorImpl& in, const Layout& permuted, int64_t kept, bool f64, Carrier& out) {
+  std::array<const std::vector<int64_t>*, 1> strides{&permuted.flat().strides};
+  auto plan = StridedPlan<1>::make(permuted.flat().extents, strides, {in.offset});
+  const std::byte* base = in.carrier->native_data();
+  const DTypeId d = in.dtype().id();
+  (void)f64;  // Float32 sums always accumulate in double here
+  visit_dtype(d, [&](auto t) {
+    using T = decltype(t);
+    if constexpr (!std::is_same_v<T, double>) {
+      using Acc = std::conditional_t<std::is_same_v<T, int32_t>, int64_t, double>;
+      std::vector<Acc> acc(static_cast<size_t>(kept), Acc(0));
+      const T* x = reinterpret_cast<const T*>(base);
+      plan.for_each_run(0, plan.size, [&](int64_t ord, const std::array<int64_t, 1>& off, int64_t n,
+                                          const std::array<int64_t, 1>& st) {
+        int64_t o = ord % kept;
+        const T* p = x + off[0];
+        if (st[0] == 1 && o + n <= kept) {
+          for (int64_t i = 0; i < n; ++i) acc[o + i] += Acc(p[i]);
+          return;
+        }
+        for (int64_t i = 0; i < n; ++i) {
+          acc[o] += Acc(p[i * st[0]]);
+          if (++o == kept) o = 0;
+        }
+      });
+      std::byte* dst = out.native_data();
+      const DTypeId od = out.dtype().id();
+      bool ok = true;
+      for (int64_t i = 0; i < kept; ++i) {
+        if (od == DTypeId::Float32) ok &= store(reinterpret_cast<float*>(dst) + i, double(acc[i]));
+        else if (od == DTypeId::Int32) ok &= store(reinterpret_cast<int32_t*>(dst) + i, int64_t(acc[i]));
+        else ok &= store(reinterpret_cast<bool*>(dst) + i, acc[i]);
+      }
+      if (!ok) raise<OverflowError>("reduce_sum: Int32 result overflows");
+    }
+  });
+}
+
+namespace {
+
+// Packs a 2-mode tensor into a dense column-major rows x cols buffer of C.
+template <class C>
+std::vector<C> pack(const TensorImpl& t, int64_t rows, int64_t cols) {
+  std::vector<C> out(static_cast<size_t>(rows * cols));
+  std::array<const std::vector<int64_t>*, 1> strides{&t.layout.flat().strides};
+  auto plan = StridedPlan<1>::make(t.layout.flat().extents, strides, {t.offset});
+  visit_dtype(t.dtype().id(), [&](auto tag) {
+    using T = decltype(tag);
+    if constexpr (!std::is_same_v<T, double>) {
+      const T* x = reinterpret_cast<const T*>(t.carrier->native_data());
+      plan.for_each_run(0, plan.size, [&](int64_t ord, const std::array<int64_t, 1>& off, int64_t n,
+                                          const std::array<int64_t, 1>& st) {
+        for (int64_t i = 0; i < n; ++i) out[ord + i] = C(x[off[0] + i * st[0]]);
+      });
+    }
+  });
+  return out;
+}
+
+// A BLAS view of a Float32 2-mode tensor without copying, when each mode is one
+// leaf and one of them has unit stride. Returns false otherwise.
+bool blas_view(const TensorImpl& t, const float*& ptr, bool& transposed, int& ld) {
+  if (t.dtype().id() != DTypeId::Float32 || t.layout.rank() != 2) return false;
+  int64_t s[2], e[2];
+  for (size_t k = 0; k < 2; ++k) {
+    const auto& f = t.layout.mode(k).flat();
+    int64_t extent = 1, stride = 0;
+    bool have = false;
+    for (size_t j = 0; j < f.extents.size(); ++j) {
+      if (f.extents[j] == 1) continue;
+      if (!have) {
+        extent = f.extents[j];
+        stride = f.strides[j];
+        have = true;
+      } else if (f.strides[j] == extent * stride) {
+        extent *= f.extents[j];
+      } else {
+        return false;
+      }
+    }
+    e[k] = extent;
+    s[k] = have ? stride : 1;
+  }
+  ptr = reinterpret_cast<const float*>(t.carrier->native_data()) + t.offset;
+  if (s[0] == 1 && (e[1] == 1 || s[1] >= std::max<int64_t>(1, e[0]))) {
+    transposed = false;
+    ld = static_cast<int>(std::max<int64_t>(e[1] == 1 ? e[0] : s[1], 1));
+    return true;
+  }
+  if (s[1] == 1 && (e[0] == 1 || s[0] >= std::max<int64_t>(1, e[1]))) {
+    transposed = true;
+    ld = static_cast<int>(std::max<int64_t>(e[0] == 1 ? e[1] : s[0], 1));
+    return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+void cpu_matmul(const TensorImpl& lhs, const TensorImpl& rhs, int64_t m, int64_t n, int64_t k, bool f64,
+                Carrier& out) {
+  const DTypeId ld = lhs.dtype().id(), rd = rhs.dtype().id();
+  std::byte* dst = out.native_data();
+  if (ld == DTypeId::Int32 && rd == DTypeId::Int32 && !f64) {
+    auto a = pack<int64_t>(lhs, m, k);
+    auto b = pack<int64_t>(rhs, n, k);
+    std::vector<int64_t> c(static_cast<size_t>(m * n), 0);
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t p = 0; p < k; ++p) {
+        int64_t bv = b[j + p * n];
+        if (!bv) continue;
+        for (int64_t i = 0; i < m; ++i) {
+          int64_t r;
+          if (__builtin_mul_overflow(a[i + p * m], bv, &r) || __builtin_add_overflow(c[i + j * m], r, &c[i + j * m]))
+            raise<OverflowError>("matmul: Int32 result overflows");
+        }
+      }
+    bool ok = true;
+    for (int64_t i = 0; i < m * n; ++i) ok &= store(reinterpret_cast<int32_t*>(dst) + i, c[i]);
+    if (!ok) raise<OverflowError>("matmul: Int32 result overflows");
+    return;
+  }
+  if (ld == DTypeId::Float32 && rd == DTypeId::Float32 && !f64) {
+    const float *A, *B;
+    bool ta, tb;
+    int lda, ldb;
+    std::vector<float> pa, pb;
+    if (!blas_view(lhs, A, ta, lda)) {
+      pa = pack<float>(lhs, m, k);
+      A = pa.data();
+      ta = false;
+      lda = static_cast<int>(m);
+    }
+    if (!blas_view(rhs, B, tb, ldb)) {
+      pb = pack<float>(rhs, n, k);
+      B = pb.data();
+      tb = false;
+      ldb = static_cast<int>(n);
+    }
+    // C (m x n) = A (m x k) * B^T, B stored (n x k): op(B) = B^T.
+    cblas_sgemm(CblasColMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasNoTrans : CblasTrans, static_cast<int>(m),
+                static_cast<int>(n), static_cast<int>(k), 1.0f, A, lda, B, ldb, 0.0f, reinterpret_cast<float*>(dst),
+                static_cast<int>(m));
+    return;
+  }
+  // Mixed dtypes or a Float64 accumulator: exact inputs in double, one rounding.
+  auto a = pack<double>(lhs, m, k);
+  auto b = pack<double>(rhs, n, k);
+  std::vector<double> c(static_cast<size_t>(m * n));
+  cblas_dgemm(CblasColMajor, CblasNoTrans, CblasTrans, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
+              1.0, a.data(), static_cast<int>(m), b.data(), static_cast<int>(n), 0.0, c.data(), static_cast<int>(m));
+  float* o = reinterpret_cast<float*>(dst);
+  for (int64_t i = 0; i < m * n; ++i) o[i] = static_cast<float>(c[i]);
+}
+
+}  // namespace sw::detail

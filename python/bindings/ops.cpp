@@ -1,0 +1,240 @@
+// Operations, autograd and grad mode.
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+
+#include "common.hpp"
+#include "completion_py.hpp"
+#include "extension.hpp"
+#include "strideweave/autograd.hpp"
+#include "strideweave/errors.hpp"
+#include "strideweave/grad_mode.hpp"
+#include "strideweave/ops.hpp"
+
+namespace swpy {
+
+namespace {
+
+using sw::Operand;
+using sw::OpId;
+using sw::TensorPtr;
+
+Operand operand(nb::handle h, const char* op, bool allow_scalar) {
+  if (nb::isinstance<sw::TensorImpl>(h)) return Operand::of(nb::cast<TensorPtr>(h));
+  if (nb::isinstance<AwaitHandle>(h))
+    sw::raise<sw::TypeError>(op, ": operand is a pending ", nb::cast<std::string>(h.type().attr("__name__")),
+                             ", not a Tensor; call wait() first");
+  if (allow_scalar && !PyBool_Check(h.ptr()) && (PyLong_Check(h.ptr()) || PyFloat_Check(h.ptr())))
+    return Operand::weak(to_value(h));
+  sw::raise<sw::TypeError>(op, ": operands must be Tensors", allow_scalar ? " or Python numbers" : "", ", got ",
+                           nb::cast<std::string>(h.type().attr("__name__")));
+}
+
+bool f64_option(nb::handle acc) {
+  if (acc.is_none()) return false;
+  if (!nb::isinstance<sw::DType>(acc)) sw::raise<sw::TypeError>("accumulator_dtype must be None or DType.Float64");
+  if (&nb::cast<const sw::DType&>(acc) != &sw::DType::Float64())
+    sw::raise<sw::ValueError>("accumulator_dtype must be None or DType.Float64, got ",
+                              nb::cast<const sw::DType&>(acc).name());
+  return true;
+}
+
+std::optional<std::string> description_of(nb::handle d) {
+  if (d.is_none()) return std::nullopt;
+  if (!PyUnicode_Check(d.ptr())) sw::raise<sw::TypeError>("reduce_sum description must be a str like 'a b -> a'");
+  return nb::cast<std::string>(d);
+}
+
+TensorPtr binary(OpId id, nb::handle a, nb::handle b) {
+  bool scalars = sw::op_def(id).weak_scalars;
+  Operand ops[2] = {operand(a, sw::op_def(id).name, scalars), operand(b, sw::op_def(id).name, scalars)};
+  return sw::call_op(id, ops);
+}
+
+TensorPtr unary(OpId id, nb::handle a) {
+  Operand ops[1] = {operand(a, sw::op_def(id).name, false)};
+  return sw::call_op(id, ops);
+}
+
+TensorPtr reduce_sum(nb::handle t, nb::handle description, nb::handle acc) {
+  Operand ops[1] = {operand(t, "reduce_sum", false)};
+  sw::OpOptions o;
+  o.description = description_of(description);
+  o.accumulate_f64 = f64_option(acc);
+  return sw::call_op(OpId::ReduceSum, ops, o);
+}
+
+TensorPtr matmul(nb::handle a, nb::handle b, nb::handle acc) {
+  Operand ops[2] = {operand(a, "matmul", false), operand(b, "matmul", false)};
+  sw::OpOptions o;
+  o.accumulate_f64 = f64_option(acc);
+  return sw::call_op(OpId::Matmul, ops, o);
+}
+
+// The object returned by dispatch_op(name).
+struct Operation {
+  OpId id;
+  sw::CarrierPtr carrier;
+};
+
+nb::object kind_class(const sw::CarrierKind* kind) { return class_of_kind(kind); }
+
+void check_grad_capable(const sw::TensorImpl& t, const char* what) {
+  if (!t.is_differentiable())
+    sw::raise<sw::RuntimeError>(what, ": a ", t.dtype().name(), " tensor is not differentiable");
+}
+
+}  // namespace
+
+void bind_ops(nb::module_& m) {
+  sw::install_autograd_hooks();
+  m.def("add", [](nb::handle a, nb::handle b) { return binary(OpId::Add, a, b); }, nb::arg("a"), nb::arg("b"));
+  m.def("elementwise_mul", [](nb::handle a, nb::handle b) { return binary(OpId::ElementwiseMul, a, b); },
+        nb::arg("a"), nb::arg("b"));
+  m.def("mul", [](nb::handle a, nb::handle b) { return binary(OpId::Mul, a, b); }, nb::arg("a"), nb::arg("b"));
+  m.def("sub", [](nb::handle a, nb::handle b) { return binary(OpId::Sub, a, b); }, nb::arg("a"), nb::arg("b"));
+  m.def("div", [](nb::handle a, nb::handle b) { return binary(OpId::Div, a, b); }, nb::arg("a"), nb::arg("b"));
+  m.def("relu", [](nb::handle t) { return unary(OpId::Relu, t); }, nb::arg("t"));
+  m.def("neg", [](nb::handle t) { return unary(OpId::Neg, t); }, nb::arg("t"));
+  m.def("exp", [](nb::handle t) { return unary(OpId::Exp, t); }, nb::arg("t"));
+  m.def("reduce_sum", &reduce_sum, nb::arg("t"), nb::arg("description") = nb::none(), nb::kw_only(),
+        nb::arg("accumulator_dtype") = nb::none());
+  m.def("matmul", &matmul, nb::arg("lhs"), nb::arg("rhs"), nb::kw_only(), nb::arg("accumulator_dtype") = nb::none());
+
+  m.def("is_grad_enabled", &sw::is_grad_enabled);
+  m.def("set_grad_enabled", [](nb::handle flag) {
+    if (!PyBool_Check(flag.ptr())) sw::raise<sw::TypeError>("set_grad_enabled takes a bool");
+    sw::set_grad_enabled(flag.ptr() == Py_True);
+  }, nb::arg("flag"));
+
+  nb::class_<sw::Node>(m, "Node", "An autograd node: the operation that produced a tensor.")
+      .def("inputs", [](const sw::Node& n) {
+        nb::list out;
+        for (const auto& t : n.inputs) out.append(nb::cast(t));
+        return nb::tuple(out);
+      })
+      .def_prop_ro("name", [](const sw::Node& n) { return n.name; })
+      .def_prop_ro("_operation_name", [](const sw::Node& n) { return n.name; })
+      .def_prop_ro("dispatch_carrier_class", [](const sw::Node& n) { return kind_class(n.dispatch_kind); })
+      .def_prop_ro("_dispatch_carrier_class", [](const sw::Node& n) { return kind_class(n.dispatch_kind); })
+      .def("__repr__", [](const sw::Node& n) { return "<autograd node " + n.name + ">"; });
+
+  nb::class_<Operation>(m, "Operation", "An operation dispatched by a carrier: forward(*operands).")
+      .def_prop_ro("name", [](const Operation& o) { return std::string(sw::op_def(o.id).name); })
+      .def_prop_ro("_operation_name", [](const Operation& o) { return std::string(sw::op_def(o.id).name); })
+      .def_prop_ro("dispatch_carrier_class", [](const Operation& o) { return kind_class(&o.carrier->kind()); })
+      .def_prop_ro("_dispatch_carrier_class", [](const Operation& o) { return kind_class(&o.carrier->kind()); })
+      .def("forward", [](const Operation& o, nb::args args, nb::kwargs kw) -> TensorPtr {
+        const sw::OpDef& d = sw::op_def(o.id);
+        nb::handle acc = kw.contains("accumulator_dtype") ? kw["accumulator_dtype"] : nb::none();
+        std::vector<Operand> ops;
+        for (nb::handle a : args) ops.push_back(operand(a, d.name, d.weak_scalars));
+        if (static_cast<int>(ops.size()) > d.arity && o.id != OpId::ReduceSum)
+          sw::raise<sw::TypeError>(d.name, " takes ", d.arity, " operands, got ", ops.size());
+        sw::OpOptions opts;
+        if (o.id == OpId::ReduceSum) {
+          nb::handle desc = kw.contains("description") ? kw["description"] : nb::none();
+          if (args.size() == 2) {
+            desc = args[1];
+            ops.pop_back();
+          }
+          opts.description = description_of(desc);
+        }
+        opts.accumulate_f64 = f64_option(acc);
+        for (const auto& op : ops)
+          if (op.is_tensor() && &op.tensor->carrier->kind() != &o.carrier->kind())
+            sw::raise<sw::TypeError>(d.name, ": Tensor backing carriers must match (dispatching ",
+                                     o.carrier->kind_name(), ", operand ", op.tensor->carrier->kind_name(), ")");
+        return sw::call_op(o.id, ops, opts);
+      });
+
+  nb::handle carrier = nb::type<sw::Carrier>();
+  carrier.attr("dispatch_op") = nb::cpp_function(
+      [](nb::handle self, nb::handle name) {
+        if (!PyUnicode_Check(name.ptr())) sw::raise<sw::TypeError>("dispatch_op: name must be a str");
+        std::string n = nb::cast<std::string>(name);
+        auto c = nb::cast<sw::CarrierPtr>(self);
+        auto id = sw::op_from_name(n);
+        if (!id) sw::raise<sw::NotImplementedError>(c->kind_name(), " has no operation named '", n, "'");
+        sw::OpBackend* b = sw::backend_for(c->kind());
+        if (!b || !b->supports(*id))
+          sw::raise<sw::NotImplementedError>(c->kind_name(), " does not execute '", n, "'");
+        return nb::cast(Operation{*id, c});
+      },
+      nb::is_method(), nb::arg("name"));
+  carrier.attr("operation_capabilities") = nb::cpp_function(
+      [](nb::handle self, nb::handle name) {
+        const sw::Carrier& c = nb::cast<const sw::Carrier&>(self);
+        std::optional<OpId> only;
+        if (!name.is_none()) {
+          if (!PyUnicode_Check(name.ptr())) sw::raise<sw::TypeError>("operation_capabilities: name must be a str");
+          only = sw::op_from_name(nb::cast<std::string>(name));
+          if (!only) return nb::tuple();
+        }
+        nb::module_ caps = nb::module_::import_("strideweave._capabilities");
+        nb::list out;
+        for (const auto& cap : sw::operation_capabilities(c, only)) {
+          nb::list operands;
+          for (const auto& o : cap.operands)
+            operands.append(caps.attr("_operand")(o.weak_scalar ? "weak_scalar" : "tensor",
+                                                  nb::cast(o.dtype, nb::rv_policy::reference)));
+          out.append(caps.attr("OperationCapability")(sw::op_def(cap.op).name, nb::tuple(operands)));
+        }
+        return nb::tuple(out);
+      },
+      nb::is_method(), nb::arg("name") = nb::none());
+
+  nb::handle tensor = nb::type<sw::TensorImpl>();
+  tensor.attr("autograd_ctx") = nb::steal(PyObject_CallFunctionObjArgs(
+      (PyObject*)&PyProperty_Type,
+      nb::cpp_function([](const sw::TensorImpl& t) {
+        std::lock_guard lock(t.mutex);
+        return t.node;
+      }).ptr(),
+      nullptr));
+  tensor.attr("backward") = nb::cpp_function(
+      [](nb::handle self, nb::handle gradient, bool retain_graph) {
+        TensorPtr t = nb::cast<TensorPtr>(self);
+        check_grad_capable(*t, "backward");
+        TensorPtr g;
+        if (!gradient.is_none()) {
+          if (!nb::isinstance<sw::TensorImpl>(gradient)) sw::raise<sw::TypeError>("backward: gradient must be a Tensor");
+          g = nb::cast<TensorPtr>(gradient);
+        }
+        sw::backward(t, g, retain_graph);
+      },
+      nb::is_method(), nb::arg("gradient") = nb::none(), nb::arg("retain_graph") = false);
+  tensor.attr("retain_grad") = nb::cpp_function(
+      [](sw::TensorImpl& t) {
+        check_grad_capable(t, "retain_grad");
+        std::lock_guard lock(t.mutex);
+        t.retains_grad = true;
+      },
+      nb::is_method());
+}
+
+}  // namespace swpy
+
+namespace swpy {
+
+void bind_tensor_operators(nb::module_& m) {
+  nb::handle tensor = nb::type<sw::TensorImpl>();
+  auto op2 = [&](const char* name, OpId id, bool reflected) {
+    tensor.attr(name) = nb::cpp_function(
+        [id, reflected](nb::handle self, nb::handle other) {
+          return reflected ? binary(id, other, self) : binary(id, self, other);
+        },
+        nb::is_method(), nb::arg("other"));
+  };
+  op2("__add__", OpId::Add, false);
+  op2("__mul__", OpId::Mul, false);
+  op2("__rmul__", OpId::Mul, true);
+  op2("__sub__", OpId::Sub, false);
+  op2("__truediv__", OpId::Div, false);
+  tensor.attr("__matmul__") = nb::cpp_function(
+      [](nb::handle self, nb::handle other) { return matmul(self, other, nb::none()); }, nb::is_method(),
+      nb::arg("other"));
+  tensor.attr("__neg__") = nb::cpp_function([](nb::handle self) { return unary(OpId::Neg, self); }, nb::is_method());
+}
+
+}  // namespace swpy
