@@ -364,11 +364,6 @@ void EvictableCarrier::write_slots(int64_t start, int64_t count, const void* in)
   primary_->write_slots(start, count, in);
 }
 
-std::byte* EvictableCarrier::native_data() const noexcept {
-  std::lock_guard lock(mutex_);
-  return evicted_ ? nullptr : primary_->native_data();
-}
-
 bool EvictableCarrier::supports_storage_dtype(const DType& dtype) const {
   return primary_->supports_storage_dtype(dtype) && secondary_->supports_storage_dtype(dtype);
 }
