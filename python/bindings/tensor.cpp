@@ -61,8 +61,16 @@ nb::object to_numpy(nb::handle self) {
   const size_t w = sw::slot_bytes(t.dtype());
   nb::object arr;
   if (base && representable) {
-    // Zero-copy view; the tensor object keeps the carrier alive.
-    arr = nb::cast(nb::ndarray<nb::numpy>(base + static_cast<size_t>(t.offset) * w, shape.size(), shape.data(), self,
+    // Zero-copy view. The view owns a share of the memory itself (not only the tensor, whose
+    // carrier may be released or moved away while the view lives): Note [Exports outlive release].
+    nb::handle owner = self;
+    nb::object keep;
+    if (std::shared_ptr<const void> memory = t.carrier->native_owner()) {
+      auto* held = new std::shared_ptr<const void>(std::move(memory));
+      keep = nb::capsule(held, [](void* p) noexcept { delete static_cast<std::shared_ptr<const void>*>(p); });
+      owner = keep;
+    }
+    arr = nb::cast(nb::ndarray<nb::numpy>(base + static_cast<size_t>(t.offset) * w, shape.size(), shape.data(), owner,
                                           strides.data(), dl_dtype(t.dtype())));
     if (!t.is_mutable()) arr.attr("flags").attr("writeable") = false;
     return arr;
