@@ -182,9 +182,12 @@ void bind_carriers(nb::module_& m) {
                               "BlockDevice(path): an arena over a block device or a preallocated file (direct I/O).")
       .def("__init__", [](sw::BlockDevice* self, nb::handle path) { new (self) sw::BlockDevice(path_of(path)); },
            nb::arg("path"))
-      .def("allocate", [](sw::BlockDevice& d, nb::handle size, bool is_mutable, nb::handle dtype, bool empty) {
+      .def("allocate", [](std::shared_ptr<sw::BlockDevice> d, nb::handle size, bool is_mutable, nb::handle dtype,
+                          bool empty) {
+        // Taken as a shared_ptr, not a reference: the conversion links the Python-created
+        // arena's enable_shared_from_this, which allocate() needs (bad_weak_ptr otherwise).
         int64_t n = index_value(size, "allocation size");
-        return d.allocate(n, dtype_or(dtype, sw::DType::Float32()), is_mutable, empty);
+        return d->allocate(n, dtype_or(dtype, sw::DType::Float32()), is_mutable, empty);
       }, nb::arg("size"), nb::kw_only(), nb::arg("mutable") = true, nb::arg("dtype") = nb::none(),
          nb::arg("empty") = false)
       .def_prop_ro("path", &sw::BlockDevice::path)
