@@ -96,14 +96,15 @@ void bind_carriers(nb::module_& m) {
       .def("release", [](Carrier& c) { c.release(); }, "Frees storage; idempotent. RuntimeError while owned.")
       .def("supports_storage_dtype", [](const Carrier& c, nb::handle d) {
         return c.supports_storage_dtype(to_dtype(d, "dtype must be a DType"));
-      }, nb::arg("dtype"))
-      .def("__getitem__", [](const Carrier& c, nb::handle key) { return from_value(c.get(slot_index(key))); })
+      }, nb::arg("dtype").none())  // .none(): None reaches the check and gets its message
+      .def("__getitem__", [](const Carrier& c, nb::handle key) { return from_value(c.get(slot_index(key))); },
+           nb::arg("index").none())
       .def("__setitem__", [](Carrier& c, nb::handle key, nb::handle value) {
         int64_t i = slot_index(key);
         c.check_writable("write");
         c.check_index(i);
         c.set(i, to_value(value));
-      })
+      }, nb::arg("index").none(), nb::arg("value").none())
       .def("new_like", [](const Carrier& c, nb::handle values, bool is_mutable, nb::handle dtype) {
         const sw::DType& dt = dtype_or(dtype, c.dtype());
         std::vector<sw::Value> vals = values_of(values, dt);
