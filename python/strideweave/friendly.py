@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from . import _core
@@ -15,16 +17,18 @@ _NUMPY = {"Float32": np.float32, "Int32": np.int32, "Bool": np.bool_}
 def _wide_ints(arr: np.ndarray, dtype: DType) -> np.ndarray:
     """NumPy keeps Python ints beyond 64 bits as objects; they are still ints (substrate §3)."""
     items = arr.reshape(-1).tolist()
-    if not items or not all(isinstance(x, int) and not isinstance(x, bool) for x in items):
+    if not items or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in items):
         return arr
     if dtype is DType.Int32:
+        if any(isinstance(x, float) for x in items):
+            return arr
         if any(x < -(2**31) or x > 2**31 - 1 for x in items):
             raise OverflowError("Int32 element is out of range [-2147483648, 2147483647]")
         return arr.astype(np.int64)
     if dtype is not DType.Float32:
         return arr
     # Float32 rounds them (to +-inf past its range), exactly as a slot write does.
-    wide = [float(x) if abs(x) < 2**1024 else (np.inf if x > 0 else -np.inf) for x in items]
+    wide = [float(x) if isinstance(x, float) or abs(x) < 2**1024 else (math.inf if x > 0 else -math.inf) for x in items]
     return np.array(wide, dtype=np.float64).reshape(arr.shape)
 
 
