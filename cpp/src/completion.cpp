@@ -45,14 +45,21 @@ void Executor::run() {
     if (queue_.empty()) return;  // stopping
     auto work = std::move(queue_.front());
     queue_.pop_front();
+    ++busy_;
     lock.unlock();
     try {
       work();  // work reports its own errors through its completion
     } catch (...) {
     }
-    work = nullptr;
+    work = nullptr;  // its captures are destroyed here, before the item counts as done
     lock.lock();
+    if (--busy_ == 0 && queue_.empty()) idle_cv_.notify_all();
   }
+}
+
+bool Executor::wait_idle(std::chrono::milliseconds timeout) {
+  std::unique_lock lock(mutex_);
+  return idle_cv_.wait_for(lock, timeout, [&] { return busy_ == 0 && queue_.empty(); });
 }
 
 namespace {

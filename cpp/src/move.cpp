@@ -26,8 +26,12 @@ MoveNodeHook& hook_slot() {
   return *h;
 }
 
+// The shipped carriers: every pair of them has a built-in bulk route. Evictable
+// reads and writes its resident primary through read_slots/write_slots (a move
+// from or into an evicted Evictable fails with its RuntimeError).
 bool is_native_storage(const CarrierKind* k) {
-  return k == &generic_kind() || k == &cpu_kind() || k == &file_backed_kind() || k == &block_device_carrier_kind();
+  return k == &generic_kind() || k == &cpu_kind() || k == &file_backed_kind() || k == &block_device_carrier_kind() ||
+         k == &evictable_kind();
 }
 
 std::shared_ptr<TransferRouteIface> find_route(const CarrierKind* s, const CarrierKind* d) {

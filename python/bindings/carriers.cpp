@@ -96,14 +96,15 @@ void bind_carriers(nb::module_& m) {
       .def("release", [](Carrier& c) { c.release(); }, "Frees storage; idempotent. RuntimeError while owned.")
       .def("supports_storage_dtype", [](const Carrier& c, nb::handle d) {
         return c.supports_storage_dtype(to_dtype(d, "dtype must be a DType"));
-      }, nb::arg("dtype"))
-      .def("__getitem__", [](const Carrier& c, nb::handle key) { return from_value(c.get(slot_index(key))); })
+      }, nb::arg("dtype").none())  // .none(): None reaches the check and gets its message
+      .def("__getitem__", [](const Carrier& c, nb::handle key) { return from_value(c.get(slot_index(key))); },
+           nb::arg("index").none())
       .def("__setitem__", [](Carrier& c, nb::handle key, nb::handle value) {
         int64_t i = slot_index(key);
         c.check_writable("write");
         c.check_index(i);
         c.set(i, to_value(value));
-      })
+      }, nb::arg("index").none(), nb::arg("value").none())
       .def("new_like", [](const Carrier& c, nb::handle values, bool is_mutable, nb::handle dtype) {
         const sw::DType& dt = dtype_or(dtype, c.dtype());
         std::vector<sw::Value> vals = values_of(values, dt);
@@ -182,9 +183,12 @@ void bind_carriers(nb::module_& m) {
                               "BlockDevice(path): an arena over a block device or a preallocated file (direct I/O).")
       .def("__init__", [](sw::BlockDevice* self, nb::handle path) { new (self) sw::BlockDevice(path_of(path)); },
            nb::arg("path"))
-      .def("allocate", [](sw::BlockDevice& d, nb::handle size, bool is_mutable, nb::handle dtype, bool empty) {
+      .def("allocate", [](std::shared_ptr<sw::BlockDevice> d, nb::handle size, bool is_mutable, nb::handle dtype,
+                          bool empty) {
+        // Taken as a shared_ptr, not a reference: the conversion links the Python-created
+        // arena's enable_shared_from_this, which allocate() needs (bad_weak_ptr otherwise).
         int64_t n = index_value(size, "allocation size");
-        return d.allocate(n, dtype_or(dtype, sw::DType::Float32()), is_mutable, empty);
+        return d->allocate(n, dtype_or(dtype, sw::DType::Float32()), is_mutable, empty);
       }, nb::arg("size"), nb::kw_only(), nb::arg("mutable") = true, nb::arg("dtype") = nb::none(),
          nb::arg("empty") = false)
       .def_prop_ro("path", &sw::BlockDevice::path)

@@ -1,5 +1,6 @@
 // strideweave._core: the nanobind module. One bind_* function per area.
 #include "common.hpp"
+#include "strideweave/completion.hpp"
 
 NB_MODULE(_core, m) {
   m.doc() = "StrideWeave engine (C++20). Import `strideweave`, not this module.";
@@ -15,4 +16,12 @@ NB_MODULE(_core, m) {
   swpy::bind_extension(m);
   swpy::bind_ops(m);
   swpy::bind_tensor_operators(m);
+  // Note [Drain at exit] (completion.hpp): let pool threads drop their references to
+  // Python-owned objects before finalization. Bounded, so work that never completes
+  // (a transfer nobody finishes) cannot hang the exit.
+  nb::module_::import_("atexit").attr("register")(nb::cpp_function([] {
+    nb::gil_scoped_release nogil;
+    for (sw::Executor* e : {&sw::Executor::moves(), &sw::Executor::io(), &sw::Executor::select()})
+      e->wait_idle(std::chrono::seconds(10));
+  }));
 }

@@ -61,8 +61,16 @@ nb::object to_numpy(nb::handle self) {
   const size_t w = sw::slot_bytes(t.dtype());
   nb::object arr;
   if (base && representable) {
-    // Zero-copy view; the tensor object keeps the carrier alive.
-    arr = nb::cast(nb::ndarray<nb::numpy>(base + static_cast<size_t>(t.offset) * w, shape.size(), shape.data(), self,
+    // Zero-copy view. The view owns a share of the memory itself (not only the tensor, whose
+    // carrier may be released or moved away while the view lives): Note [Exports outlive release].
+    nb::handle owner = self;
+    nb::object keep;
+    if (std::shared_ptr<const void> memory = t.carrier->native_owner()) {
+      auto* held = new std::shared_ptr<const void>(std::move(memory));
+      keep = nb::capsule(held, [](void* p) noexcept { delete static_cast<std::shared_ptr<const void>*>(p); });
+      owner = keep;
+    }
+    arr = nb::cast(nb::ndarray<nb::numpy>(base + static_cast<size_t>(t.offset) * w, shape.size(), shape.data(), owner,
                                           strides.data(), dl_dtype(t.dtype())));
     if (!t.is_mutable()) arr.attr("flags").attr("writeable") = false;
     return arr;
@@ -109,7 +117,7 @@ void bind_tensor(nb::module_& m) {
           sw::raise<sw::TypeError>("Tensor layout must be a Layout, got ", nb::type_name(layout.type()).c_str());
         int64_t off = index_value(offset, "Tensor offset");
         new (self) TensorImpl(nb::cast<std::shared_ptr<sw::Carrier>>(carrier), off, nb::cast<sw::Layout>(layout));
-      }, nb::arg("carrier"), nb::arg("offset"), nb::arg("layout"))
+      }, nb::arg("carrier").none(), nb::arg("offset").none(), nb::arg("layout").none())
       .def_prop_ro("carrier", [](const TensorImpl& t) { return t.carrier; })
       .def_prop_ro("offset", [](const TensorImpl& t) { return t.offset; })
       .def_prop_ro("layout", [](const TensorImpl& t) { return t.layout; })
@@ -141,11 +149,12 @@ void bind_tensor(nb::module_& m) {
                      t.grad = std::move(value);
                    },
                    nb::arg("value").none())
-      .def("__getitem__", [](const TensorImpl& t, nb::handle key) { return from_value(t.get(parse_coord(key))); })
+      .def("__getitem__", [](const TensorImpl& t, nb::handle key) { return from_value(t.get(parse_coord(key))); },
+           nb::arg("key").none())
       .def("__setitem__", [](TensorImpl& t, nb::handle key, nb::handle value) {
         t.carrier->check_writable("write a tensor element");
         t.set(parse_coord(key), to_value(value));
-      })
+      }, nb::arg("key").none(), nb::arg("value").none())
       .def("__array__", [](nb::handle self, nb::handle dtype, nb::handle copy) {
         nb::object arr = to_numpy(self);
         if (!dtype.is_none()) arr = arr.attr("astype")(dtype);

@@ -23,6 +23,11 @@
 // Concurrent bulk reads are safe; concurrent writes to the same slots race as
 // they would on plain memory. release() is serialised with claims.
 //
+// Note [Exports outlive release]: a NumPy/DLPack view of native memory may live
+// longer than the carrier's storage (release(), or a move that consumes the
+// source). The view holds native_owner(), so the memory stays valid until the
+// view is dropped; the carrier itself reports released and refuses access.
+//
 // Note [Version on the carrier]: PyTorch keeps its version counter on the
 // storage for the same reason: a tensor saved for backward and a view that
 // writes must observe one counter.
@@ -130,6 +135,10 @@ class Carrier : public std::enable_shared_from_this<Carrier> {
   virtual void write_slots(int64_t start, int64_t count, const void* in);
   // Raw pointer to slot 0 for native host memory, else nullptr.
   virtual std::byte* native_data() const noexcept { return nullptr; }
+  // Shares ownership of the memory behind native_data(): a zero-copy export holds it so that
+  // release() (or a move consuming the carrier) cannot free memory under the export.
+  // See Note [Exports outlive release].
+  virtual std::shared_ptr<const void> native_owner() const noexcept { return nullptr; }
   // One element without conversion checks (already-converted value).
   virtual Value read_value(int64_t slot) const;
   virtual void write_value(int64_t slot, const Value& value);

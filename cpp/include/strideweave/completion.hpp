@@ -13,6 +13,12 @@
 // state: a dropped handle neither blocks nor cancels it. The pools are never
 // destroyed (their threads outlive static destruction safely).
 //
+// Note [Drain at exit]: work captures shared_ptrs to objects that the Python
+// face owns; dropping the last one takes the GIL. A pool thread that does so
+// while the interpreter finalizes is killed inside a noexcept destructor
+// (std::terminate). The bindings therefore wait_idle() at interpreter exit
+// (atexit), with the GIL released, so captures are dropped before finalization.
+//
 // Example:
 //   auto c = std::make_shared<Completion<int>>();
 //   Executor::moves().submit([c] { c->set_value(42); });
@@ -125,6 +131,10 @@ class Executor {
   const std::string& name() const noexcept { return name_; }
   size_t max_threads() const noexcept { return max_threads_; }
   size_t started_threads() const;
+  // Blocks until no work is queued or running (a finished work item's captures
+  // are destroyed before it counts as done), or until `timeout` passes; returns
+  // whether the pool went idle. Called at interpreter exit, see Note [Drain at exit].
+  bool wait_idle(std::chrono::milliseconds timeout);
 
   static Executor& io();
   static Executor& select();
@@ -139,6 +149,8 @@ class Executor {
   std::deque<std::function<void()>> queue_;
   std::vector<std::thread> threads_;
   size_t idle_ = 0;
+  size_t busy_ = 0;  // work items taken and not yet destroyed
+  std::condition_variable idle_cv_;
   bool stopping_ = false;
 };
 

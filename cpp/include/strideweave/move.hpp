@@ -13,8 +13,9 @@
 // once and releases the source carrier; failure ends the claims and leaves the
 // source live and unchanged.
 //
-// Routes resolve by exact kind pair: built-in pairs between native storage
-// carriers (bulk copies, one read/write per contiguous run), then registered
+// Routes resolve by exact kind pair: built-in pairs between shipped carriers
+// (Generic, CPU, FileBacked, BlockDeviceCarrier, Evictable; bulk copies, one
+// read/write per contiguous run), then registered
 // routes, then element-by-element fallback where both carriers allow it.
 #pragma once
 

@@ -139,31 +139,31 @@ CPUCarrier::CPUCarrier(int64_t slots, const DType& dtype, bool is_mutable, bool 
     : Carrier(&cpu_kind(), dtype, is_mutable), slots_(slots) {
   check_slots("CPU", slots);
   check_storage_dtype("CPU", dtype);
-  buffer_ = AlignedBuffer(static_cast<size_t>(slots) * slot_bytes(dtype), !empty);
+  buffer_ = std::make_shared<AlignedBuffer>(static_cast<size_t>(slots) * slot_bytes(dtype), !empty);
 }
 
 void CPUCarrier::read_slots(int64_t start, int64_t count, void* out) const {
-  std::memcpy(out, buffer_.data() + static_cast<size_t>(start) * slot_bytes(dtype()),
+  std::memcpy(out, buffer_->data() + static_cast<size_t>(start) * slot_bytes(dtype()),
               static_cast<size_t>(count) * slot_bytes(dtype()));
 }
 
 void CPUCarrier::write_slots(int64_t start, int64_t count, const void* in) {
-  std::memcpy(buffer_.data() + static_cast<size_t>(start) * slot_bytes(dtype()), in,
+  std::memcpy(buffer_->data() + static_cast<size_t>(start) * slot_bytes(dtype()), in,
               static_cast<size_t>(count) * slot_bytes(dtype()));
 }
 
 Value CPUCarrier::read_value(int64_t slot) const {
-  return load_value(dtype(), buffer_.data() + static_cast<size_t>(slot) * slot_bytes(dtype()));
+  return load_value(dtype(), buffer_->data() + static_cast<size_t>(slot) * slot_bytes(dtype()));
 }
 
 void CPUCarrier::write_value(int64_t slot, const Value& v) {
-  store_value(dtype(), buffer_.data() + static_cast<size_t>(slot) * slot_bytes(dtype()), v);
+  store_value(dtype(), buffer_->data() + static_cast<size_t>(slot) * slot_bytes(dtype()), v);
 }
 
 void CPUCarrier::grow(int64_t slots, bool zero) {
   check_slots("CPU", slots);
   if (slots_ != 0) raise<ValueError>("CPU carrier is not allocatable (size ", slots_, " != 0)");
-  buffer_ = AlignedBuffer(static_cast<size_t>(slots) * slot_bytes(dtype()), zero);
+  buffer_ = std::make_shared<AlignedBuffer>(static_cast<size_t>(slots) * slot_bytes(dtype()), zero);
   slots_ = slots;
 }
 
@@ -171,6 +171,8 @@ CarrierPtr CPUCarrier::allocate_like(int64_t slots, bool is_mutable, const DType
   return std::make_shared<CPUCarrier>(slots, dtype, is_mutable, empty);
 }
 
-void CPUCarrier::do_release() { buffer_.reset(); }
+// Drops the carrier's share of the memory; an export still holding native_owner() keeps it
+// until the export is gone (see Note [Exports outlive release]).
+void CPUCarrier::do_release() { buffer_ = std::make_shared<AlignedBuffer>(); }
 
 }  // namespace sw

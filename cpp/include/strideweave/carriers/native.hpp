@@ -66,7 +66,8 @@ class CPUCarrier final : public Carrier {
   int64_t size() const override { return is_released() ? 0 : slots_; }
   void read_slots(int64_t start, int64_t count, void* out) const override;
   void write_slots(int64_t start, int64_t count, const void* in) override;
-  std::byte* native_data() const noexcept override { return buffer_.data(); }
+  std::byte* native_data() const noexcept override { return buffer_->data(); }
+  std::shared_ptr<const void> native_owner() const noexcept override { return buffer_; }
   Value read_value(int64_t slot) const override;
   void write_value(int64_t slot, const Value& v) override;
   bool can_grow() const override { return true; }
@@ -79,7 +80,7 @@ class CPUCarrier final : public Carrier {
 
  private:
   int64_t slots_;
-  AlignedBuffer buffer_;
+  std::shared_ptr<AlignedBuffer> buffer_ = std::make_shared<AlignedBuffer>();  // never null
 };
 
 }  // namespace sw

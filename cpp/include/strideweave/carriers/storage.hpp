@@ -121,12 +121,16 @@ class BlockDeviceCarrier final : public Carrier {
 
 class EvictableCarrier final : public DependentCarrier {
  public:
-  EvictableCarrier(CarrierPtr primary, CarrierPtr secondary);
+  // `is_mutable` is the public mutability of the Evictable itself (allocate_like and
+  // new_like pass theirs through); the Python constructor always creates it mutable.
+  EvictableCarrier(CarrierPtr primary, CarrierPtr secondary, bool is_mutable = true);
   ~EvictableCarrier() override;
   int64_t size() const override { return is_released() ? 0 : slots_; }
   void read_slots(int64_t start, int64_t count, void* out) const override;
   void write_slots(int64_t start, int64_t count, const void* in) override;
-  std::byte* native_data() const noexcept override;
+  // No native_data(): the primary's buffer is freed by evict(), so a raw pointer
+  // (a NumPy view, a bulk copy in flight) could outlive it. Bulk access goes through
+  // read_slots/write_slots, which check residency under the lock.
   bool supports_storage_dtype(const DType& dtype) const override;
   bool can_grow() const override { return false; }
   CarrierPtr allocate_like(int64_t slots, bool is_mutable, const DType& dtype, bool empty) const override;
