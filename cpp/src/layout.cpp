@@ -133,8 +133,13 @@ IntTuple dense_tree(const IntTuple& shape, int64_t& running, bool reversed) {
 
 IntTuple IntTuple::tuple(std::vector<IntTuple> children) {
   IntTuple t;
-  t.children_ = std::move(children);
+  if (!children.empty()) t.children_ = std::make_shared<const std::vector<IntTuple>>(std::move(children));
   return t;
+}
+
+const std::vector<IntTuple>& IntTuple::kids() const noexcept {
+  static const std::vector<IntTuple> none;
+  return children_ ? *children_ : none;
 }
 
 int64_t IntTuple::value() const {
@@ -144,17 +149,17 @@ int64_t IntTuple::value() const {
 
 const std::vector<IntTuple>& IntTuple::children() const {
   SW_ASSERT(!leaf_, "children() of a leaf node");
-  return children_;
+  return kids();
 }
 
 size_t IntTuple::rank() const {
   SW_ASSERT(!leaf_, "rank() of a leaf node");
-  return children_.size();
+  return kids().size();
 }
 
 const IntTuple& IntTuple::operator[](size_t k) const {
-  SW_ASSERT(!leaf_ && k < children_.size(), "child ", k, " of ", str());
-  return children_[k];
+  SW_ASSERT(!leaf_ && k < kids().size(), "child ", k, " of ", str());
+  return kids()[k];
 }
 
 void IntTuple::append_leaves(std::vector<int64_t>& out) const {
@@ -162,7 +167,7 @@ void IntTuple::append_leaves(std::vector<int64_t>& out) const {
     out.push_back(value_);
     return;
   }
-  for (const auto& c : children_) c.append_leaves(out);
+  for (const auto& c : kids()) c.append_leaves(out);
 }
 
 std::vector<int64_t> IntTuple::leaves() const {
@@ -174,44 +179,44 @@ std::vector<int64_t> IntTuple::leaves() const {
 size_t IntTuple::leaf_count() const {
   if (leaf_) return 1;
   size_t n = 0;
-  for (const auto& c : children_) n += c.leaf_count();
+  for (const auto& c : kids()) n += c.leaf_count();
   return n;
 }
 
 bool IntTuple::congruent(const IntTuple& o) const {
   if (leaf_ != o.leaf_) return false;
   if (leaf_) return true;
-  if (children_.size() != o.children_.size()) return false;
-  for (size_t k = 0; k < children_.size(); ++k)
-    if (!children_[k].congruent(o.children_[k])) return false;
+  if (kids().size() != o.kids().size()) return false;
+  for (size_t k = 0; k < kids().size(); ++k)
+    if (!kids()[k].congruent(o.kids()[k])) return false;
   return true;
 }
 
 int IntTuple::depth() const {
   if (leaf_) return 0;
   int d = 0;
-  for (const auto& c : children_) d = std::max(d, c.depth() + 1);
-  return children_.empty() ? 0 : d;
+  for (const auto& c : kids()) d = std::max(d, c.depth() + 1);
+  return kids().empty() ? 0 : d;
 }
 
 bool IntTuple::operator==(const IntTuple& o) const {
   if (leaf_ != o.leaf_) return false;
-  return leaf_ ? value_ == o.value_ : children_ == o.children_;
+  return leaf_ ? value_ == o.value_ : (children_ == o.children_ || kids() == o.kids());
 }
 
 size_t IntTuple::hash() const noexcept {
   if (leaf_) return std::hash<int64_t>{}(value_) * 31 + 7;
-  size_t seed = 0x51ed270b + children_.size();
-  for (const auto& c : children_) hash_combine(seed, c.hash());
+  size_t seed = 0x51ed270b + kids().size();
+  for (const auto& c : kids()) hash_combine(seed, c.hash());
   return seed;
 }
 
 std::string IntTuple::str() const {
   if (leaf_) return std::to_string(value_);
   std::string s = "(";
-  for (size_t k = 0; k < children_.size(); ++k) {
+  for (size_t k = 0; k < kids().size(); ++k) {
     if (k) s += ",";
-    s += children_[k].str();
+    s += kids()[k].str();
   }
   return s + ")";
 }
@@ -286,46 +291,63 @@ int64_t FlatLayout::index(int64_t ordinal) const {
 
 // ---------------------------------------------------------------- Layout
 
-Layout::Layout(Shape shape, Stride stride) : shape_(std::move(shape)), stride_(std::move(stride)) {
-  if (!shape_.tree().congruent(stride_.tree()))
-    raise<ValueError>("Layout shape ", shape_.str(), " and stride ", stride_.str(), " are not congruent");
-  flat_.extents = shape_.tree().leaves();
-  flat_.strides = stride_.tree().leaves();
+Layout::Layout() {
+  static const auto empty = std::make_shared<const Data>();
+  d_ = empty;
+}
+
+Layout::Layout(Shape shape, Stride stride) {
+  auto d = std::make_shared<Data>();
+  d->shape = std::move(shape);
+  d->stride = std::move(stride);
+  if (!d->shape.tree().congruent(d->stride.tree()))
+    raise<ValueError>("Layout shape ", d->shape.str(), " and stride ", d->stride.str(), " are not congruent");
+  d->flat.extents = d->shape.tree().leaves();
+  d->flat.strides = d->stride.tree().leaves();
   int64_t last = 0;
-  for (size_t j = 0; j < flat_.extents.size(); ++j) {
+  for (size_t j = 0; j < d->flat.extents.size(); ++j) {
     // Each term is <= 2**62 and `last` stays < 2**62, so the sum cannot overflow int64.
-    last += checked_mul(flat_.extents[j] - 1, flat_.strides[j], "Layout cosize");
+    last += checked_mul(d->flat.extents[j] - 1, d->flat.strides[j], "Layout cosize");
     if (last >= kMaxExtent) raise<ValueError>("Layout cosize exceeds the supported range (2**62)");
   }
-  cosize_ = last + 1;
+  d->cosize = last + 1;
+  int64_t expect = 1, running = 1;
+  for (size_t j = 0; j < d->flat.extents.size(); ++j) {
+    if (d->flat.strides[j] != running) d->column_major = false;
+    running *= d->flat.extents[j];
+    if (d->flat.extents[j] == 1) continue;
+    if (d->flat.strides[j] != expect) d->contiguous = false;
+    expect *= d->flat.extents[j];
+  }
+  d_ = std::move(d);
 }
 
 Layout Layout::mode(size_t k) const {
   if (k >= rank()) raise<IndexError>("mode ", k, " is out of range for Layout ", str(), " of rank ", rank());
-  return Layout(shape_.mode(k), stride_.mode(k));
+  return Layout(d_->shape.mode(k), d_->stride.mode(k));
 }
 
 int64_t Layout::index(int64_t ordinal) const {
   if (ordinal < 0 || ordinal >= size())
     raise<ValueError>("ordinal ", ordinal, " is out of range for Layout ", str(), " of size ", size());
-  return flat_.index(ordinal);
+  return d_->flat.index(ordinal);
 }
 
 int64_t Layout::index(const Coord& coord) const {
   if (coord.is_leaf()) return index(coord.value());
-  shape_.encode(coord);  // validates hierarchy and ranges
-  return index_tree(shape_.tree(), stride_.tree(), coord);
+  d_->shape.encode(coord);  // validates hierarchy and ranges
+  return index_tree(d_->shape.tree(), d_->stride.tree(), coord);
 }
 
 bool Layout::is_injective() const {
   // Leaves that take more than one value.
   std::vector<std::pair<int64_t, int64_t>> live;  // (stride, extent)
-  for (size_t j = 0; j < flat_.extents.size(); ++j) {
-    if (flat_.extents[j] == 1) continue;
-    if (flat_.strides[j] == 0) return false;
-    live.emplace_back(flat_.strides[j], flat_.extents[j]);
+  for (size_t j = 0; j < d_->flat.extents.size(); ++j) {
+    if (d_->flat.extents[j] == 1) continue;
+    if (d_->flat.strides[j] == 0) return false;
+    live.emplace_back(d_->flat.strides[j], d_->flat.extents[j]);
   }
-  if (size() > cosize_) return false;  // pigeonhole
+  if (size() > d_->cosize) return false;  // pigeonhole
   // Sufficient condition: sorted by stride, each stride exceeds the span of the smaller ones.
   std::sort(live.begin(), live.end());
   int64_t span = 0;  // largest offset reachable by the leaves so far
@@ -340,10 +362,10 @@ bool Layout::is_injective() const {
   if (nested) return true;
   // Exact answer by enumeration of the image.
   const int64_t n = size();
-  if (cosize_ <= (int64_t{1} << 31)) {
-    std::vector<bool> seen(static_cast<size_t>(cosize_), false);
+  if (d_->cosize <= (int64_t{1} << 31)) {
+    std::vector<bool> seen(static_cast<size_t>(d_->cosize), false);
     for (int64_t i = 0; i < n; ++i) {
-      int64_t off = flat_.index(i);
+      int64_t off = d_->flat.index(i);
       if (seen[off]) return false;
       seen[off] = true;
     }
@@ -352,26 +374,26 @@ bool Layout::is_injective() const {
   std::unordered_set<int64_t> seen;
   seen.reserve(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i)
-    if (!seen.insert(flat_.index(i)).second) return false;
+    if (!seen.insert(d_->flat.index(i)).second) return false;
   return true;
 }
 
 Layout Layout::broadcast_to(const Shape& target) const {
-  return Layout(target, Stride(broadcast_tree(shape_.tree(), stride_.tree(), target.tree(), shape_.str(),
+  return Layout(target, Stride(broadcast_tree(d_->shape.tree(), d_->stride.tree(), target.tree(), d_->shape.str(),
                                               target.str())));
 }
 
 std::vector<Run> Layout::runs() const {
   // Coalesce leaves: drop extent-1 leaves, merge j and j+1 when stride_{j+1} == e_j * s_j.
   std::vector<int64_t> ext, str;
-  for (size_t j = 0; j < flat_.extents.size(); ++j) {
-    if (flat_.extents[j] == 1) continue;
-    if (!ext.empty() && flat_.strides[j] == ext.back() * str.back()) {
-      ext.back() *= flat_.extents[j];
+  for (size_t j = 0; j < d_->flat.extents.size(); ++j) {
+    if (d_->flat.extents[j] == 1) continue;
+    if (!ext.empty() && d_->flat.strides[j] == ext.back() * str.back()) {
+      ext.back() *= d_->flat.extents[j];
       continue;
     }
-    ext.push_back(flat_.extents[j]);
-    str.push_back(flat_.strides[j]);
+    ext.push_back(d_->flat.extents[j]);
+    str.push_back(d_->flat.strides[j]);
   }
   int64_t run = 1;
   size_t first = 0;
@@ -396,23 +418,14 @@ std::vector<Run> Layout::runs() const {
   return out;
 }
 
-bool Layout::is_contiguous() const {
-  int64_t expect = 1;
-  for (size_t j = 0; j < flat_.extents.size(); ++j) {
-    if (flat_.extents[j] == 1) continue;
-    if (flat_.strides[j] != expect) return false;
-    expect *= flat_.extents[j];
-  }
-  return true;
-}
 
 size_t Layout::hash() const noexcept {
-  size_t seed = shape_.hash();
-  hash_combine(seed, stride_.hash());
+  size_t seed = d_->shape.hash();
+  hash_combine(seed, d_->stride.hash());
   return seed;
 }
 
-std::string Layout::str() const { return shape_.str() + ":" + stride_.str(); }
+std::string Layout::str() const { return d_->shape.str() + ":" + d_->stride.str(); }
 
 Layout column_major(const Shape& shape) {
   int64_t running = 1;

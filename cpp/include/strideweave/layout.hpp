@@ -27,6 +27,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -62,9 +63,11 @@ class IntTuple {
   std::string str() const;
 
  private:
+  // Children are shared and immutable, so copying a tree is one reference count.
+  const std::vector<IntTuple>& kids() const noexcept;
   bool leaf_ = false;
   int64_t value_ = 0;
-  std::vector<IntTuple> children_;
+  std::shared_ptr<const std::vector<IntTuple>> children_;
 };
 
 using Coord = IntTuple;
@@ -136,14 +139,14 @@ struct Run {
 
 class Layout {
  public:
-  Layout() = default;  // rank 0
+  Layout();  // rank 0
   Layout(Shape shape, Stride stride);  // congruent trees (ValueError otherwise)
 
-  const Shape& shape() const noexcept { return shape_; }
-  const Stride& stride() const noexcept { return stride_; }
-  int64_t size() const noexcept { return shape_.size(); }
-  size_t rank() const noexcept { return shape_.rank(); }
-  int64_t cosize() const noexcept { return cosize_; }
+  const Shape& shape() const noexcept { return d_->shape; }
+  const Stride& stride() const noexcept { return d_->stride; }
+  int64_t size() const noexcept { return d_->shape.size(); }
+  size_t rank() const noexcept { return d_->shape.rank(); }
+  int64_t cosize() const noexcept { return d_->cosize; }
   bool is_injective() const;
   Layout mode(size_t k) const;
 
@@ -153,22 +156,33 @@ class Layout {
   // Extent-1 leaves become the target extent with stride 0; nothing else may differ.
   Layout broadcast_to(const Shape& target) const;
 
-  const FlatLayout& flat() const noexcept { return flat_; }
+  const FlatLayout& flat() const noexcept { return d_->flat; }
   // The layout as maximal contiguous runs in ordinal order (adjacent leaves
   // with stride_{j+1} == extent_j * stride_j and unit leading stride merge).
   std::vector<Run> runs() const;
   // True when ordinals map to [0, size) in order (stride-1 contiguous).
-  bool is_contiguous() const;
+  bool is_contiguous() const noexcept { return d_->contiguous; }
+  // True when every leaf stride is the running product of the extents before
+  // it: exactly column_major(shape()).
+  bool is_column_major() const noexcept { return d_->column_major; }
 
-  bool operator==(const Layout& o) const { return shape_ == o.shape_ && stride_ == o.stride_; }
+  bool operator==(const Layout& o) const {
+    return d_ == o.d_ || (d_->shape == o.d_->shape && d_->stride == o.d_->stride);
+  }
   size_t hash() const noexcept;
   std::string str() const;  // "(2,(3,4)):(1,(10,100))"
 
  private:
-  Shape shape_;
-  Stride stride_;
-  FlatLayout flat_;
-  int64_t cosize_ = 1;
+  // Immutable and shared: copying a Layout (tensors hold one each) is one reference count.
+  struct Data {
+    Shape shape;
+    Stride stride;
+    FlatLayout flat;
+    int64_t cosize = 1;
+    bool contiguous = true;
+    bool column_major = true;
+  };
+  std::shared_ptr<const Data> d_;
 };
 
 // Canonical dense layout: running product of extents, first mode fastest, at every depth.

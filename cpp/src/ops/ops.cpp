@@ -1,6 +1,7 @@
 #include "strideweave/ops.hpp"
 
 #include <functional>
+#include <atomic>
 #include <map>
 #include <mutex>
 #include <sstream>
@@ -241,6 +242,7 @@ TensorPtr expand_dense(const TensorPtr& t, const Shape& to) {
 namespace {
 
 std::mutex g_backend_mutex;
+std::atomic<uint64_t> g_backend_generation{1};
 auto& g_backends = *new std::map<const CarrierKind*, std::shared_ptr<OpBackend>>();
 
 class KernelBackend final : public OpBackend {
@@ -254,8 +256,12 @@ class KernelBackend final : public OpBackend {
     if (is_elementwise(id)) {
       Shape shape = first.layout.shape();
       for (const auto& o : ops)
-        if (o.is_tensor()) shape = broadcast_shapes(shape, o.tensor->layout.shape(), op_def(id).name);
-      TensorPtr out = dense_result(*first.carrier, shape, rd);
+        if (o.is_tensor() && !(o.tensor->layout.shape() == shape))
+          shape = broadcast_shapes(shape, o.tensor->layout.shape(), op_def(id).name);
+      // Reuse the first operand's (shared, immutable) layout when it already is the dense result layout.
+      TensorPtr out = first.layout.is_column_major() && first.layout.shape() == shape
+                          ? make_tensor(first.carrier->allocate_like(shape.size(), true, rd, true), 0, first.layout)
+                          : dense_result(*first.carrier, shape, rd);
       std::vector<detail::KernelInput> ins(ops.size());
       for (size_t i = 0; i < ops.size(); ++i) {
         auto& k = ins[i];
@@ -265,7 +271,7 @@ class KernelBackend final : public OpBackend {
           k.data = t.carrier->native_data();
           k.dtype = t.dtype().id();
           k.offset = t.offset;
-          k.strides = t.layout.broadcast_to(shape).flat().strides;
+          k.strides = t.layout.shape() == shape ? t.layout.flat().strides : t.layout.broadcast_to(shape).flat().strides;
         } else {
           const DType& sd = rd.id() == DTypeId::Int32 ? DType::Int32() : DType::Float32();
           k.scalar = sd.convert(ops[i].scalar);
@@ -357,14 +363,25 @@ void ensure_default_backends() {
 void register_backend(const CarrierKind* kind, std::shared_ptr<OpBackend> backend) {
   std::lock_guard lock(g_backend_mutex);
   ensure_default_backends();
-  g_backends[kind] = std::move(backend);
+  g_backends[kind] = std::move(backend);  // backends live for the process (the map is never shrunk)
+  g_backend_generation.fetch_add(1, std::memory_order_acq_rel);
 }
 
 OpBackend* backend_for(const CarrierKind& kind) {
+  // One-entry per-thread cache: the op hot path takes no lock.
+  thread_local const CarrierKind* cached_kind = nullptr;
+  thread_local OpBackend* cached_backend = nullptr;
+  thread_local uint64_t cached_generation = 0;
+  const uint64_t generation = g_backend_generation.load(std::memory_order_acquire);
+  if (cached_kind == &kind && cached_generation == generation) return cached_backend;
   std::lock_guard lock(g_backend_mutex);
   ensure_default_backends();
   auto it = g_backends.find(&kind);
-  return it == g_backends.end() ? nullptr : it->second.get();
+  OpBackend* found = it == g_backends.end() ? nullptr : it->second.get();
+  cached_kind = &kind;
+  cached_backend = found;
+  cached_generation = generation;
+  return found;
 }
 
 // ---------------------------------------------------------------- autograd nodes
@@ -519,7 +536,7 @@ TensorPtr call_op(OpId id, std::span<const Operand> ops, const OpOptions& option
   if (is_elementwise(id)) {
     Shape s = first->tensor->layout.shape();
     for (const auto& o : ops)
-      if (o.is_tensor()) s = broadcast_shapes(s, o.tensor->layout.shape(), def.name);
+      if (o.is_tensor() && !(o.tensor->layout.shape() == s)) s = broadcast_shapes(s, o.tensor->layout.shape(), def.name);
   } else if (id == OpId::ReduceSum) {
     parse_reduce_description(options.description, first->tensor->layout.rank());
   } else {

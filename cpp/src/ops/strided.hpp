@@ -64,7 +64,9 @@ struct StridedPlan {
     const int64_t inner = extents[0];
     std::array<int64_t, K> in_stride = strides[0];
     // Decode `begin` into the odometer.
-    std::vector<int64_t> c(L);
+    int64_t c_small[8];
+    std::vector<int64_t> c_big(L > 8 ? L : 0);
+    int64_t* c = L > 8 ? c_big.data() : c_small;
     int64_t rest = begin;
     std::array<int64_t, K> off = base;
     for (size_t j = 0; j < L; ++j) {
@@ -95,7 +97,11 @@ struct StridedPlan {
 // Splits [0, n) over the hardware threads when the work is large.
 template <class F>
 void parallel_for(int64_t n, int64_t grain, F&& f) {
-  unsigned hw = std::max(1u, std::thread::hardware_concurrency());
+  if (n < 2 * grain) {
+    f(int64_t{0}, n);
+    return;
+  }
+  static const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
   int64_t parts = std::min<int64_t>(hw, n / std::max<int64_t>(grain, 1));
   if (parts <= 1) {
     f(int64_t{0}, n);
