@@ -83,6 +83,7 @@ int64_t Carrier::size() const {
 }
 
 void Carrier::release() {
+  if (!is_released()) check_releasable();
   {
     std::lock_guard lock(state_mutex_);
     if (released_.load()) return;

@@ -166,6 +166,8 @@ class Carrier : public std::enable_shared_from_this<Carrier> {
   // For shipped kinds.
   Carrier(const CarrierKind* kind, const DType& dtype, bool is_mutable);
   virtual void do_release() {}
+  // Called by release() before anything changes; throws to refuse (incomplete work).
+  virtual void check_releasable() const {}
   void check_dtype_supported(const DType& dtype) const;
 
  private:

@@ -1,0 +1,176 @@
+// strideweave/tiled/tiled_evictable.hpp — one flat logical extent, tiled and tiered.
+//
+// A TiledEvictable carrier holds prod(grid) * prod(tile) slots. Slot s is the
+// logical coordinate c = decode(s) over logical_shape (grid times tile, per
+// axis, first axis fastest); its tile is c / tile and its within-tile
+// coordinate c % tile. Each tile is independently
+//   primary   resident in its own buffer of the primary tier's kind (dirty when
+//             the secondary copy is stale),
+//   secondary valid only in the secondary tier (one carrier holding the full
+//             extent in slot order: a tile is the runs of its footprint),
+//   implicit  a valid implicit zero with no storage, or
+//   invalid   no value yet.
+// Residency transitions (promote/evict) are asynchronous requests: each
+// validates its whole tile set, marks the tiles pending, runs one transfer
+// per tile on the I/O executor and commits all-or-nothing under the tile
+// table's mutex. A clean tile whose secondary copy is valid is evicted without
+// writing. Work that needs tiles pins them; pinned tiles are never evicted.
+// Residency never changes the carrier's version.
+//
+// Thread-safety: the tile table is guarded by one mutex, never held while
+// doing I/O or calling the residency policy.
+#pragma once
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <variant>
+#include <string>
+#include <vector>
+
+#include "strideweave/carrier.hpp"
+#include "strideweave/completion.hpp"
+#include "strideweave/tensor.hpp"
+
+namespace sw {
+
+using TileCoord = std::vector<int64_t>;
+
+enum class TileLocation : uint8_t { Primary, Secondary, Implicit, Invalid };
+const char* location_name(TileLocation loc);
+
+struct TileState {
+  TileLocation location;
+  bool valid;
+  bool dirty;
+};
+
+struct ResidencyPlanC {
+  std::vector<TileCoord> promote, retain, evict;
+};
+
+// The residency policy (implemented by the bindings over a Python object).
+class ResidencyPolicyIface {
+ public:
+  virtual ~ResidencyPolicyIface() = default;
+  // `purpose` is "operation", "projection", "scatter" or "backward".
+  virtual ResidencyPlanC plan(const std::vector<TileCoord>& required, const char* purpose) = 0;
+};
+
+struct TiledStats {
+  int64_t promotions = 0, evictions = 0;
+  int64_t bytes_promoted = 0, bytes_evicted = 0;
+  int64_t writes_skipped = 0;
+  int64_t primary_tiles = 0, primary_bytes = 0;
+};
+
+const CarrierKind& tiled_evictable_kind();
+
+class TiledEvictable final : public DependentCarrier {
+ public:
+  // Validation order (substrate §10): tiers are distinct, live, unowned,
+  // definition-free carriers of one dtype; grid and tile shapes have one rank
+  // and positive extents; each tier has 0 slots or the full extent. Claims
+  // taken here are rolled back on failure.
+  TiledEvictable(CarrierPtr primary, CarrierPtr secondary, std::vector<int64_t> grid, std::vector<int64_t> tile,
+                 std::shared_ptr<ResidencyPolicyIface> policy);
+  ~TiledEvictable() override;
+
+  // -------- geometry
+  const std::vector<int64_t>& grid_shape() const noexcept { return grid_; }
+  const std::vector<int64_t>& tile_shape() const noexcept { return tile_; }
+  const std::vector<int64_t>& logical_shape() const noexcept { return logical_; }
+  int64_t tile_count() const noexcept { return tile_count_; }
+  int64_t tile_size() const noexcept { return tile_size_; }
+  int64_t size() const override { return total_; }
+  size_t rank() const noexcept { return grid_.size(); }
+  int64_t tile_index(const TileCoord& t) const;  // ValueError when out of grid
+  TileCoord tile_coord(int64_t index) const;
+  // Slot s -> (tile index, within-tile ordinal).
+  std::pair<int64_t, int64_t> locate(int64_t slot) const;
+  // The footprint of tile `index` in slot space as contiguous runs
+  // (ordinal = within-tile ordinal).
+  const std::vector<Run>& footprint_runs(int64_t index) const;
+
+  const CarrierPtr& primary() const noexcept { return primary_; }
+  const CarrierPtr& secondary() const noexcept { return secondary_; }
+  const std::shared_ptr<ResidencyPolicyIface>& policy() const noexcept { return policy_; }
+
+  // -------- footprints
+  // ValueError ("tile footprints") unless `tensor` is tile-footprint compatible.
+  void check_footprints(const TensorImpl& tensor) const;
+
+  // -------- tile states
+  TileState tile_state(const TileCoord& t) const;
+  std::vector<TileCoord> tiles_where(const std::function<bool(const TileState&)>& pred) const;
+  TiledStats stats() const;
+
+  // -------- residency requests (tile indices already bound to the grid)
+  CompletionPtr<std::monostate> promote_async(const std::vector<int64_t>& tiles);
+  CompletionPtr<std::monostate> evict_async(const std::vector<int64_t>& tiles);
+  bool has_incomplete_work() const;
+
+  // -------- data access
+  void read_slots(int64_t start, int64_t count, void* out) const override;
+  void write_slots(int64_t start, int64_t count, const void* in) override;
+  Value read_value(int64_t slot) const override;
+  void write_value(int64_t slot, const Value& value) override;
+  bool supports_storage_dtype(const DType& dtype) const override;
+  bool can_grow() const override { return false; }
+  bool allows_elementwise_fallback() const override { return false; }
+  // Same geometry, tier kinds and policy; zero-filled means implicit-zero
+  // tiles, `empty` invalid ones (`slots` must be 0 or the full extent).
+  CarrierPtr allocate_like(int64_t slots, bool is_mutable, const DType& dtype, bool empty) const override;
+
+  // -------- work requests (projection, scatter, operations, backward)
+  struct Work;
+  // Validates `tiles` against other callers' incomplete requests, asks the
+  // policy for a plan, pins the tiles and promotes the missing ones as part of
+  // this request. The completion is set once every required tile is readable.
+  std::shared_ptr<Work> begin_work(const std::vector<int64_t>& tiles, const char* purpose);
+  // Unpins and applies the plan's deferred evictions.
+  void end_work(const std::shared_ptr<Work>& work);
+
+ protected:
+  void do_release() override;
+  void check_releasable() const override;
+
+ private:
+  struct Tile {
+    TileLocation loc = TileLocation::Invalid;
+    bool dirty = false;
+    bool secondary_valid = false;
+    CarrierPtr buffer;      // primary storage when resident
+    int pins = 0;
+    uint64_t pending = 0;   // id of the incomplete residency request transitioning it
+  };
+  struct Request;
+  void start_request(const std::shared_ptr<Request>& r);
+  void finish_tile(const std::shared_ptr<Request>& r, size_t k, CarrierPtr buffer, std::exception_ptr error);
+  void commit(const std::shared_ptr<Request>& r);
+  // Blocking promotion of one tile for slot access (lock held by caller is released inside).
+  const Tile& readable_tile(int64_t index, std::unique_lock<std::mutex>& lock) const;
+  void ensure_secondary_storage();
+  [[noreturn]] void pending_conflict(int64_t index, const char* what) const;
+
+  std::vector<int64_t> grid_, tile_, logical_;
+  int64_t tile_count_ = 0, tile_size_ = 0, total_ = 0;
+  std::vector<int64_t> slot_stride_;  // dense strides of logical_shape
+  std::vector<std::vector<Run>> runs_;
+  CarrierPtr primary_, secondary_;
+  Claim primary_claim_, secondary_claim_;
+  std::shared_ptr<ResidencyPolicyIface> policy_;
+
+  mutable std::mutex mutex_;
+  mutable std::vector<Tile> tiles_;
+  mutable TiledStats stats_;
+  uint64_t next_request_ = 1;
+  int active_requests_ = 0;
+  int active_work_ = 0;
+  mutable std::mutex footprint_cache_mutex_;
+  mutable std::vector<std::pair<Layout, int64_t>> footprint_cache_;  // compatible (layout, offset) pairs
+};
+
+}  // namespace sw

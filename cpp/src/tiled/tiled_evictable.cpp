@@ -1,0 +1,608 @@
+#include "strideweave/tiled/tiled_evictable.hpp"
+
+#include <algorithm>
+#include <sstream>
+
+#include "strideweave/carriers/storage.hpp"
+#include "strideweave/errors.hpp"
+
+namespace sw {
+
+const char* location_name(TileLocation loc) {
+  switch (loc) {
+    case TileLocation::Primary: return "primary";
+    case TileLocation::Secondary: return "secondary";
+    case TileLocation::Implicit: return "implicit";
+    case TileLocation::Invalid: return "invalid";
+  }
+  return "?";
+}
+
+const CarrierKind& tiled_evictable_kind() {
+  static const CarrierKind k{"TiledEvictable", true, false, true};
+  return k;
+}
+
+namespace {
+std::string coord_str(const TileCoord& t) {
+  std::ostringstream out;
+  out << "(";
+  for (size_t i = 0; i < t.size(); ++i) out << (i ? ", " : "") << t[i];
+  out << (t.size() == 1 ? ",)" : ")");
+  return out.str();
+}
+}  // namespace
+
+// A residency transition of a set of tiles, committed all-or-nothing.
+struct TiledEvictable::Request {
+  uint64_t id = 0;
+  bool promote = true;
+  std::vector<int64_t> tiles;          // tiles that need a transfer
+  std::vector<CarrierPtr> staged;      // promotion: new buffers
+  std::vector<char> wrote;             // eviction: a write happened
+  std::atomic<size_t> remaining{0};
+  std::mutex m;
+  std::exception_ptr error;
+  CompletionPtr<std::monostate> done = std::make_shared<Completion<std::monostate>>();
+};
+
+struct TiledEvictable::Work {
+  std::vector<int64_t> tiles;
+  ResidencyPlanC plan;
+  CompletionPtr<std::monostate> ready;
+  bool ended = false;
+};
+
+// ---------------------------------------------------------------- construction
+
+TiledEvictable::TiledEvictable(CarrierPtr primary, CarrierPtr secondary, std::vector<int64_t> grid,
+                               std::vector<int64_t> tile, std::shared_ptr<ResidencyPolicyIface> policy)
+    : DependentCarrier(&tiled_evictable_kind(), primary ? primary->dtype() : DType::Float32(), true),
+      grid_(std::move(grid)),
+      tile_(std::move(tile)),
+      policy_(std::move(policy)) {
+  if (!primary || !secondary) raise<TypeError>("TiledEvictable tiers must be Carrier instances");
+  for (const Carrier* c : {primary.get(), secondary.get()}) {
+    if (c->kind().dependent)
+      raise<TypeError>("TiledEvictable tiers must be definition-free carriers, got the dependent ", c->kind_name());
+    if (!c->kind().shipped)
+      raise<TypeError>("TiledEvictable tiers must be definition-free carriers, got the user-defined ", c->kind_name());
+  }
+  if (primary == secondary) raise<ValueError>("TiledEvictable primary and secondary must be distinct carriers");
+  for (const Carrier* c : {primary.get(), secondary.get()}) {
+    if (c->is_released()) raise<RuntimeError>("TiledEvictable tier ", c->kind_name(), " is released");
+    if (c->is_owned()) raise<RuntimeError>("TiledEvictable tier ", c->kind_name(), " is owned by ", c->owner_description());
+  }
+  if (primary->dtype() != secondary->dtype())
+    raise<TypeError>("TiledEvictable tiers must share one dtype, got ", primary->dtype().name(), " and ",
+                     secondary->dtype().name());
+  if (grid_.empty() || grid_.size() != tile_.size())
+    raise<ValueError>("grid_shape and tile_shape must have one non-zero rank, got ", grid_.size(), " and ", tile_.size());
+  tile_count_ = 1;
+  tile_size_ = 1;
+  for (size_t i = 0; i < grid_.size(); ++i) {
+    if (grid_[i] < 1 || tile_[i] < 1)
+      raise<ValueError>("grid_shape and tile_shape extents must be >= 1 (axis ", i, ")");
+    logical_.push_back(grid_[i] * tile_[i]);
+    tile_count_ *= grid_[i];
+    tile_size_ *= tile_[i];
+  }
+  total_ = tile_count_ * tile_size_;
+  const int64_t p = primary->size(), s = secondary->size();
+  if (p != 0 && p != total_) raise<ValueError>("TiledEvictable primary must have 0 or ", total_, " slots, got ", p);
+  if (s != 0 && s != total_) raise<ValueError>("TiledEvictable secondary must have 0 or ", total_, " slots, got ", s);
+  if (s == 0 && !secondary->can_grow())
+    raise<ValueError>("TiledEvictable secondary ", secondary->kind_name(), " is empty and cannot grow to hold evicted tiles");
+  // Geometry: dense strides of the logical shape and each tile's footprint runs.
+  int64_t run = 1;
+  for (int64_t l : logical_) {
+    slot_stride_.push_back(run);
+    run *= l;
+  }
+  runs_.resize(static_cast<size_t>(tile_count_));
+  for (int64_t t = 0; t < tile_count_; ++t) {
+    TileCoord tc = tile_coord(t);
+    int64_t base = 0;
+    for (size_t i = 0; i < rank(); ++i) base += tc[i] * tile_[i] * slot_stride_[i];
+    Layout fp(Shape::flat(tile_), Stride::flat(slot_stride_));
+    runs_[t] = fp.runs();
+    for (auto& r : runs_[t]) r.offset += base;
+  }
+  tiles_.resize(static_cast<size_t>(tile_count_));
+  // Claims, rolled back if anything below fails.
+  Claim pc = primary->claim("a TiledEvictable carrier");
+  Claim sc = secondary->claim("a TiledEvictable carrier");
+  if (p == total_) {
+    for (int64_t t = 0; t < tile_count_; ++t) {
+      CarrierPtr buf = primary->allocate_like(tile_size_, true, dtype(), true);
+      for (const Run& r : runs_[t]) copy_slots(*primary, r.offset, *buf, r.ordinal, r.length);
+      tiles_[t].loc = TileLocation::Primary;
+      tiles_[t].buffer = std::move(buf);
+      tiles_[t].dirty = s != total_;
+      tiles_[t].secondary_valid = false;
+      stats_.primary_tiles++;
+      stats_.primary_bytes += tile_size_ * static_cast<int64_t>(slot_bytes(dtype()));
+    }
+  } else if (s == total_) {
+    for (auto& t : tiles_) {
+      t.loc = TileLocation::Secondary;
+      t.secondary_valid = true;
+    }
+  }
+  primary_ = std::move(primary);
+  secondary_ = std::move(secondary);
+  primary_claim_ = std::move(pc);
+  secondary_claim_ = std::move(sc);
+}
+
+TiledEvictable::~TiledEvictable() = default;
+
+int64_t TiledEvictable::tile_index(const TileCoord& t) const {
+  if (t.size() != rank())
+    raise<ValueError>("tile coordinate ", coord_str(t), " has rank ", t.size(), " but the tile grid has rank ", rank());
+  int64_t index = 0, scale = 1;
+  for (size_t i = 0; i < rank(); ++i) {
+    if (t[i] < 0 || t[i] >= grid_[i])
+      raise<ValueError>("tile coordinate ", coord_str(t), " is out of range for the tile grid ", coord_str(grid_));
+    index += t[i] * scale;
+    scale *= grid_[i];
+  }
+  return index;
+}
+
+TileCoord TiledEvictable::tile_coord(int64_t index) const {
+  TileCoord t(rank());
+  for (size_t i = 0; i < rank(); ++i) {
+    t[i] = index % grid_[i];
+    index /= grid_[i];
+  }
+  return t;
+}
+
+std::pair<int64_t, int64_t> TiledEvictable::locate(int64_t slot) const {
+  int64_t tile = 0, within = 0, tscale = 1, wscale = 1;
+  for (size_t i = 0; i < rank(); ++i) {
+    int64_t c = slot % logical_[i];
+    slot /= logical_[i];
+    tile += (c / tile_[i]) * tscale;
+    within += (c % tile_[i]) * wscale;
+    tscale *= grid_[i];
+    wscale *= tile_[i];
+  }
+  return {tile, within};
+}
+
+const std::vector<Run>& TiledEvictable::footprint_runs(int64_t index) const { return runs_[static_cast<size_t>(index)]; }
+
+// ---------------------------------------------------------------- footprints
+
+void TiledEvictable::check_footprints(const TensorImpl& t) const {
+  if (t.carrier.get() != this) raise<TypeError>("the tensor is not backed by this TiledEvictable");
+  std::vector<int64_t> ext = t.layout.shape().extents();
+  if (ext != logical_) {
+    std::ostringstream s;
+    for (size_t i = 0; i < ext.size(); ++i) s << (i ? ", " : "") << ext[i];
+    raise<ValueError>("the tensor's shape (", s.str(), ") is not the TiledEvictable's full logical shape ",
+                      coord_str(logical_), ": tile footprints cannot match");
+  }
+  {
+    std::lock_guard lock(footprint_cache_mutex_);
+    for (const auto& [l, off] : footprint_cache_)
+      if (off == t.offset && l == t.layout) return;
+  }
+  bool ok = t.offset == 0 && t.layout.is_column_major();  // the canonical layout
+  if (!ok) {
+    // One pass over the tensor's slots: each must lie in its own tile's footprint, and no slot twice.
+    std::vector<uint8_t> seen(static_cast<size_t>(total_), 0);
+    const FlatLayout& flat = t.layout.flat();
+    // Top-level mode boundaries among the flat leaves.
+    std::vector<size_t> first_leaf;
+    size_t leaf = 0;
+    for (size_t k = 0; k < t.layout.rank(); ++k) {
+      first_leaf.push_back(leaf);
+      leaf += t.layout.shape().tree()[k].is_leaf() ? 1 : t.layout.shape().tree()[k].leaf_count();
+    }
+    const int64_t n = t.size();
+    std::vector<int64_t> c(flat.extents.size(), 0);
+    int64_t off = t.offset;
+    for (int64_t o = 0; o < n; ++o) {
+      // Logical tile of ordinal o: per top-level mode, its ordinal / tile extent.
+      int64_t tile = 0, tscale = 1;
+      for (size_t k = 0; k < rank(); ++k) {
+        size_t end = k + 1 < first_leaf.size() ? first_leaf[k + 1] : flat.extents.size();
+        int64_t mode_ord = 0, mscale = 1;
+        for (size_t j = first_leaf[k]; j < end; ++j) {
+          mode_ord += c[j] * mscale;
+          mscale *= flat.extents[j];
+        }
+        tile += (mode_ord / tile_[k]) * tscale;
+        tscale *= grid_[k];
+      }
+      if (off < 0 || off >= total_)
+        raise<ValueError>("tensor slot ", off, " lies outside the TiledEvictable extent: tile footprints do not match");
+      auto [phys_tile, within] = locate(off);
+      (void)within;
+      if (phys_tile != tile)
+        raise<ValueError>("logical tile ", coord_str(tile_coord(tile)), " reaches slot ", off, " of carrier tile ",
+                          coord_str(tile_coord(phys_tile)), ": the tensor's tile footprints do not match the carrier's");
+      if (seen[off]) raise<ValueError>("the tensor reaches slot ", off, " twice: its tile footprints alias");
+      seen[off] = 1;
+      for (size_t j = 0; j < c.size(); ++j) {  // odometer
+        off += flat.strides[j];
+        if (++c[j] < flat.extents[j]) break;
+        off -= flat.strides[j] * flat.extents[j];
+        c[j] = 0;
+      }
+    }
+    // n == total_ and no slot repeats, so every footprint is covered exactly.
+  }
+  std::lock_guard lock(footprint_cache_mutex_);
+  if (footprint_cache_.size() >= 8) footprint_cache_.erase(footprint_cache_.begin());
+  footprint_cache_.emplace_back(t.layout, t.offset);
+}
+
+// ---------------------------------------------------------------- states
+
+TileState TiledEvictable::tile_state(const TileCoord& t) const {
+  int64_t i = tile_index(t);
+  std::lock_guard lock(mutex_);
+  const Tile& tile = tiles_[i];
+  return {tile.loc, tile.loc != TileLocation::Invalid, tile.loc == TileLocation::Primary && tile.dirty};
+}
+
+std::vector<TileCoord> TiledEvictable::tiles_where(const std::function<bool(const TileState&)>& pred) const {
+  std::vector<TileCoord> out;
+  std::lock_guard lock(mutex_);
+  for (int64_t i = 0; i < tile_count_; ++i) {
+    const Tile& t = tiles_[i];
+    TileState s{t.loc, t.loc != TileLocation::Invalid, t.loc == TileLocation::Primary && t.dirty};
+    if (pred(s)) out.push_back(tile_coord(i));
+  }
+  return out;
+}
+
+TiledStats TiledEvictable::stats() const {
+  std::lock_guard lock(mutex_);
+  return stats_;
+}
+
+bool TiledEvictable::has_incomplete_work() const {
+  std::lock_guard lock(mutex_);
+  return active_requests_ > 0 || active_work_ > 0;
+}
+
+void TiledEvictable::pending_conflict(int64_t index, const char* what) const {
+  raise<RuntimeError>("tile ", coord_str(tile_coord(index)), " of TiledEvictable has an incomplete residency request; ",
+                      "wait for it before ", what);
+}
+
+// ---------------------------------------------------------------- residency requests
+
+void TiledEvictable::ensure_secondary_storage() {
+  if (secondary_->size() == 0) secondary_->grow(total_, false);
+}
+
+CompletionPtr<std::monostate> TiledEvictable::promote_async(const std::vector<int64_t>& tiles) {
+  check_live("promote tiles");
+  auto r = std::make_shared<Request>();
+  r->promote = true;
+  {
+    std::lock_guard lock(mutex_);
+    std::vector<int64_t> uniq = tiles;
+    std::sort(uniq.begin(), uniq.end());
+    uniq.erase(std::unique(uniq.begin(), uniq.end()), uniq.end());
+    for (int64_t i : uniq) {
+      const Tile& t = tiles_[i];
+      if (t.pending) pending_conflict(i, "promoting it");
+      if (t.loc == TileLocation::Invalid)
+        raise<RuntimeError>("tile ", coord_str(tile_coord(i)), " of TiledEvictable is invalid: it has no value to promote");
+    }
+    for (int64_t i : uniq)
+      if (tiles_[i].loc != TileLocation::Primary) r->tiles.push_back(i);
+    if (r->tiles.empty()) {
+      r->done->set_value({});
+      return r->done;
+    }
+    r->id = next_request_++;
+    for (int64_t i : r->tiles) tiles_[i].pending = r->id;
+    active_requests_++;
+  }
+  start_request(r);
+  return r->done;
+}
+
+CompletionPtr<std::monostate> TiledEvictable::evict_async(const std::vector<int64_t>& tiles) {
+  check_live("evict tiles");
+  auto r = std::make_shared<Request>();
+  r->promote = false;
+  {
+    std::lock_guard lock(mutex_);
+    std::vector<int64_t> uniq = tiles;
+    std::sort(uniq.begin(), uniq.end());
+    uniq.erase(std::unique(uniq.begin(), uniq.end()), uniq.end());
+    for (int64_t i : uniq) {
+      const Tile& t = tiles_[i];
+      if (t.pending) pending_conflict(i, "evicting it");
+      if (t.pins > 0)
+        raise<RuntimeError>("tile ", coord_str(tile_coord(i)),
+                            " of TiledEvictable is pinned by running tiled work; wait for that work before evicting it");
+    }
+    for (int64_t i : uniq)
+      if (tiles_[i].loc == TileLocation::Primary) r->tiles.push_back(i);
+    if (r->tiles.empty()) {
+      r->done->set_value({});
+      return r->done;
+    }
+    ensure_secondary_storage();
+    r->id = next_request_++;
+    for (int64_t i : r->tiles) tiles_[i].pending = r->id;
+    active_requests_++;
+  }
+  start_request(r);
+  return r->done;
+}
+
+void TiledEvictable::start_request(const std::shared_ptr<Request>& r) {
+  const size_t n = r->tiles.size();
+  r->staged.resize(n);
+  r->wrote.assign(n, 0);
+  r->remaining.store(n);
+  auto self = std::static_pointer_cast<TiledEvictable>(shared_from_this());
+  for (size_t k = 0; k < n; ++k) {
+    const int64_t index = r->tiles[k];
+    TileLocation loc;
+    bool needs_write = false;
+    CarrierPtr buffer;
+    {
+      std::lock_guard lock(mutex_);
+      const Tile& t = tiles_[index];
+      loc = t.loc;
+      needs_write = t.dirty || !t.secondary_valid;
+      buffer = t.buffer;
+    }
+    Executor::io().submit([self, r, k, index, loc, needs_write, buffer] {
+      CarrierPtr staged;
+      std::exception_ptr error;
+      try {
+        if (r->promote) {
+          staged = self->primary_->allocate_like(self->tile_size_, true, self->dtype(), loc == TileLocation::Secondary);
+          if (loc == TileLocation::Secondary)
+            for (const Run& run : self->runs_[index])
+              copy_slots(*self->secondary_, run.offset, *staged, run.ordinal, run.length);
+        } else if (needs_write) {
+          for (const Run& run : self->runs_[index])
+            copy_slots(*buffer, run.ordinal, *self->secondary_, run.offset, run.length);
+          r->wrote[k] = 1;
+        }
+      } catch (...) {
+        error = std::current_exception();
+      }
+      self->finish_tile(r, k, std::move(staged), error);
+    });
+  }
+}
+
+void TiledEvictable::finish_tile(const std::shared_ptr<Request>& r, size_t k, CarrierPtr buffer, std::exception_ptr error) {
+  {
+    std::lock_guard lock(r->m);
+    r->staged[k] = std::move(buffer);
+    if (error && !r->error) r->error = error;
+  }
+  if (r->remaining.fetch_sub(1) == 1) commit(r);
+}
+
+void TiledEvictable::commit(const std::shared_ptr<Request>& r) {
+  std::vector<CarrierPtr> discard;
+  {
+    std::lock_guard lock(mutex_);
+    const int64_t bytes = tile_size_ * static_cast<int64_t>(slot_bytes(dtype()));
+    for (size_t k = 0; k < r->tiles.size(); ++k) {
+      Tile& t = tiles_[r->tiles[k]];
+      t.pending = 0;
+      if (r->error) continue;  // all-or-nothing: the prior state stands
+      if (r->promote) {
+        bool was_implicit = t.loc == TileLocation::Implicit;
+        t.buffer = std::move(r->staged[k]);
+        t.loc = TileLocation::Primary;
+        t.dirty = was_implicit;
+        t.secondary_valid = !was_implicit;
+        stats_.promotions++;
+        if (!was_implicit) stats_.bytes_promoted += bytes;
+        stats_.primary_tiles++;
+        stats_.primary_bytes += bytes;
+      } else {
+        discard.push_back(std::move(t.buffer));
+        t.loc = TileLocation::Secondary;
+        t.dirty = false;
+        t.secondary_valid = true;
+        stats_.evictions++;
+        if (r->wrote[k]) stats_.bytes_evicted += bytes;
+        else stats_.writes_skipped++;
+        stats_.primary_tiles--;
+        stats_.primary_bytes -= bytes;
+      }
+    }
+    if (r->error) r->staged.clear();
+    active_requests_--;
+  }
+  for (auto& b : discard)
+    if (b) b->release();
+  discard.clear();
+  if (r->error) r->done->set_error(r->error);
+  else r->done->set_value({});
+}
+
+// ---------------------------------------------------------------- data access
+
+const TiledEvictable::Tile& TiledEvictable::readable_tile(int64_t index, std::unique_lock<std::mutex>& lock) const {
+  for (;;) {
+    const Tile& t = tiles_[index];
+    if (t.pending) pending_conflict(index, "accessing its values");
+    if (t.loc == TileLocation::Invalid)
+      raise<RuntimeError>("tile ", coord_str(tile_coord(index)), " of TiledEvictable is invalid: it has no value yet");
+    if (t.loc != TileLocation::Secondary) return t;
+    // A secondary tile is promoted first.
+    lock.unlock();
+    auto done = const_cast<TiledEvictable*>(this)->promote_async({index});
+    done->value();
+    lock.lock();
+  }
+}
+
+Value TiledEvictable::read_value(int64_t slot) const {
+  auto [index, within] = locate(slot);
+  std::unique_lock lock(mutex_);
+  const Tile& t = readable_tile(index, lock);
+  if (t.loc == TileLocation::Implicit) {
+    switch (dtype().id()) {
+      case DTypeId::Int32: return Value::from_int(0);
+      case DTypeId::Bool: return Value::from_bool(false);
+      default: return Value::from_float(0.0);
+    }
+  }
+  return t.buffer->read_value(within);
+}
+
+void TiledEvictable::write_value(int64_t slot, const Value& value) {
+  auto [index, within] = locate(slot);
+  std::unique_lock lock(mutex_);
+  for (;;) {
+    const Tile& t = readable_tile(index, lock);
+    if (t.loc == TileLocation::Primary) break;
+    lock.unlock();  // implicit: materialise a zero buffer first
+    promote_async({index})->value();
+    lock.lock();
+  }
+  Tile& t = tiles_[index];
+  t.buffer->write_value(within, value);
+  t.dirty = true;
+}
+
+void TiledEvictable::read_slots(int64_t start, int64_t count, void* out) const {
+  auto* bytes = static_cast<std::byte*>(out);
+  const size_t w = slot_bytes(dtype());
+  for (int64_t k = 0; k < count; ++k) store_value(dtype(), bytes + k * w, read_value(start + k));
+}
+
+void TiledEvictable::write_slots(int64_t start, int64_t count, const void* in) {
+  auto* bytes = static_cast<const std::byte*>(in);
+  const size_t w = slot_bytes(dtype());
+  for (int64_t k = 0; k < count; ++k) write_value(start + k, load_value(dtype(), bytes + k * w));
+}
+
+bool TiledEvictable::supports_storage_dtype(const DType& d) const {
+  return primary_->supports_storage_dtype(d) && secondary_->supports_storage_dtype(d);
+}
+
+CarrierPtr TiledEvictable::allocate_like(int64_t slots, bool is_mutable, const DType& d, bool empty) const {
+  if (slots != 0 && slots != total_)
+    raise<ValueError>("TiledEvictable.allocate_like size must be 0 or the full extent ", total_, ", got ", slots);
+  CarrierPtr p = primary_->allocate_like(0, true, d, true);
+  CarrierPtr s = secondary_->allocate_like(0, true, d, true);
+  auto out = std::make_shared<TiledEvictable>(p, s, grid_, tile_, policy_);
+  if (!empty) {
+    std::lock_guard lock(out->mutex_);
+    for (auto& t : out->tiles_) t.loc = TileLocation::Implicit;
+  }
+  (void)is_mutable;
+  return out;
+}
+
+// ---------------------------------------------------------------- work requests
+
+std::shared_ptr<TiledEvictable::Work> TiledEvictable::begin_work(const std::vector<int64_t>& tiles, const char* purpose) {
+  check_live("run tiled work");
+  auto work = std::make_shared<Work>();
+  work->tiles = tiles;
+  std::sort(work->tiles.begin(), work->tiles.end());
+  work->tiles.erase(std::unique(work->tiles.begin(), work->tiles.end()), work->tiles.end());
+  if (policy_) {
+    std::vector<TileCoord> required;
+    for (int64_t i : work->tiles) required.push_back(tile_coord(i));
+    work->plan = policy_->plan(required, purpose);  // exceptions propagate before any work
+    for (auto* field : {&work->plan.promote, &work->plan.retain, &work->plan.evict})
+      for (const auto& t : *field) tile_index(t);  // ValueError for out-of-grid plans
+  }
+  std::vector<int64_t> missing;
+  {
+    std::lock_guard lock(mutex_);
+    for (int64_t i : work->tiles) {
+      if (tiles_[i].pending) pending_conflict(i, "running tiled work on it");
+      if (tiles_[i].loc == TileLocation::Invalid)
+        raise<RuntimeError>("tile ", coord_str(tile_coord(i)), " of TiledEvictable is invalid: it has no value yet");
+    }
+    for (int64_t i : work->tiles) {
+      tiles_[i].pins++;
+      if (tiles_[i].loc == TileLocation::Secondary) missing.push_back(i);
+    }
+    for (const auto& t : work->plan.promote) {
+      int64_t i = tile_index(t);
+      const Tile& tile = tiles_[i];
+      if (tile.loc == TileLocation::Secondary && !tile.pending &&
+          std::find(missing.begin(), missing.end(), i) == missing.end())
+        missing.push_back(i);
+    }
+    active_work_++;
+  }
+  try {
+    work->ready = missing.empty() ? nullptr : promote_async(missing);
+  } catch (...) {
+    end_work(work);
+    throw;
+  }
+  if (!work->ready) {
+    work->ready = std::make_shared<Completion<std::monostate>>();
+    work->ready->set_value({});
+  }
+  return work;
+}
+
+void TiledEvictable::end_work(const std::shared_ptr<Work>& work) {
+  std::vector<int64_t> evict;
+  {
+    std::lock_guard lock(mutex_);
+    if (work->ended) return;
+    work->ended = true;
+    for (int64_t i : work->tiles) tiles_[i].pins--;
+    active_work_--;
+    for (const auto& t : work->plan.evict) {
+      int64_t i = tile_index(t);
+      if (tiles_[i].pins == 0 && !tiles_[i].pending && tiles_[i].loc == TileLocation::Primary) evict.push_back(i);
+    }
+  }
+  if (!evict.empty() && !is_released()) {
+    try {
+      (void)evict_async(evict);  // deferred evictions: best effort, they never invalidate live work
+    } catch (const Error&) {
+    }
+  }
+}
+
+// ---------------------------------------------------------------- release
+
+void TiledEvictable::check_releasable() const {
+  std::lock_guard lock(mutex_);
+  if (active_requests_ > 0 || active_work_ > 0)
+    raise<RuntimeError>("TiledEvictable has incomplete work (", active_requests_, " residency request(s), ",
+                        active_work_, " tiled operation(s)); wait for it before release()");
+}
+
+void TiledEvictable::do_release() {
+  std::vector<CarrierPtr> buffers;
+  {
+    std::lock_guard lock(mutex_);
+    for (auto& t : tiles_) {
+      if (t.buffer) buffers.push_back(std::move(t.buffer));
+      t.loc = TileLocation::Invalid;
+    }
+    stats_.primary_tiles = 0;
+    stats_.primary_bytes = 0;
+  }
+  for (auto& b : buffers) b->release();
+  primary_claim_.end();
+  secondary_claim_.end();
+  primary_->release();
+  secondary_->release();
+}
+
+}  // namespace sw
