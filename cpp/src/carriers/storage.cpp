@@ -316,8 +316,8 @@ void BlockDeviceCarrier::do_release() { free_extent(); }
 
 // ---------------------------------------------------------------- Evictable
 
-EvictableCarrier::EvictableCarrier(CarrierPtr primary, CarrierPtr secondary)
-    : DependentCarrier(&evictable_kind(), primary ? primary->dtype() : DType::Float32(), true) {
+EvictableCarrier::EvictableCarrier(CarrierPtr primary, CarrierPtr secondary, bool is_mutable)
+    : DependentCarrier(&evictable_kind(), primary ? primary->dtype() : DType::Float32(), is_mutable) {
   if (!primary || !secondary) raise<TypeError>("Evictable tiers must be Carrier instances");
   if (primary == secondary) raise<ValueError>("Evictable primary and secondary must be distinct carriers");
   for (const auto* c : {primary.get(), secondary.get()}) {
@@ -377,7 +377,7 @@ CarrierPtr EvictableCarrier::allocate_like(int64_t slots, bool is_mutable, const
   std::lock_guard lock(mutex_);
   auto p = primary_->allocate_like(slots, true, dtype, empty);
   auto s = secondary_->allocate_like(0, true, dtype, true);
-  return std::make_shared<EvictableCarrier>(std::move(p), std::move(s));
+  return std::make_shared<EvictableCarrier>(std::move(p), std::move(s), is_mutable);
 }
 
 void EvictableCarrier::evict() {

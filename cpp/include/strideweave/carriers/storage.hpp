@@ -121,7 +121,9 @@ class BlockDeviceCarrier final : public Carrier {
 
 class EvictableCarrier final : public DependentCarrier {
  public:
-  EvictableCarrier(CarrierPtr primary, CarrierPtr secondary);
+  // `is_mutable` is public mutability of the Evictable itself (allocate_like /
+  // new_like pass theirs through); the tiers are always claimed.
+  EvictableCarrier(CarrierPtr primary, CarrierPtr secondary, bool is_mutable = true);
   ~EvictableCarrier() override;
   int64_t size() const override { return is_released() ? 0 : slots_; }
   void read_slots(int64_t start, int64_t count, void* out) const override;
