@@ -26,8 +26,10 @@ void Executor::submit(std::function<void()> work) {
   {
     std::lock_guard lock(mutex_);
     queue_.push_back(std::move(work));
-    // Start a thread lazily when nobody idle can take the work.
-    if (idle_ == 0 && threads_.size() < max_threads_) {
+    // Start a thread lazily when the idle threads cannot take all queued work.
+    // (A thread that was notified but has not yet dequeued still counts as
+    // idle, so comparing idle_ with 0 left work queued behind blocked work.)
+    if (queue_.size() > idle_ && threads_.size() < max_threads_) {
       threads_.emplace_back([this] { run(); });
       std::string short_name = name_.substr(0, 15);
       pthread_setname_np(threads_.back().native_handle(), short_name.c_str());

@@ -42,8 +42,12 @@ const char* errno_name(int e) {
     case EBADF: return "EBADF";
     case EROFS: return "EROFS";
     case EDQUOT: return "EDQUOT";
-    default: return "errno";
+    default: break;
   }
+#if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 32))
+  if (const char* name = ::strerrorname_np(e)) return name;  // every other errno by its symbolic name
+#endif
+  return "errno";
 }
 
 // Returns an injected errno for this call, or 0.

@@ -147,7 +147,8 @@ class Carrier : public std::enable_shared_from_this<Carrier> {
   virtual bool supports_storage_dtype(const DType& dtype) const;
   // Whether an empty carrier of this kind can grow to a requested size.
   virtual bool can_grow() const { return provider_ != nullptr; }
-  bool is_allocatable() const { return size() == 0 && can_grow(); }
+  // A released carrier is never allocatable (growing it would revive its storage).
+  bool is_allocatable() const { return !is_released() && size() == 0 && can_grow(); }
   // Grows an allocatable carrier to `slots` zero-filled slots (content
   // unspecified when `zero` is false).
   virtual void grow(int64_t slots, bool zero);

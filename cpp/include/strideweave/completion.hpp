@@ -76,10 +76,17 @@ class CompletionBase {
 
  protected:
   void finish(std::exception_ptr e) {
+    finish(std::move(e), [] {});
+  }
+  // Under the lock: refuses a second set before `store` records anything, so
+  // a refused set never disturbs the published value (or a reader of it).
+  template <class Store>
+  void finish(std::exception_ptr e, Store&& store) {
     std::vector<std::function<void()>> cbs;
     {
       std::lock_guard lock(mutex_);
       SW_ASSERT(!done_, "a completion was set twice");
+      store();
       error_ = std::move(e);
       done_ = true;
       cbs.swap(callbacks_);
@@ -100,11 +107,7 @@ template <class T>
 class Completion final : public CompletionBase {
  public:
   void set_value(T v) {
-    {
-      std::lock_guard lock(mutex_);
-      value_ = std::move(v);
-    }
-    finish(nullptr);
+    finish(nullptr, [&] { value_ = std::move(v); });
   }
   // The value after successful completion (rethrows the error otherwise).
   const T& value() const {

@@ -143,11 +143,13 @@ CPUCarrier::CPUCarrier(int64_t slots, const DType& dtype, bool is_mutable, bool 
 }
 
 void CPUCarrier::read_slots(int64_t start, int64_t count, void* out) const {
+  if (count <= 0) return;  // an empty carrier's buffer is null: memcpy must not see it
   std::memcpy(out, buffer_->data() + static_cast<size_t>(start) * slot_bytes(dtype()),
               static_cast<size_t>(count) * slot_bytes(dtype()));
 }
 
 void CPUCarrier::write_slots(int64_t start, int64_t count, const void* in) {
+  if (count <= 0) return;
   std::memcpy(buffer_->data() + static_cast<size_t>(start) * slot_bytes(dtype()), in,
               static_cast<size_t>(count) * slot_bytes(dtype()));
 }

@@ -1,0 +1,264 @@
+// System-call sites and test-only fault injection (strideweave/io.hpp):
+// io::inject(op, errno, count, after) fails the next `count` calls of `op`
+// after `after` more successful ones (count < 0: until cleared); clear_faults
+// disarms everything. Failures raise RuntimeError naming the operation, the
+// file, strerror and the errno name. Injected faults never reach the kernel.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "strideweave/io.hpp"
+#include "test_support.hpp"
+
+namespace sw {
+namespace {
+
+using namespace testing_support;
+using io::Op;
+
+class IoTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    io::clear_faults();
+    fd_ = io::open_file(tmp_.path(), O_RDWR);
+    const char init[16] = "0123456789abcde";
+    io::pwrite_full(fd_, init, 16, 0, tmp_.path());
+  }
+  void TearDown() override {
+    io::clear_faults();
+    if (fd_ >= 0) ::close(fd_);
+  }
+  // One pwrite of 4 bytes; returns whether it succeeded.
+  bool try_pwrite(const char* data = "WXYZ", int64_t off = 0) {
+    try {
+      io::pwrite_full(fd_, data, 4, off, tmp_.path());
+      return true;
+    } catch (const RuntimeError&) {
+      return false;
+    }
+  }
+  bool try_pread() {
+    char buf[4];
+    try {
+      io::pread_full(fd_, buf, 4, 0, tmp_.path());
+      return true;
+    } catch (const RuntimeError&) {
+      return false;
+    }
+  }
+  std::string contents() {
+    char buf[16];
+    EXPECT_EQ(::pread(fd_, buf, 16, 0), 16);
+    return std::string(buf, 16);
+  }
+  TempPath tmp_{"sw-io"};
+  int fd_ = -1;
+};
+
+TEST_F(IoTest, CountFailsExactlyThatManyCalls) {
+  io::inject(Op::Pwrite, EIO, 2);
+  EXPECT_FALSE(try_pwrite());
+  EXPECT_FALSE(try_pwrite());
+  EXPECT_TRUE(try_pwrite());
+  EXPECT_TRUE(try_pwrite());
+}
+
+TEST_F(IoTest, DefaultCountIsOne) {
+  io::inject(Op::Pread, EIO);
+  EXPECT_FALSE(try_pread());
+  EXPECT_TRUE(try_pread());
+}
+
+TEST_F(IoTest, AfterSkipsThatManySuccessfulCalls) {
+  io::inject(Op::Pread, EIO, 2, 3);
+  std::vector<bool> got;
+  for (int k = 0; k < 7; ++k) got.push_back(try_pread());
+  EXPECT_EQ(got, (std::vector<bool>{true, true, true, false, false, true, true}));
+}
+
+TEST_F(IoTest, NegativeCountFailsUntilCleared) {
+  io::inject(Op::Pwrite, ENOSPC, -1);
+  for (int k = 0; k < 25; ++k) ASSERT_FALSE(try_pwrite()) << "call " << k;
+  io::clear_faults();
+  EXPECT_TRUE(try_pwrite());
+  EXPECT_EQ(contents().substr(0, 4), "WXYZ");
+}
+
+TEST_F(IoTest, ForeverAfterSkipping) {
+  io::inject(Op::Pwrite, EIO, -1, 2);
+  EXPECT_TRUE(try_pwrite());
+  EXPECT_TRUE(try_pwrite());
+  for (int k = 0; k < 5; ++k) EXPECT_FALSE(try_pwrite());
+}
+
+TEST_F(IoTest, ZeroCountNeverFails) {
+  io::inject(Op::Pwrite, EIO, 0);
+  EXPECT_TRUE(try_pwrite());
+  EXPECT_TRUE(try_pwrite());
+}
+
+TEST_F(IoTest, ClearDisarmsEveryOperation) {
+  io::inject(Op::Pwrite, EIO, -1);
+  io::inject(Op::Pread, EIO, -1);
+  io::inject(Op::Fsync, EIO, -1);
+  io::inject(Op::Open, EIO, -1);
+  io::clear_faults();
+  EXPECT_TRUE(try_pwrite());
+  EXPECT_TRUE(try_pread());
+  io::fsync_file(fd_, tmp_.path());
+  int fd = io::open_file(tmp_.path(), O_RDONLY);
+  EXPECT_GE(fd, 0);
+  ::close(fd);
+}
+
+TEST_F(IoTest, ClearDropsPendingSkips) {
+  io::inject(Op::Pread, EIO, 1, 2);
+  io::clear_faults();
+  for (int k = 0; k < 5; ++k) EXPECT_TRUE(try_pread());
+}
+
+TEST_F(IoTest, FaultsAreKeptPerOperation) {
+  io::inject(Op::Pwrite, EIO, -1);
+  EXPECT_TRUE(try_pread()) << "a pwrite fault leaves pread alone";
+  io::fsync_file(fd_, tmp_.path());
+  EXPECT_FALSE(try_pwrite());
+}
+
+TEST_F(IoTest, ReinjectingReplacesTheFault) {
+  io::inject(Op::Pwrite, EIO, -1);
+  io::inject(Op::Pwrite, ENOSPC, 1);
+  EXPECT_SW_THROW(RuntimeError, "(ENOSPC)", io::pwrite_full(fd_, "abcd", 4, 0, tmp_.path()));
+  EXPECT_TRUE(try_pwrite());
+}
+
+TEST_F(IoTest, InjectedFaultsNeverReachTheKernel) {
+  io::inject(Op::Pwrite, EIO, 1);
+  EXPECT_FALSE(try_pwrite("ABCD", 4));
+  EXPECT_EQ(contents(), std::string("0123456789abcde\0", 16)) << "the failed write changed nothing";
+  std::string path = tmp_.path() + ".never";
+  io::inject(Op::Open, EACCES, 1);
+  EXPECT_SW_THROW(RuntimeError, "EACCES", io::open_file(path, O_RDWR | O_CREAT));
+  EXPECT_FALSE(file_exists(path)) << "an injected open creates no file";
+}
+
+TEST_F(IoTest, CallsCountSuccessfulAndInjectedCalls) {
+  const int64_t w0 = io::calls(Op::Pwrite), r0 = io::calls(Op::Pread), f0 = io::calls(Op::Fsync);
+  EXPECT_TRUE(try_pwrite());
+  io::inject(Op::Pwrite, EIO, 1);
+  EXPECT_FALSE(try_pwrite());
+  EXPECT_TRUE(try_pread());
+  io::fsync_file(fd_, tmp_.path());
+  EXPECT_EQ(io::calls(Op::Pwrite) - w0, 2);
+  EXPECT_EQ(io::calls(Op::Pread) - r0, 1);
+  EXPECT_EQ(io::calls(Op::Fsync) - f0, 1);
+}
+
+// ---------------------------------------------------------------- messages
+
+struct MessageCase {
+  Op op;
+  const char* op_name;
+  int error;
+  const char* errno_name;
+};
+
+TEST_F(IoTest, MessagesNameTheOperationFileAndErrno) {
+  const MessageCase cases[] = {
+      {Op::Pwrite, "pwrite of ", EIO, "(EIO)"},        {Op::Pwrite, "pwrite of ", ENOSPC, "(ENOSPC)"},
+      {Op::Pread, "pread of ", EIO, "(EIO)"},          {Op::Fsync, "fsync of ", EIO, "(EIO)"},
+      {Op::Open, "open of ", EACCES, "(EACCES)"},      {Op::Open, "open of ", ENOENT, "(ENOENT)"},
+      {Op::Pwrite, "pwrite of ", EDQUOT, "(EDQUOT)"},  {Op::Pwrite, "pwrite of ", EROFS, "(EROFS)"},
+      {Op::Pread, "pread of ", EPERM, "(EPERM)"},      {Op::Pwrite, "pwrite of ", EFBIG, "(EFBIG)"},
+      {Op::Open, "open of ", EMFILE, "(EMFILE)"},      {Op::Pread, "pread of ", EAGAIN, "(EAGAIN)"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(std::string(c.op_name) + c.errno_name);
+    io::inject(c.op, c.error, 1);
+    std::string message;
+    try {
+      char buf[4] = {};
+      switch (c.op) {
+        case Op::Open: ::close(io::open_file(tmp_.path(), O_RDONLY)); break;
+        case Op::Pread: io::pread_full(fd_, buf, 4, 0, tmp_.path()); break;
+        case Op::Pwrite: io::pwrite_full(fd_, buf, 4, 0, tmp_.path()); break;
+        case Op::Fsync: io::fsync_file(fd_, tmp_.path()); break;
+      }
+      ADD_FAILURE() << "no error";
+    } catch (const RuntimeError& e) {
+      message = e.what();
+    }
+    EXPECT_EQ(message.rfind(c.op_name, 0), 0u) << message;
+    EXPECT_NE(message.find(tmp_.path()), std::string::npos) << message;
+    EXPECT_NE(message.find(std::strerror(c.error)), std::string::npos) << message;
+    EXPECT_NE(message.find(c.errno_name), std::string::npos) << message;
+    io::clear_faults();
+  }
+}
+
+TEST_F(IoTest, RealKernelErrorsAreReportedTheSameWay) {
+  const std::string missing = temp_dir() + "/sw-io-no-such-dir/file";
+  EXPECT_SW_THROW(RuntimeError, "open of " + missing + " failed: No such file or directory (ENOENT)",
+                  io::open_file(missing, O_RDONLY));
+  int ro = io::open_file(tmp_.path(), O_RDONLY);
+  EXPECT_SW_THROW(RuntimeError, "(EBADF)", io::pwrite_full(ro, "x", 1, 0, "the read-only fd"));
+  EXPECT_SW_THROW(RuntimeError, "pwrite of the read-only fd failed", io::pwrite_full(ro, "x", 1, 0, "the read-only fd"));
+  ::close(ro);
+  char buf[4];
+  EXPECT_SW_THROW(RuntimeError, "pread of a closed fd failed", io::pread_full(-1, buf, 4, 0, "a closed fd"));
+  EXPECT_SW_THROW(RuntimeError, "fsync of a closed fd failed", io::fsync_file(-1, "a closed fd"));
+}
+
+// ---------------------------------------------------------------- full transfers
+
+TEST_F(IoTest, ReadsPastTheEndAreZeros) {
+  char buf[24];
+  std::memset(buf, 'x', sizeof buf);
+  io::pread_full(fd_, buf, 24, 8, tmp_.path());
+  EXPECT_EQ(std::string(buf, 8), "89abcde" + std::string(1, '\0'));
+  for (int k = 8; k < 24; ++k) EXPECT_EQ(buf[k], 0) << k;
+}
+
+TEST_F(IoTest, WritesExtendTheFile) {
+  io::pwrite_full(fd_, "tail", 4, 100, tmp_.path());
+  struct stat st;
+  ASSERT_EQ(::fstat(fd_, &st), 0);
+  EXPECT_EQ(st.st_size, 104);
+  char buf[4];
+  io::pread_full(fd_, buf, 4, 100, tmp_.path());
+  EXPECT_EQ(std::string(buf, 4), "tail");
+}
+
+// ---------------------------------------------------------------- concurrency
+
+TEST_F(IoTest, ConcurrentCallsFailExactlyCountTimes) {
+  constexpr int kThreads = 4, kCalls = 100;
+  io::inject(Op::Pwrite, EIO, 37, 55);
+  std::atomic<int> failed{0}, succeeded{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t)
+    threads.emplace_back([&, t] {
+      const char data[4] = {static_cast<char>('a' + t), 0, 0, 0};
+      for (int k = 0; k < kCalls; ++k) {
+        try {
+          io::pwrite_full(fd_, data, 1, t, tmp_.path());
+          succeeded.fetch_add(1);
+        } catch (const RuntimeError&) {
+          failed.fetch_add(1);
+        }
+      }
+    });
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(failed.load(), 37);
+  EXPECT_EQ(succeeded.load(), kThreads * kCalls - 37);
+}
+
+}  // namespace
+}  // namespace sw
