@@ -78,9 +78,18 @@ void backward(const TensorPtr& root, const TensorPtr& gradient, bool retain_grap
       raise<ValueError>("backward: gradient can be omitted only for single-element outputs; this one has shape ",
                         root->layout.shape().str());
     seed = full_like_kind(*root->carrier, root->layout.shape(), DType::Float32(), 1.0);
-  } else if (!(seed->layout.shape() == root->layout.shape())) {
-    raise<ValueError>("backward: gradient shape ", seed->layout.shape().str(), " does not match the output's ",
-                      root->layout.shape().str());
+  } else {
+    if (!(seed->layout.shape() == root->layout.shape()))
+      raise<ValueError>("backward: gradient shape ", seed->layout.shape().str(), " does not match the output's ",
+                        root->layout.shape().str());
+    // Checked here, before any work: a wrong seed would otherwise fail (or be misread) midway, after some
+    // leaves had already accumulated.
+    if (seed->dtype().id() != DTypeId::Float32)
+      raise<TypeError>("backward: gradient must be a Float32 tensor, got ", seed->dtype().name());
+    if (&seed->carrier->kind() != &root->carrier->kind())
+      raise<TypeError>("backward: gradient lives on ", seed->carrier->kind_name(), " but the output on ",
+                       root->carrier->kind_name(), "; move the gradient first");
+    seed->carrier->check_live("use it as a gradient");
   }
   GradModeGuard no_grad(false);
   std::shared_ptr<Node> root_node;
