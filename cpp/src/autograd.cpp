@@ -31,9 +31,12 @@ TensorPtr add_grads(const TensorPtr& a, const TensorPtr& b) {
   return call_op(OpId::Add, ops);
 }
 
-// The gradient as the leaf's carrier kind holds it (new_like of the leaf).
-TensorPtr on_leaf_kind(const TensorImpl& leaf, const TensorPtr& g) {
-  if (&g->carrier->kind() == &leaf.carrier->kind() && g->layout == column_major(leaf.layout.shape())) return g;
+// The gradient as the leaf's carrier kind holds it (new_like of the leaf). `g` is kept as is only when `owned`
+// (freshly computed here, held by nobody else); otherwise (the caller's seed, or one gradient that add passes
+// through to several operands) it is copied, so that no two .grad tensors, nor .grad and the seed, share storage.
+TensorPtr on_leaf_kind(const TensorImpl& leaf, const TensorPtr& g, bool owned) {
+  if (owned && &g->carrier->kind() == &leaf.carrier->kind() && g->layout == column_major(leaf.layout.shape()))
+    return g;
   CarrierPtr c = leaf.carrier->allocate_like(g->size(), true, DType::Float32(), /*empty=*/true);
   TensorPtr dense = g;
   if (!g->layout.is_contiguous() || g->offset != 0) dense = expand_dense(g, g->layout.shape());
@@ -47,8 +50,7 @@ void accumulate_into(TensorImpl& t, const TensorPtr& g) {
     std::lock_guard lock(t.mutex);
     current = t.grad;
   }
-  TensorPtr sum = current ? add_grads(current, g) : g;
-  TensorPtr value = on_leaf_kind(t, sum);
+  TensorPtr value = current ? on_leaf_kind(t, add_grads(current, g), /*owned=*/true) : on_leaf_kind(t, g, false);
   std::lock_guard lock(t.mutex);
   t.grad = value;
 }
@@ -76,9 +78,18 @@ void backward(const TensorPtr& root, const TensorPtr& gradient, bool retain_grap
       raise<ValueError>("backward: gradient can be omitted only for single-element outputs; this one has shape ",
                         root->layout.shape().str());
     seed = full_like_kind(*root->carrier, root->layout.shape(), DType::Float32(), 1.0);
-  } else if (!(seed->layout.shape() == root->layout.shape())) {
-    raise<ValueError>("backward: gradient shape ", seed->layout.shape().str(), " does not match the output's ",
-                      root->layout.shape().str());
+  } else {
+    if (!(seed->layout.shape() == root->layout.shape()))
+      raise<ValueError>("backward: gradient shape ", seed->layout.shape().str(), " does not match the output's ",
+                        root->layout.shape().str());
+    // Checked here, before any work: a wrong seed would otherwise fail (or be misread) midway, after some
+    // leaves had already accumulated.
+    if (seed->dtype().id() != DTypeId::Float32)
+      raise<TypeError>("backward: gradient must be a Float32 tensor, got ", seed->dtype().name());
+    if (&seed->carrier->kind() != &root->carrier->kind())
+      raise<TypeError>("backward: gradient lives on ", seed->carrier->kind_name(), " but the output on ",
+                       root->carrier->kind_name(), "; move the gradient first");
+    seed->carrier->check_live("use it as a gradient");
   }
   GradModeGuard no_grad(false);
   std::shared_ptr<Node> root_node;
