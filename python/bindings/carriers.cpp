@@ -120,10 +120,11 @@ void bind_carriers(nb::module_& m) {
          nb::arg("empty") = false)
       .def("facet", [](nb::handle self, nb::handle t) -> nb::object {
         if (!PyType_Check(t.ptr())) sw::raise<sw::TypeError>("facet type must be a class");
-        Definition* def = find_definition(self.type());
-        if (!def) return nb::none();
-        for (nb::handle f : def->facets)
-          if (PyObject_IsInstance(f.ptr(), t.ptr()) == 1) return nb::borrow(f);
+        nb::object def = definition_object(self.type());
+        if (def.is_none()) return nb::none();
+        for (nb::handle f : def.attr("facets"))
+          if (PyObject_IsInstance(f.ptr(), t.ptr()) == 1)
+            return nb::hasattr(f, "_bind") ? f.attr("_bind")(self) : nb::borrow(f);  // per-carrier facets
         return nb::none();
       }, nb::arg("facet_type"))
       .def("require_facet", [](nb::handle self, nb::handle t) -> nb::object {

@@ -22,6 +22,7 @@ void bind_tensor(nb::module_& m);
 void bind_completion(nb::module_& m);
 void bind_extension(nb::module_& m);
 void bind_ops(nb::module_& m);
+void bind_tiled(nb::module_& m);
 void bind_tensor_operators(nb::module_& m);
 
 // Sets the Python error indicator for a C++ exception (the one translation point, errors.cpp).

@@ -15,6 +15,7 @@
 #include "strideweave/grad_mode.hpp"
 #include "strideweave/io.hpp"
 #include "strideweave/move.hpp"
+#include "strideweave/tiled/tiled_evictable.hpp"
 
 namespace swpy {
 
@@ -129,6 +130,18 @@ class PyRoute final : public sw::TransferRouteIface {
 
 }  // namespace
 
+namespace {
+// Definitions of shipped classes installed by the library itself (TiledEvictable's).
+auto& g_shipped = *new std::map<PyObject*, nb::object>();
+}  // namespace
+
+nb::object definition_object(nb::handle cls) {
+  if (Definition* d = find_definition(cls)) return d->definition;
+  std::lock_guard lock(g_mutex);
+  auto it = g_shipped.find(cls.ptr());
+  return it == g_shipped.end() ? nb::none() : it->second;
+}
+
 Definition* find_definition(nb::handle cls) {
   std::lock_guard lock(g_mutex);
   auto it = g_definitions.find(cls.ptr());
@@ -141,6 +154,7 @@ const sw::CarrierKind* kind_of_class(nb::handle cls) {
   if (cls.is(nb::type<sw::FileBackedCarrier>())) return &sw::file_backed_kind();
   if (cls.is(nb::type<sw::BlockDeviceCarrier>())) return &sw::block_device_carrier_kind();
   if (cls.is(nb::type<sw::EvictableCarrier>())) return &sw::evictable_kind();
+  if (cls.is(nb::type<sw::TiledEvictable>())) return &sw::tiled_evictable_kind();
   Definition* d = find_definition(cls);
   return d ? &d->kind : nullptr;
 }
@@ -152,6 +166,7 @@ nb::object class_of_kind(const sw::CarrierKind* kind) {
   if (kind == &sw::file_backed_kind()) return nb::borrow(nb::type<sw::FileBackedCarrier>());
   if (kind == &sw::block_device_carrier_kind()) return nb::borrow(nb::type<sw::BlockDeviceCarrier>());
   if (kind == &sw::evictable_kind()) return nb::borrow(nb::type<sw::EvictableCarrier>());
+  if (kind == &sw::tiled_evictable_kind()) return nb::borrow(nb::type<sw::TiledEvictable>());
   std::lock_guard lock(g_mutex);
   for (auto& [cls, def] : g_definitions)
     if (&def->kind == kind) return nb::borrow(cls);
@@ -217,9 +232,14 @@ void bind_extension(nb::module_& m) {
   }, nb::arg("op"), nb::arg("error"), nb::arg("count") = 1, nb::arg("after") = 0);
   m.def("_io_clear", &sw::io::clear_faults);
 
-  m.def("_definition_of", [](nb::handle cls) -> nb::object {
-    Definition* d = find_definition(cls);
-    return d ? d->definition : nb::none();
+  m.def("_definition_of", [](nb::handle cls) -> nb::object { return definition_object(cls); });
+  m.def("_install_shipped_definition", [](nb::handle cls, nb::handle definition) {
+    if (!kind_of_class(cls) || find_definition(cls))
+      sw::raise<sw::TypeError>("_install_shipped_definition takes a shipped carrier class");
+    std::lock_guard lock(g_mutex);
+    if (g_shipped.count(cls.ptr())) sw::raise<sw::ValueError>("a definition is already installed for this class");
+    cls.inc_ref();
+    g_shipped.emplace(cls.ptr(), nb::borrow(definition));
   });
 }
 

@@ -15,6 +15,8 @@ struct Definition {
 
 // The definition registered for exactly `cls`, or nullptr.
 Definition* find_definition(nb::handle cls);
+// The CarrierDefinition object of `cls` (registered or shipped), or None.
+nb::object definition_object(nb::handle cls);
 // The CarrierKind of a carrier class (shipped or registered), or nullptr.
 const sw::CarrierKind* kind_of_class(nb::handle cls);
 // The Python class of a carrier kind.

@@ -15,6 +15,7 @@ NB_MODULE(_core, m) {
   swpy::bind_completion(m);
   swpy::bind_extension(m);
   swpy::bind_ops(m);
+  swpy::bind_tiled(m);
   swpy::bind_tensor_operators(m);
   // Note [Drain at exit] (completion.hpp): let pool threads drop their references to
   // Python-owned objects before finalization. Bounded, so work that never completes

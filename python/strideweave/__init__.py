@@ -36,6 +36,16 @@ from ._core import (
 )
 from .autograd import is_grad_enabled, no_grad, set_grad_enabled
 from .carriers import extension
+from .carriers.tiled_evictable import (
+    AwaitProjection,
+    AwaitResidency,
+    ResidencyPlan,
+    ResidencyPolicy,
+    TiledEvictable,
+    TiledResidencyFacet,
+    TileSelection,
+    TileSet,
+)
 from .carriers.extension import (
     CarrierDefinition,
     CarrierFacet,
@@ -56,6 +66,14 @@ def move(tensor, destination):
 
 
 __all__ = [
+    "AwaitProjection",
+    "AwaitResidency",
+    "ResidencyPlan",
+    "ResidencyPolicy",
+    "TileSelection",
+    "TileSet",
+    "TiledEvictable",
+    "TiledResidencyFacet",
     "add",
     "div",
     "elementwise_mul",

@@ -283,6 +283,10 @@ void TiledEvictable::ensure_secondary_storage() {
 }
 
 CompletionPtr<std::monostate> TiledEvictable::promote_async(const std::vector<int64_t>& tiles) {
+  return promote_tiles(tiles, false);
+}
+
+CompletionPtr<std::monostate> TiledEvictable::promote_tiles(const std::vector<int64_t>& tiles, bool inline_) {
   check_live("promote tiles");
   auto r = std::make_shared<Request>();
   r->promote = true;
@@ -307,7 +311,7 @@ CompletionPtr<std::monostate> TiledEvictable::promote_async(const std::vector<in
     for (int64_t i : r->tiles) tiles_[i].pending = r->id;
     active_requests_++;
   }
-  start_request(r);
+  start_request(r, inline_);
   return r->done;
 }
 
@@ -342,12 +346,15 @@ CompletionPtr<std::monostate> TiledEvictable::evict_async(const std::vector<int6
   return r->done;
 }
 
-void TiledEvictable::start_request(const std::shared_ptr<Request>& r) {
+void TiledEvictable::start_request(const std::shared_ptr<Request>& r, bool inline_) {
   const size_t n = r->tiles.size();
   r->staged.resize(n);
   r->wrote.assign(n, 0);
   r->remaining.store(n);
-  auto self = std::static_pointer_cast<TiledEvictable>(shared_from_this());
+  // Queued work holds a reference; a carrier no shared_ptr owns yet runs its transfers inline.
+  std::shared_ptr<TiledEvictable> self;
+  if (!inline_) self = std::static_pointer_cast<TiledEvictable>(weak_from_this().lock());
+  if (!self) inline_ = true;
   for (size_t k = 0; k < n; ++k) {
     const int64_t index = r->tiles[k];
     TileLocation loc;
@@ -360,25 +367,29 @@ void TiledEvictable::start_request(const std::shared_ptr<Request>& r) {
       needs_write = t.dirty || !t.secondary_valid;
       buffer = t.buffer;
     }
-    Executor::io().submit([self, r, k, index, loc, needs_write, buffer] {
+    auto job = [this, self, r, k, index, loc, needs_write, buffer] {
+      TiledEvictable* me = this;
       CarrierPtr staged;
       std::exception_ptr error;
       try {
         if (r->promote) {
-          staged = self->primary_->allocate_like(self->tile_size_, true, self->dtype(), loc == TileLocation::Secondary);
+          staged = me->primary_->allocate_like(me->tile_size_, true, me->dtype(), loc == TileLocation::Secondary);
           if (loc == TileLocation::Secondary)
-            for (const Run& run : self->runs_[index])
-              copy_slots(*self->secondary_, run.offset, *staged, run.ordinal, run.length);
+            for (const Run& run : me->runs_[index])
+              copy_slots(*me->secondary_, run.offset, *staged, run.ordinal, run.length);
         } else if (needs_write) {
-          for (const Run& run : self->runs_[index])
-            copy_slots(*buffer, run.ordinal, *self->secondary_, run.offset, run.length);
+          for (const Run& run : me->runs_[index])
+            copy_slots(*buffer, run.ordinal, *me->secondary_, run.offset, run.length);
           r->wrote[k] = 1;
         }
       } catch (...) {
         error = std::current_exception();
       }
-      self->finish_tile(r, k, std::move(staged), error);
-    });
+      me->finish_tile(r, k, std::move(staged), error);
+    };
+    // `self` keeps the carrier alive while queued work runs; inline work runs under the caller's reference.
+    if (inline_) job();
+    else Executor::io().submit(std::move(job));
   }
 }
 
@@ -443,8 +454,7 @@ const TiledEvictable::Tile& TiledEvictable::readable_tile(int64_t index, std::un
     if (t.loc != TileLocation::Secondary) return t;
     // A secondary tile is promoted first.
     lock.unlock();
-    auto done = const_cast<TiledEvictable*>(this)->promote_async({index});
-    done->value();
+    const_cast<TiledEvictable*>(this)->promote_tiles({index}, /*inline_=*/true)->value();
     lock.lock();
   }
 }
@@ -470,7 +480,7 @@ void TiledEvictable::write_value(int64_t slot, const Value& value) {
     const Tile& t = readable_tile(index, lock);
     if (t.loc == TileLocation::Primary) break;
     lock.unlock();  // implicit: materialise a zero buffer first
-    promote_async({index})->value();
+    promote_tiles({index}, /*inline_=*/true)->value();
     lock.lock();
   }
   Tile& t = tiles_[index];

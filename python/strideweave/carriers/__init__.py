@@ -14,6 +14,7 @@ from .._core import (
     Evictable,
     FileBacked,
     Generic,
+    TiledEvictable,
 )
 
 __all__ = [
@@ -25,5 +26,8 @@ __all__ = [
     "BlockDevice",
     "BlockDeviceCarrier",
     "Evictable",
+    "TiledEvictable",
     "DType",
 ]
+
+from . import tiled_evictable  # noqa: E402  (installs TiledEvictable's definition)

@@ -108,6 +108,7 @@ class TiledEvictable final : public DependentCarrier {
   TiledStats stats() const;
 
   // -------- residency requests (tile indices already bound to the grid)
+  // Asynchronous forms need the carrier to be held by a std::shared_ptr.
   CompletionPtr<std::monostate> promote_async(const std::vector<int64_t>& tiles);
   CompletionPtr<std::monostate> evict_async(const std::vector<int64_t>& tiles);
   bool has_incomplete_work() const;
@@ -147,7 +148,9 @@ class TiledEvictable final : public DependentCarrier {
     uint64_t pending = 0;   // id of the incomplete residency request transitioning it
   };
   struct Request;
-  void start_request(const std::shared_ptr<Request>& r);
+  // Runs the request's transfers on the I/O executor, or in this thread when `inline_`.
+  void start_request(const std::shared_ptr<Request>& r, bool inline_ = false);
+  CompletionPtr<std::monostate> promote_tiles(const std::vector<int64_t>& tiles, bool inline_);
   void finish_tile(const std::shared_ptr<Request>& r, size_t k, CarrierPtr buffer, std::exception_ptr error);
   void commit(const std::shared_ptr<Request>& r);
   // Blocking promotion of one tile for slot access (lock held by caller is released inside).

@@ -1,0 +1,175 @@
+// TiledEvictable and AwaitResidency.
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include "common.hpp"
+#include "completion_py.hpp"
+#include "extension.hpp"
+#include "strideweave/errors.hpp"
+#include "strideweave/grad_mode.hpp"
+#include "strideweave/tiled/tiled_evictable.hpp"
+
+namespace swpy {
+
+namespace {
+
+using sw::TiledEvictable;
+using sw::TileCoord;
+
+struct AwaitResidency : AwaitHandle {};
+struct AwaitProjection : AwaitHandle {};
+
+nb::module_ tiled_module() { return nb::module_::import_("strideweave.carriers.tiled_evictable"); }
+
+nb::object tile_set_of(const std::vector<TileCoord>& coords) {
+  nb::list items;
+  for (const auto& c : coords) items.append(nb::tuple(nb::cast(c)));
+  return tiled_module().attr("TileSet")(nb::arg("coordinates") = items);
+}
+
+std::vector<TileCoord> coords_of(nb::handle tile_set) {
+  std::vector<TileCoord> out;
+  for (nb::handle c : tile_set.attr("coordinates")) out.push_back(nb::cast<TileCoord>(c));
+  return out;
+}
+
+class PyPolicy final : public sw::ResidencyPolicyIface {
+ public:
+  explicit PyPolicy(nb::object policy) : policy_(std::move(policy)) {}
+  sw::ResidencyPlanC plan(const std::vector<TileCoord>& required, const char* purpose) override {
+    nb::gil_scoped_acquire gil;
+    sw::GradModeGuard off(false);
+    nb::module_ mod = tiled_module();
+    nb::object result = policy_.obj.attr("plan")(tile_set_of(required), purpose);
+    if (!nb::isinstance(result, mod.attr("ResidencyPlan")))
+      sw::raise<sw::TypeError>("ResidencyPolicy.plan must return a ResidencyPlan, got ",
+                               nb::cast<std::string>(result.type().attr("__name__")));
+    sw::ResidencyPlanC plan;
+    plan.promote = coords_of(result.attr("promote"));
+    plan.retain = coords_of(result.attr("retain"));
+    plan.evict = coords_of(result.attr("evict"));
+    return plan;
+  }
+  nb::handle object() const { return policy_.obj; }
+
+ private:
+  GilObject policy_;
+};
+
+std::vector<int64_t> shape_arg(nb::handle h, const char* what) {
+  if (nb::isinstance<sw::Shape>(h)) return nb::cast<const sw::Shape&>(h).extents();
+  if (PyUnicode_Check(h.ptr()) || is_index(h))
+    sw::raise<sw::TypeError>(what, " must be an iterable of ints");
+  std::vector<int64_t> out;
+  nb::object it;
+  try {
+    it = nb::iter(h);
+  } catch (nb::python_error&) {
+    sw::raise<sw::TypeError>(what, " must be an iterable of ints, got ", nb::cast<std::string>(h.type().attr("__name__")));
+  }
+  for (nb::handle v : h) out.push_back(index_value(v, what));
+  return out;
+}
+
+// Binds a TileSet / TileSelection argument to the carrier's grid (tile indices).
+std::vector<int64_t> bind_tiles(const TiledEvictable& c, nb::handle tiles, const char* what) {
+  nb::module_ mod = tiled_module();
+  nb::object set;
+  if (nb::isinstance(tiles, mod.attr("TileSet"))) set = nb::borrow(tiles);
+  else if (nb::isinstance(tiles, mod.attr("TileSelection"))) set = tiles.attr("tile_set");
+  else
+    sw::raise<sw::TypeError>(what, ": tiles must be a TileSet or a TileSelection, got ",
+                             nb::cast<std::string>(tiles.type().attr("__name__")));
+  c.check_live(what);
+  std::vector<int64_t> out;
+  for (const auto& t : coords_of(set)) out.push_back(c.tile_index(t));
+  return out;
+}
+
+nb::object residency_handle(sw::CompletionPtr<std::monostate> c) {
+  auto* h = new AwaitResidency();
+  h->state = c;
+  h->result = [c]() {
+    c->value();
+    return nb::none();
+  };
+  return nb::cast(h, nb::rv_policy::take_ownership);
+}
+
+}  // namespace
+
+void bind_tiled(nb::module_& m) {
+  nb::class_<AwaitResidency, AwaitHandle>(m, "AwaitResidency", "AwaitResult[None] of a residency request.");
+  nb::class_<AwaitProjection, AwaitHandle>(m, "AwaitProjection", "AwaitResult[Tensor] of TiledEvictable.project.");
+
+  nb::class_<TiledEvictable, sw::DependentCarrier>(m, "TiledEvictable", nb::is_final(),
+                                                   "TiledEvictable(primary, secondary, grid_shape, tile_shape, *, "
+                                                   "residency_policy=None): one logical extent, tiled and tiered.")
+      .def("__init__", [](TiledEvictable* self, nb::handle primary, nb::handle secondary, nb::handle grid,
+                          nb::handle tile, nb::handle policy) {
+        if (!nb::isinstance<sw::Carrier>(primary) || !nb::isinstance<sw::Carrier>(secondary))
+          sw::raise<sw::TypeError>("TiledEvictable primary and secondary must be Carrier instances");
+        std::vector<int64_t> g = shape_arg(grid, "grid_shape"), t = shape_arg(tile, "tile_shape");
+        std::shared_ptr<PyPolicy> p;
+        if (!policy.is_none()) {
+          nb::object protocol = tiled_module().attr("ResidencyPolicy");
+          if (!nb::isinstance(policy, protocol) || !PyCallable_Check(nb::getattr(policy, "plan", nb::none()).ptr()))
+            sw::raise<sw::TypeError>("residency_policy must satisfy the ResidencyPolicy protocol (a plan(required, purpose) method)");
+          p = std::make_shared<PyPolicy>(nb::borrow(policy));
+        }
+        new (self) TiledEvictable(nb::cast<sw::CarrierPtr>(primary), nb::cast<sw::CarrierPtr>(secondary), g, t, p);
+      }, nb::arg("primary"), nb::arg("secondary"), nb::arg("grid_shape"), nb::arg("tile_shape"), nb::kw_only(),
+         nb::arg("residency_policy") = nb::none())
+      .def_prop_ro("primary", [](const TiledEvictable& c) { return c.primary(); })
+      .def_prop_ro("secondary", [](const TiledEvictable& c) { return c.secondary(); })
+      .def_prop_ro("grid_shape", [](const TiledEvictable& c) { return nb::tuple(nb::cast(c.grid_shape())); })
+      .def_prop_ro("tile_shape", [](const TiledEvictable& c) { return nb::tuple(nb::cast(c.tile_shape())); })
+      .def_prop_ro("logical_shape", [](const TiledEvictable& c) { return nb::tuple(nb::cast(c.logical_shape())); })
+      .def_prop_ro("residency_policy", [](const TiledEvictable& c) -> nb::object {
+        auto p = std::dynamic_pointer_cast<PyPolicy>(c.policy());
+        return p ? nb::borrow(p->object()) : nb::none();
+      })
+      .def_prop_ro("primary_tiles", [](const TiledEvictable& c) {
+        return tile_set_of(c.tiles_where([](const sw::TileState& s) { return s.location == sw::TileLocation::Primary; }));
+      })
+      .def_prop_ro("secondary_tiles", [](const TiledEvictable& c) {
+        return tile_set_of(c.tiles_where([](const sw::TileState& s) { return s.location == sw::TileLocation::Secondary; }));
+      })
+      .def_prop_ro("valid_tiles", [](const TiledEvictable& c) {
+        return tile_set_of(c.tiles_where([](const sw::TileState& s) { return s.valid; }));
+      })
+      .def_prop_ro("dirty_tiles", [](const TiledEvictable& c) {
+        return tile_set_of(c.tiles_where([](const sw::TileState& s) { return s.dirty; }));
+      })
+      .def("tile_state", [](const TiledEvictable& c, nb::handle coord) {
+        if (PyUnicode_Check(coord.ptr()) || is_index(coord)) sw::raise<sw::TypeError>("tile_state takes a tile coordinate tuple");
+        TileCoord t;
+        for (nb::handle v : coord) t.push_back(index_value(v, "tile coordinate"));
+        c.check_live("read tile states");
+        sw::TileState s = c.tile_state(t);
+        return tiled_module().attr("TileState")(sw::location_name(s.location), s.valid, s.dirty);
+      }, nb::arg("coord"))
+      .def("stats", [](const TiledEvictable& c) {
+        sw::TiledStats s = c.stats();
+        nb::dict d;
+        d["promotions"] = s.promotions;
+        d["evictions"] = s.evictions;
+        d["bytes_promoted"] = s.bytes_promoted;
+        d["bytes_evicted"] = s.bytes_evicted;
+        d["writes_skipped"] = s.writes_skipped;
+        d["primary_tiles"] = s.primary_tiles;
+        d["primary_bytes"] = s.primary_bytes;
+        return d;
+      }, "Residency counters: promotions, evictions, bytes promoted/evicted, writes skipped, resident tiles/bytes.")
+      // The receiver is taken as a shared_ptr: queued transfers keep the carrier alive.
+      .def("promote_async", [](std::shared_ptr<TiledEvictable> c, nb::handle tiles) {
+        return residency_handle(c->promote_async(bind_tiles(*c, tiles, "promote_async")));
+      }, nb::arg("tiles"))
+      .def("evict_async", [](std::shared_ptr<TiledEvictable> c, nb::handle tiles) {
+        return residency_handle(c->evict_async(bind_tiles(*c, tiles, "evict_async")));
+      }, nb::arg("tiles"))
+      .def("_check_footprints", [](const TiledEvictable& c, const sw::TensorImpl& t) { c.check_footprints(t); });
+}
+
+}  // namespace swpy
