@@ -167,7 +167,7 @@ void bind_ops(nb::module_& m) {
         auto id = sw::op_from_name(n);
         if (!id) sw::raise<sw::NotImplementedError>(c->kind_name(), " has no operation named '", n, "'");
         sw::OpBackend* b = sw::backend_for(c->kind());
-        if (!b || !b->supports(*id))
+        if (!b || !b->executes(*c, *id))
           sw::raise<sw::NotImplementedError>(c->kind_name(), " does not execute '", n, "'");
         return nb::cast(Operation{*id, c});
       },
