@@ -125,21 +125,31 @@ void bind_ops(nb::module_& m) {
       .def_prop_ro("dispatch_carrier_class", [](const Operation& o) { return kind_class(&o.carrier->kind()); })
       .def_prop_ro("_dispatch_carrier_class", [](const Operation& o) { return kind_class(&o.carrier->kind()); })
       .def("forward", [](const Operation& o, nb::args args, nb::kwargs kw) -> TensorPtr {
+        // Mirrors the module function: forward(*args, **kwargs) == sw.<name>(*args, **kwargs).
         const sw::OpDef& d = sw::op_def(o.id);
-        nb::handle acc = kw.contains("accumulator_dtype") ? kw["accumulator_dtype"] : nb::none();
-        std::vector<Operand> ops;
-        for (nb::handle a : args) ops.push_back(operand(a, d.name, d.weak_scalars));
-        if (static_cast<int>(ops.size()) > d.arity && o.id != OpId::ReduceSum)
-          sw::raise<sw::TypeError>(d.name, " takes ", d.arity, " operands, got ", ops.size());
-        sw::OpOptions opts;
-        if (o.id == OpId::ReduceSum) {
-          nb::handle desc = kw.contains("description") ? kw["description"] : nb::none();
-          if (args.size() == 2) {
-            desc = args[1];
-            ops.pop_back();
-          }
-          opts.description = description_of(desc);
+        const bool has_description = o.id == OpId::ReduceSum;
+        const bool has_accumulator = o.id == OpId::ReduceSum || o.id == OpId::Matmul;
+        nb::handle acc = nb::none(), desc = nb::none();
+        for (auto [key, value] : kw) {
+          std::string k = nb::cast<std::string>(key);
+          if (has_accumulator && k == "accumulator_dtype") acc = value;
+          else if (has_description && k == "description") desc = value;
+          else sw::raise<sw::TypeError>(d.name, ".forward() got an unexpected keyword argument '", k, "'");
         }
+        size_t n = args.size();
+        // reduce_sum(t, description): the description is not an operand.
+        if (has_description && n == 2) {
+          if (kw.contains("description"))
+            sw::raise<sw::TypeError>("reduce_sum.forward() got multiple values for argument 'description'");
+          desc = args[1];
+          n = 1;
+        }
+        if (static_cast<int>(n) > d.arity)
+          sw::raise<sw::TypeError>(d.name, " takes ", d.arity, " operand", d.arity == 1 ? "" : "s", ", got ", n);
+        std::vector<Operand> ops;
+        for (size_t i = 0; i < n; ++i) ops.push_back(operand(args[i], d.name, d.weak_scalars));
+        sw::OpOptions opts;
+        if (has_description) opts.description = description_of(desc);
         opts.accumulate_f64 = f64_option(acc);
         for (const auto& op : ops)
           if (op.is_tensor() && &op.tensor->carrier->kind() != &o.carrier->kind())
@@ -157,7 +167,7 @@ void bind_ops(nb::module_& m) {
         auto id = sw::op_from_name(n);
         if (!id) sw::raise<sw::NotImplementedError>(c->kind_name(), " has no operation named '", n, "'");
         sw::OpBackend* b = sw::backend_for(c->kind());
-        if (!b || !b->supports(*id))
+        if (!b || !b->executes(*c, *id))
           sw::raise<sw::NotImplementedError>(c->kind_name(), " does not execute '", n, "'");
         return nb::cast(Operation{*id, c});
       },

@@ -71,6 +71,9 @@ class OpBackend {
   virtual TensorPtr forward(OpId id, std::span<const Operand> operands, const OpOptions& options) = 0;
   // Whether this backend executes `id` (capabilities and dispatch_op).
   virtual bool supports(OpId id) const = 0;
+  // Whether it executes `id` for this carrier of its kind. A kind whose execution
+  // depends on its tiers (Evictable runs on its primary's backend) refines it.
+  virtual bool executes(const Carrier& carrier, OpId id) const { return supports(id); }
 };
 
 void register_backend(const CarrierKind* kind, std::shared_ptr<OpBackend> backend);

@@ -325,6 +325,12 @@ class KernelBackend final : public OpBackend {
 class EvictableBackend final : public OpBackend {
  public:
   bool supports(OpId) const override { return true; }
+  // Only what the primary tier executes (a storage-only primary executes nothing).
+  bool executes(const Carrier& carrier, OpId id) const override {
+    CarrierPtr primary = static_cast<const EvictableCarrier&>(carrier).primary();
+    OpBackend* inner = backend_for(primary->kind());
+    return inner && inner->executes(*primary, id);
+  }
   TensorPtr forward(OpId id, std::span<const Operand> ops, const OpOptions& options) override {
     std::vector<Operand> views;
     CarrierPtr secondary;
@@ -582,7 +588,7 @@ std::vector<Capability> operation_capabilities(const Carrier& carrier, std::opti
     if (d->is_storage() && carrier.supports_storage_dtype(*d)) dtypes.push_back(d);
   for (const auto& def : kTable) {
     if (only && *only != def.id) continue;
-    if (!backend->supports(def.id)) continue;
+    if (!backend->executes(carrier, def.id)) continue;
     if (def.arity == 1) {
       for (const DType* a : dtypes) out.push_back({def.id, {{false, a}}});
       continue;
