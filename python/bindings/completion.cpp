@@ -75,7 +75,7 @@ void bind_completion(nb::module_& m) {
     h->state = c;
     h->result = [c]() { return nb::cast(c->value()); };
     return nb::cast(h, nb::rv_policy::take_ownership);
-  }, nb::arg("tensor"), nb::arg("destination"),
+  }, nb::arg("tensor").none(), nb::arg("destination").none(),
      "Moves a tensor's values to `destination` asynchronously; returns an AwaitMove.");
 }
 
