@@ -151,7 +151,7 @@ void bind_extension(nb::module_& m) {
     if (!PyType_Check(cls.ptr()) || !PyType_IsSubtype((PyTypeObject*)cls.ptr(), (PyTypeObject*)carrier_type.ptr()) ||
         cls.is(carrier_type))
       sw::raise<sw::TypeError>("register_carrier_definition: cls must be a subclass of Carrier");
-    if (kind_of_class(cls) && !find_definition(cls))
+    if ((kind_of_class(cls) && !find_definition(cls)) || cls.is(nb::type<sw::DependentCarrier>()))
       sw::raise<sw::TypeError>("register_carrier_definition: shipped carrier classes cannot be given a definition");
     {
       // Exact subclass of Carrier: not of a shipped class or another registered kind.
