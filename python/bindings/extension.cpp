@@ -190,7 +190,7 @@ void bind_extension(nb::module_& m) {
     }
     for (auto& [dk, provider] : routes)
       sw::register_route(&raw->kind, dk, std::make_shared<PyRoute>(std::move(provider)));
-  }, nb::arg("cls"), nb::arg("definition"));
+  }, nb::arg("cls").none(), nb::arg("definition").none());
 
   // Test-only fault injection at the system-call sites of file-backed storage.
   m.def("_io_inject", [](const std::string& op, int error, int count, int after) {
