@@ -92,6 +92,26 @@ void Carrier::release() {
                           "; it cannot be released until that work is terminal (wait for it)");
     released_.store(true, std::memory_order_release);
   }
+  free_storage();
+}
+
+void Carrier::release_claimed(Claim& claim) {
+  SW_ASSERT(claim.carrier_.get() == this, "release_claimed needs a claim on this carrier");
+  CarrierPtr keep = std::move(claim.carrier_);  // the claim ends here, under the lock below
+  {
+    std::lock_guard lock(state_mutex_);
+    if (!owners_.empty()) owners_.pop_back();
+    claims_.fetch_sub(1, std::memory_order_acq_rel);
+    if (released_.load()) return;
+    if (claims_.load() > 0)
+      raise<RuntimeError>(kind_name(), " carrier is owned by ", owners_.empty() ? "a request" : owners_.back(),
+                          "; it cannot be released until that work is terminal (wait for it)");
+    released_.store(true, std::memory_order_release);
+  }
+  free_storage();
+}
+
+void Carrier::free_storage() {
   if (provider_ && !provider_released_) {
     provider_released_ = true;
     provider_->release(*this);

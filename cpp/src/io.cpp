@@ -93,12 +93,19 @@ void clear_faults() {
 
 int64_t calls(Op op) { return g_faults[static_cast<int>(op)].calls.load(); }
 
-int open_file(const std::string& path, int flags, int mode) {
-  if (int e = injected(Op::Open)) fail(Op::Open, path, e);
+void raise_failure(Op op, const std::string& what, int error) { fail(op, what, error); }
+
+int try_open_file(const std::string& path, int flags, int mode) {
+  if (int e = injected(Op::Open)) return -e;
   int fd;
   do fd = ::open(path.c_str(), flags | O_CLOEXEC, mode);
   while (fd < 0 && errno == EINTR);
-  if (fd < 0) fail(Op::Open, path, errno);
+  return fd < 0 ? -errno : fd;
+}
+
+int open_file(const std::string& path, int flags, int mode) {
+  int fd = try_open_file(path, flags, mode);
+  if (fd < 0) fail(Op::Open, path, -fd);
   return fd;
 }
 

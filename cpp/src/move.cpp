@@ -137,12 +137,16 @@ CompletionPtr<TensorPtr> move_async(const TensorPtr& tensor, const CarrierPtr& d
       return done;
     }
   }
-  auto finish = [tensor, destination, done, record]() {
+  // Both claims are held until the move is terminal: the source's ends in the
+  // same step that releases it, the destination's just before the result is
+  // published (so a waiter never sees it still owned).
+  using Claims = std::shared_ptr<std::pair<Carrier::Claim, Carrier::Claim>>;
+  auto finish = [tensor, destination, done, record](Claims claims) {
     TensorPtr result;
     try {
       result = make_tensor(destination, 0, tensor->layout);
       destination->bump_version();
-      tensor->carrier->release();
+      tensor->carrier->release_claimed(claims->first);
       if (record) {
         MoveNodeHook hook;
         {
@@ -152,9 +156,11 @@ CompletionPtr<TensorPtr> move_async(const TensorPtr& tensor, const CarrierPtr& d
         if (hook) hook(tensor, result);
       }
     } catch (...) {
+      claims.reset();
       done->set_error(std::current_exception());
       return;
     }
+    claims.reset();
     done->set_value(std::move(result));
   };
   Executor::moves().submit([tensor, destination, route_kind, waiter = std::move(waiter), grow, need,
@@ -186,8 +192,7 @@ CompletionPtr<TensorPtr> move_async(const TensorPtr& tensor, const CarrierPtr& d
       done->set_error(std::current_exception());
       return;
     }
-    claims.reset();  // ownership ends exactly once, before the result is published
-    finish();
+    finish(std::move(claims));
   });
   return done;
 }

@@ -59,7 +59,10 @@ void bind_completion(nb::module_& m) {
         const AwaitHandle& h = nb::cast<const AwaitHandle&>(self);
         return std::string(nb::type_name(self.type()).c_str()) + (h.state->done() ? "(done)" : "(pending)");
       });
-  nb::class_<AwaitMove, AwaitHandle>(m, "AwaitMove", "AwaitResult[Tensor] of move_async and scatter.");
+  nb::class_<AwaitMove, AwaitHandle>(m, "AwaitMove", "AwaitResult[Tensor] of move_async and scatter.")
+      .def("__init__", [](AwaitMove*, nb::args, nb::kwargs) {
+        sw::raise<sw::TypeError>("AwaitMove handles are created by the framework, not constructed directly");
+      });
 
   m.def("move_async", [](nb::handle tensor, nb::handle destination) {
     if (!nb::isinstance<sw::TensorImpl>(tensor))
@@ -72,7 +75,7 @@ void bind_completion(nb::module_& m) {
     h->state = c;
     h->result = [c]() { return nb::cast(c->value()); };
     return nb::cast(h, nb::rv_policy::take_ownership);
-  }, nb::arg("tensor"), nb::arg("destination"),
+  }, nb::arg("tensor").none(), nb::arg("destination").none(),
      "Moves a tensor's values to `destination` asynchronously; returns an AwaitMove.");
 }
 

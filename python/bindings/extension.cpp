@@ -179,7 +179,7 @@ void bind_extension(nb::module_& m) {
     if (!PyType_Check(cls.ptr()) || !PyType_IsSubtype((PyTypeObject*)cls.ptr(), (PyTypeObject*)carrier_type.ptr()) ||
         cls.is(carrier_type))
       sw::raise<sw::TypeError>("register_carrier_definition: cls must be a subclass of Carrier");
-    if (kind_of_class(cls) && !find_definition(cls))
+    if ((kind_of_class(cls) && !find_definition(cls)) || cls.is(nb::type<sw::DependentCarrier>()))
       sw::raise<sw::TypeError>("register_carrier_definition: shipped carrier classes cannot be given a definition");
     {
       // Exact subclass of Carrier: not of a shipped class or another registered kind.
@@ -218,7 +218,7 @@ void bind_extension(nb::module_& m) {
     }
     for (auto& [dk, provider] : routes)
       sw::register_route(&raw->kind, dk, std::make_shared<PyRoute>(std::move(provider)));
-  }, nb::arg("cls"), nb::arg("definition"));
+  }, nb::arg("cls").none(), nb::arg("definition").none());
 
   // Test-only fault injection at the system-call sites of file-backed storage.
   m.def("_io_inject", [](const std::string& op, int error, int count, int after) {

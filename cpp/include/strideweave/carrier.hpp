@@ -119,6 +119,10 @@ class Carrier : public std::enable_shared_from_this<Carrier> {
   // Claims this carrier for `owner` (a description for messages). RuntimeError
   // when released. Several claims may be held at once.
   [[nodiscard]] Claim claim(std::string owner);
+  // Ends `claim` (a claim on this carrier) and releases the carrier in one
+  // step, so no other request can claim it in between (a move consuming its
+  // source). RuntimeError, with the claim ended, when another claim remains.
+  void release_claimed(Claim& claim);
   std::string owner_description() const;
   int claim_count() const noexcept { return claims_.load(); }
 
@@ -183,6 +187,7 @@ class Carrier : public std::enable_shared_from_this<Carrier> {
   std::shared_ptr<StorageProviderIface> provider_;
   bool provider_released_ = false;
   std::atomic<void*> binding_slot_{nullptr};
+  void free_storage();  // provider release + do_release, after released_ is set
 };
 
 // Base of carriers that compose other carriers (Evictable, TiledEvictable):

@@ -29,6 +29,10 @@ void clear_faults();
 int64_t calls(Op op);
 
 int open_file(const std::string& path, int flags, int mode = 0644);
+// As open_file, but a failure returns -errno instead of raising (for callers
+// that handle one errno themselves); raise_failure raises the usual error.
+int try_open_file(const std::string& path, int flags, int mode = 0644);
+[[noreturn]] void raise_failure(Op op, const std::string& what, int error);
 void pread_full(int fd, void* buf, size_t bytes, int64_t offset, const std::string& what);
 void pwrite_full(int fd, const void* buf, size_t bytes, int64_t offset, const std::string& what);
 void fsync_file(int fd, const std::string& what);

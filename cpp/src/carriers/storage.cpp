@@ -137,13 +137,13 @@ void FileBackedCarrier::do_release() { close_file(); }
 // ---------------------------------------------------------------- BlockDevice
 
 BlockDevice::BlockDevice(const std::string& path) : path_(path) {
-  try {
-    fd_ = io::open_file(path, O_RDWR | O_DIRECT);
-    direct_ = true;
-  } catch (const RuntimeError&) {
+  fd_ = io::try_open_file(path, O_RDWR | O_DIRECT);
+  direct_ = fd_ >= 0;
+  if (fd_ == -EINVAL) {
     // Filesystems without O_DIRECT (tmpfs) refuse it with EINVAL: fall back to buffered I/O.
     fd_ = io::open_file(path, O_RDWR);
-    direct_ = false;
+  } else if (fd_ < 0) {
+    io::raise_failure(io::Op::Open, path, -fd_);  // any other failure is the caller's to see
   }
   struct stat st;
   if (::fstat(fd_, &st) < 0) raise<RuntimeError>("fstat of ", path, " failed: ", std::strerror(errno));
