@@ -44,13 +44,15 @@ TensorPtr on_leaf_kind(const TensorImpl& leaf, const TensorPtr& g, bool owned) {
   return make_tensor(std::move(c), 0, column_major(leaf.layout.shape()));
 }
 
-void accumulate_into(TensorImpl& t, const TensorPtr& g) {
+// `owned`: `g` is a fresh tensor nobody else holds (not the caller's seed, not
+// handed to another tensor), so it may become `.grad` without a copy.
+void accumulate_into(TensorImpl& t, const TensorPtr& g, bool owned) {
   TensorPtr current;
   {
     std::lock_guard lock(t.mutex);
     current = t.grad;
   }
-  TensorPtr value = current ? on_leaf_kind(t, add_grads(current, g), /*owned=*/true) : on_leaf_kind(t, g, false);
+  TensorPtr value = current ? on_leaf_kind(t, add_grads(current, g), /*owned=*/true) : on_leaf_kind(t, g, owned);
   std::lock_guard lock(t.mutex);
   t.grad = value;
 }
@@ -98,7 +100,7 @@ void backward(const TensorPtr& root, const TensorPtr& gradient, bool retain_grap
     root_node = root->node;
   }
   if (!root_node) {  // a leaf
-    accumulate_into(*root, seed);
+    accumulate_into(*root, seed, /*owned=*/false);
     return;
   }
   // Discover the graph and count dependencies.
@@ -127,6 +129,7 @@ void backward(const TensorPtr& root, const TensorPtr& gradient, bool retain_grap
   for (const auto& n : order) check_saved(*n);
   // Kahn's algorithm from the root.
   std::unordered_map<Node*, TensorPtr> grads{{root_node.get(), seed}};
+  std::unordered_set<const TensorImpl*> handed;  // gradients already given to a tensor
   std::vector<std::shared_ptr<Node>> ready{root_node};
   std::unordered_map<Node*, std::shared_ptr<Node>> by_ptr;
   for (const auto& n : order) by_ptr[n.get()] = n;
@@ -141,7 +144,7 @@ void backward(const TensorPtr& root, const TensorPtr& gradient, bool retain_grap
         std::lock_guard lock(out->mutex);
         keep = out->retains_grad;
       }
-      if (keep && g) accumulate_into(*out, g);
+      if (keep && g) accumulate_into(*out, g, /*owned=*/false);  // g also flows on
     }
     std::vector<TensorPtr> in_grads;
     if (g) in_grads = n->apply(g);  // a node whose output received no gradient does no work
@@ -160,7 +163,7 @@ void backward(const TensorPtr& root, const TensorPtr& gradient, bool retain_grap
         }
         if (--deps[child.get()] == 0) ready.push_back(child);
       } else if (gi && in->is_differentiable()) {
-        accumulate_into(*in, gi);
+        accumulate_into(*in, gi, gi != seed && handed.insert(gi.get()).second);
       }
     }
   }

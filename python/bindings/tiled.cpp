@@ -8,6 +8,7 @@
 #include "extension.hpp"
 #include "strideweave/errors.hpp"
 #include "strideweave/grad_mode.hpp"
+#include "strideweave/tiled/data.hpp"
 #include "strideweave/tiled/tiled_evictable.hpp"
 
 namespace swpy {
@@ -87,6 +88,32 @@ std::vector<int64_t> bind_tiles(const TiledEvictable& c, nb::handle tiles, const
   return out;
 }
 
+sw::TileSelectionC selection_of(nb::handle sel, const char* what) {
+  if (!nb::isinstance(sel, tiled_module().attr("TileSelection")))
+    sw::raise<sw::TypeError>(what, ": selection must be a TileSelection, got ",
+                             nb::cast<std::string>(sel.type().attr("__name__")));
+  sw::TileSelectionC out;
+  for (nb::handle axis : sel.attr("per_axis")) out.per_axis.push_back(nb::cast<std::vector<int64_t>>(axis));
+  return out;
+}
+
+sw::TensorPtr tensor_of(nb::handle h, const char* what) {
+  if (nb::isinstance<AwaitHandle>(h))
+    sw::raise<sw::TypeError>(what, " is a pending ", nb::cast<std::string>(h.type().attr("__name__")),
+                             ", not a Tensor; call wait() first");
+  if (!nb::isinstance<sw::TensorImpl>(h))
+    sw::raise<sw::TypeError>(what, " must be a Tensor, got ", nb::cast<std::string>(h.type().attr("__name__")));
+  return nb::cast<sw::TensorPtr>(h);
+}
+
+template <class H>
+nb::object tensor_handle(sw::CompletionPtr<sw::TensorPtr> c) {
+  auto* h = new H();
+  h->state = c;
+  h->result = [c]() { return nb::cast(c->value()); };
+  return nb::cast(h, nb::rv_policy::take_ownership);
+}
+
 nb::object residency_handle(sw::CompletionPtr<std::monostate> c) {
   auto* h = new AwaitResidency();
   h->state = c;
@@ -100,6 +127,7 @@ nb::object residency_handle(sw::CompletionPtr<std::monostate> c) {
 }  // namespace
 
 void bind_tiled(nb::module_& m) {
+  sw::install_tiled_backend();
   nb::class_<AwaitResidency, AwaitHandle>(m, "AwaitResidency", "AwaitResult[None] of a residency request.");
   nb::class_<AwaitProjection, AwaitHandle>(m, "AwaitProjection", "AwaitResult[Tensor] of TiledEvictable.project.");
 
@@ -169,6 +197,32 @@ void bind_tiled(nb::module_& m) {
       .def("evict_async", [](std::shared_ptr<TiledEvictable> c, nb::handle tiles) {
         return residency_handle(c->evict_async(bind_tiles(*c, tiles, "evict_async")));
       }, nb::arg("tiles"))
+      .def("project", [](std::shared_ptr<TiledEvictable> c, nb::handle tensor, nb::handle selection,
+                         nb::handle destination) {
+        sw::TensorPtr t = tensor_of(tensor, "project: tensor");
+        sw::TileSelectionC sel = selection_of(selection, "project");
+        sw::CarrierPtr dest;
+        if (!destination.is_none()) {
+          if (!nb::isinstance<sw::Carrier>(destination))
+            sw::raise<sw::TypeError>("project: destination must be a Carrier instance or None, got ",
+                                     nb::cast<std::string>(destination.type().attr("__name__")));
+          dest = nb::cast<sw::CarrierPtr>(destination);
+        }
+        return tensor_handle<AwaitProjection>(sw::project(c, t, sel, dest));
+      }, nb::arg("tensor"), nb::arg("selection"), nb::arg("destination") = nb::none(),
+         "Gathers the selected tiles of the full `tensor` into a compact dense tensor; returns an AwaitProjection.")
+      .def("scatter", [](std::shared_ptr<TiledEvictable> c, nb::handle compact, nb::handle templ, nb::handle selection,
+                         nb::handle reduction) {
+        sw::TensorPtr ct = tensor_of(compact, "scatter: compact");
+        sw::TensorPtr tt = tensor_of(templ, "scatter: template");
+        sw::TileSelectionC sel = selection_of(selection, "scatter");
+        if (!PyUnicode_Check(reduction.ptr())) sw::raise<sw::ValueError>("scatter: reduction must be 'replace' or 'add'");
+        std::string r = nb::cast<std::string>(reduction);
+        if (r != "replace" && r != "add")
+          sw::raise<sw::ValueError>("scatter: reduction must be 'replace' or 'add', got '", r, "'");
+        return tensor_handle<AwaitMove>(sw::scatter(c, ct, tt, sel, r == "add"));
+      }, nb::arg("compact"), nb::arg("template"), nb::arg("selection"), nb::arg("reduction") = "replace",
+         "Writes `compact` into the selected tiles of a fresh full-shaped TiledEvictable; returns an AwaitMove.")
       .def("_check_footprints", [](const TiledEvictable& c, const sw::TensorImpl& t) { c.check_footprints(t); });
 }
 

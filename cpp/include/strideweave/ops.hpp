@@ -74,6 +74,13 @@ class OpBackend {
   // Whether it executes `id` for this carrier of its kind. A kind whose execution
   // depends on its tiers (Evictable runs on its primary's backend) refines it.
   virtual bool executes(const Carrier& carrier, OpId id) const { return supports(id); }
+  // Backward of an operation this backend ran: kinds that compute on a dense
+  // copy of their operands (TiledEvictable) materialise each input for the
+  // VJP, then turn each dense input gradient into a gradient of the input's
+  // own kind and shape.
+  virtual bool materializes() const { return false; }
+  virtual TensorPtr materialize_for_backward(const TensorPtr& input) { return input; }
+  virtual TensorPtr gradient_from_dense(const TensorPtr& input, const TensorPtr& dense_grad) { return dense_grad; }
 };
 
 void register_backend(const CarrierKind* kind, std::shared_ptr<OpBackend> backend);

@@ -416,6 +416,18 @@ struct OpNode final : Node {
   OpOptions options;
 
   std::vector<TensorPtr> apply(const TensorPtr& g) override {
+    OpBackend* backend = backend_for(*dispatch_kind);
+    if (!backend || !backend->materializes()) return vjp(inputs, g);
+    std::vector<TensorPtr> dense;
+    for (const auto& in : inputs) dense.push_back(backend->materialize_for_backward(in));
+    std::vector<TensorPtr> grads = vjp(dense, g);
+    for (size_t i = 0; i < grads.size(); ++i)
+      if (grads[i]) grads[i] = backend->gradient_from_dense(inputs[i], grads[i]);
+    return grads;
+  }
+
+  // Gradients for `inputs` (the operands, or dense copies of them) given the output's gradient.
+  std::vector<TensorPtr> vjp(const std::vector<TensorPtr>& inputs, const TensorPtr& g) {
     std::vector<TensorPtr> grads(inputs.size());
     auto want = [&](size_t i) { return inputs[i]->is_differentiable(); };
     // Position of each operand among the tensor inputs.

@@ -484,6 +484,10 @@ void TiledEvictable::write_value(int64_t slot, const Value& value) {
     lock.lock();
   }
   Tile& t = tiles_[index];
+  if (t.pins > 0)
+    raise<RuntimeError>("tile ", coord_str(tile_coord(index)),
+                        " of TiledEvictable is pinned by running tiled work (its values must stay as they were); "
+                        "wait for that work before writing");
   t.buffer->write_value(within, value);
   t.dirty = true;
 }
@@ -586,6 +590,45 @@ void TiledEvictable::end_work(const std::shared_ptr<Work>& work) {
     } catch (const Error&) {
     }
   }
+}
+
+CompletionPtr<std::monostate> TiledEvictable::work_ready(const std::shared_ptr<Work>& work) { return work->ready; }
+
+CarrierPtr TiledEvictable::tile_buffer(int64_t index) const {
+  std::lock_guard lock(mutex_);
+  const Tile& t = tiles_[index];
+  if (t.loc == TileLocation::Implicit) return nullptr;
+  SW_ASSERT(t.loc == TileLocation::Primary && t.buffer, "tile ", index, " is not resident under running work");
+  return t.buffer;
+}
+
+void TiledEvictable::install_tiles(const std::vector<std::pair<int64_t, CarrierPtr>>& buffers) {
+  std::vector<CarrierPtr> old;
+  {
+    std::lock_guard lock(mutex_);
+    const int64_t bytes = tile_size_ * static_cast<int64_t>(slot_bytes(dtype()));
+    for (const auto& [i, buf] : buffers) {
+      Tile& t = tiles_[i];
+      SW_ASSERT(!t.pending && t.pins == 0, "install_tiles over running work");
+      if (t.buffer) old.push_back(std::move(t.buffer));
+      else {
+        stats_.primary_tiles++;
+        stats_.primary_bytes += bytes;
+      }
+      t.buffer = buf;
+      t.loc = TileLocation::Primary;
+      t.dirty = true;
+      t.secondary_valid = false;
+    }
+  }
+  bump_version();
+  for (auto& b : old) b->release();
+}
+
+void TiledEvictable::make_all_implicit() {
+  std::lock_guard lock(mutex_);
+  for (auto& t : tiles_)
+    if (t.loc == TileLocation::Invalid) t.loc = TileLocation::Implicit;
 }
 
 // ---------------------------------------------------------------- release

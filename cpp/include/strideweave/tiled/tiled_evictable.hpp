@@ -133,6 +133,17 @@ class TiledEvictable final : public DependentCarrier {
   std::shared_ptr<Work> begin_work(const std::vector<int64_t>& tiles, const char* purpose);
   // Unpins and applies the plan's deferred evictions.
   void end_work(const std::shared_ptr<Work>& work);
+  // The completion that is set once `work`'s tiles are readable.
+  static CompletionPtr<std::monostate> work_ready(const std::shared_ptr<Work>& work);
+
+  // -------- data-path access (engine code; tiles pinned by the caller's work)
+  // The primary buffer of a resident tile, or nullptr for an implicit-zero tile.
+  CarrierPtr tile_buffer(int64_t index) const;
+  // Publishes `buffers` (one full tile each, in within-tile order) as primary,
+  // dirty tiles in one commit and advances the version once.
+  void install_tiles(const std::vector<std::pair<int64_t, CarrierPtr>>& buffers);
+  // Marks every tile a valid implicit zero (fresh carriers: gradients).
+  void make_all_implicit();
 
  protected:
   void do_release() override;

@@ -1,0 +1,474 @@
+#include "strideweave/tiled/data.hpp"
+
+#include <atomic>
+#include <sstream>
+
+#include "strideweave/autograd.hpp"
+#include "strideweave/carriers/native.hpp"
+#include "strideweave/carriers/storage.hpp"
+#include "strideweave/errors.hpp"
+#include "strideweave/grad_mode.hpp"
+#include "strideweave/ops.hpp"
+
+namespace sw {
+
+namespace {
+
+int64_t product(const std::vector<int64_t>& v) {
+  int64_t n = 1;
+  for (auto x : v) n *= x;
+  return n;
+}
+
+std::vector<int64_t> dense_strides(const std::vector<int64_t>& shape) {
+  std::vector<int64_t> s;
+  int64_t run = 1;
+  for (auto e : shape) {
+    s.push_back(run);
+    run *= e;
+  }
+  return s;
+}
+
+// Where the values of one source tile live for a given full tensor: for each
+// logical within-tile ordinal, the within-tile ordinal of the carrier tile
+// buffer holding it. Canonical tensors (offset 0, column-major) map identity.
+struct TileAccess {
+  const TiledEvictable& c;
+  const TensorImpl& t;
+  bool canonical;
+  std::vector<int64_t> logical_stride;
+
+  TileAccess(const TiledEvictable& carrier, const TensorImpl& tensor)
+      : c(carrier), t(tensor), canonical(tensor.offset == 0 && tensor.layout.is_column_major()),
+        logical_stride(dense_strides(carrier.logical_shape())) {}
+
+  // Within-buffer ordinal of logical within-tile ordinal `w` of source tile `s`.
+  int64_t physical_within(const TileCoord& s, int64_t w) const {
+    if (canonical) return w;
+    int64_t ordinal = 0;
+    for (size_t i = 0; i < s.size(); ++i) {
+      int64_t wi = w % c.tile_shape()[i];
+      w /= c.tile_shape()[i];
+      ordinal += (s[i] * c.tile_shape()[i] + wi) * logical_stride[i];
+    }
+    int64_t slot = t.offset + t.layout.flat().index(ordinal);
+    return c.locate(slot).second;
+  }
+};
+
+// Copies source tile `s` (buffer, or implicit zero when null) into the compact
+// region of `dest` at compact tile coordinate `cc`.
+void gather_tile(const TiledEvictable& c, const TileAccess& access, const TileCoord& s, const CarrierPtr& buffer,
+                 Carrier& dest, const TileCoord& cc, const std::vector<int64_t>& dstride) {
+  int64_t base = 0;
+  for (size_t i = 0; i < cc.size(); ++i) base += cc[i] * c.tile_shape()[i] * dstride[i];
+  const size_t w = slot_bytes(c.dtype());
+  if (access.canonical && buffer) {
+    Layout region(Shape::flat(c.tile_shape()), Stride::flat(dstride));
+    for (const Run& r : region.runs()) copy_slots(*buffer, r.ordinal, dest, base + r.offset, r.length);
+    return;
+  }
+  const int64_t n = c.tile_size();
+  std::vector<std::byte> zero(w, std::byte{0});
+  for (int64_t wo = 0; wo < n; ++wo) {
+    int64_t off = base, rest = wo;
+    for (size_t i = 0; i < cc.size(); ++i) {
+      off += (rest % c.tile_shape()[i]) * dstride[i];
+      rest /= c.tile_shape()[i];
+    }
+    if (buffer) copy_slots(*buffer, access.physical_within(s, wo), dest, off, 1);
+    else dest.write_slots(off, 1, zero.data());
+  }
+}
+
+// The inverse: a fresh tile buffer holding compact region `cc` of `compact`
+// (plus `existing` values for "add"; null means zero).
+CarrierPtr scatter_tile(const TiledEvictable& c, const TileAccess& access, const TileCoord& s,
+                        const TensorImpl& compact, const TileCoord& cc, const std::vector<int64_t>& cstride,
+                        const CarrierPtr& existing, bool add) {
+  CarrierPtr buf = c.primary()->allocate_like(c.tile_size(), true, c.dtype(), /*empty=*/false);
+  int64_t base = 0;
+  for (size_t i = 0; i < cc.size(); ++i) base += cc[i] * c.tile_shape()[i] * cstride[i];
+  const int64_t n = c.tile_size();
+  for (int64_t wo = 0; wo < n; ++wo) {
+    int64_t ord = base, rest = wo;
+    for (size_t i = 0; i < cc.size(); ++i) {
+      ord += (rest % c.tile_shape()[i]) * cstride[i];
+      rest /= c.tile_shape()[i];
+    }
+    int64_t pw = access.physical_within(s, wo);
+    Value v = compact.carrier->read_value(compact.offset + compact.layout.flat().index(ord));
+    if (add) {
+      Value e = existing ? existing->read_value(pw) : Value::from_float(0.0);
+      if (c.dtype().id() == DTypeId::Int32) {
+        int64_t sum = (existing ? e.i : 0) + v.i;
+        v = c.dtype().convert(Value::from_int(sum));
+      } else {
+        v = Value::from_float(double(float(e.f + v.f)));
+      }
+    }
+    buf->write_value(pw, v);
+  }
+  return buf;
+}
+
+TileCoord decode_compact(int64_t k, const std::vector<int64_t>& counts) {
+  TileCoord cc(counts.size());
+  for (size_t i = 0; i < counts.size(); ++i) {
+    cc[i] = k % counts[i];
+    k /= counts[i];
+  }
+  return cc;
+}
+
+std::vector<int64_t> counts_of(const TileSelectionC& sel) {
+  std::vector<int64_t> n;
+  for (const auto& a : sel.per_axis) n.push_back(static_cast<int64_t>(a.size()));
+  return n;
+}
+
+// --- projection node -------------------------------------------------------
+
+TensorPtr scatter_add_gradient(const std::shared_ptr<TiledEvictable>& c, const TensorPtr& primal,
+                               const TileSelectionC& sel, const TensorPtr& compact_grad) {
+  auto fresh = std::static_pointer_cast<TiledEvictable>(c->allocate_like(c->size(), true, c->dtype(), false));
+  TileAccess access(*fresh, *primal);
+  std::vector<int64_t> src = bind_selection(*c, sel);
+  std::vector<int64_t> counts = counts_of(sel);
+  Layout cl = column_major(Shape::flat(compact_shape(*c, sel)));
+  std::vector<int64_t> cstride = cl.flat().strides;
+  TensorPtr g = compact_grad;
+  std::vector<std::pair<int64_t, CarrierPtr>> tiles;
+  for (size_t k = 0; k < src.size(); ++k)
+    tiles.emplace_back(src[k], scatter_tile(*fresh, access, fresh->tile_coord(src[k]), *g,
+                                            decode_compact(static_cast<int64_t>(k), counts), cstride, nullptr, false));
+  fresh->install_tiles(tiles);
+  return make_tensor(fresh, primal->offset, primal->layout);
+}
+
+struct ProjectionNode final : Node {
+  std::shared_ptr<TiledEvictable> carrier;
+  TileSelectionC selection;
+  std::vector<TensorPtr> apply(const TensorPtr& g) override {
+    return {scatter_add_gradient(carrier, inputs[0], selection, g)};
+  }
+};
+
+}  // namespace
+
+std::vector<int64_t> bind_selection(const TiledEvictable& c, const TileSelectionC& sel) {
+  if (sel.per_axis.size() != c.rank())
+    raise<ValueError>("the TileSelection has rank ", sel.per_axis.size(), " but the tile grid has rank ", c.rank());
+  std::vector<int64_t> counts = counts_of(sel);
+  for (size_t i = 0; i < c.rank(); ++i)
+    for (int64_t v : sel.per_axis[i])
+      if (v < 0 || v >= c.grid_shape()[i])
+        raise<ValueError>("TileSelection coordinate ", v, " on axis ", i, " is out of range for the tile grid extent ",
+                          c.grid_shape()[i]);
+  const int64_t n = product(counts);
+  std::vector<int64_t> out;
+  out.reserve(static_cast<size_t>(n));
+  for (int64_t k = 0; k < n; ++k) {
+    TileCoord cc = decode_compact(k, counts), s(c.rank());
+    for (size_t i = 0; i < c.rank(); ++i) s[i] = sel.per_axis[i][cc[i]];
+    out.push_back(c.tile_index(s));
+  }
+  return out;
+}
+
+std::vector<int64_t> compact_shape(const TiledEvictable& c, const TileSelectionC& sel) {
+  std::vector<int64_t> out;
+  for (size_t i = 0; i < sel.per_axis.size(); ++i)
+    out.push_back(static_cast<int64_t>(sel.per_axis[i].size()) * c.tile_shape()[i]);
+  return out;
+}
+
+CompletionPtr<TensorPtr> project(const std::shared_ptr<TiledEvictable>& c, const TensorPtr& tensor,
+                                 const TileSelectionC& sel, const CarrierPtr& destination) {
+  if (!tensor) raise<TypeError>("project: tensor must be a Tensor");
+  if (tensor->carrier.get() != c.get())
+    raise<TypeError>("project: the tensor is backed by ", tensor->carrier->kind_name(),
+                     ", not by this TiledEvictable");
+  c->check_live("project");
+  c->check_footprints(*tensor);
+  std::vector<int64_t> src = bind_selection(*c, sel);
+  std::vector<int64_t> cshape = compact_shape(*c, sel);
+  const int64_t need = product(cshape);
+  const Carrier& proto = *c->primary();
+  CarrierPtr dest = destination;
+  if (dest) {
+    if (dest->kind().dependent)
+      raise<TypeError>("project: destination must be an ordinary carrier, not a dependent ", dest->kind_name());
+    if (&dest->kind() != &proto.kind())
+      raise<TypeError>("project: destination must be a ", proto.kind_name(), " carrier (the compute tier's class), got ",
+                       dest->kind_name());
+    if (dest->is_released()) raise<RuntimeError>("project: the destination carrier is released");
+    if (!dest->is_mutable()) raise<RuntimeError>("project: the destination carrier is not publicly mutable");
+    if (dest->dtype() != c->dtype())
+      raise<TypeError>("project: destination dtype ", dest->dtype().name(), " does not match ", c->dtype().name());
+    if (dest->size() < need && !dest->is_allocatable())
+      raise<ValueError>("project: the destination has ", dest->size(), " slots but the projection needs ", need,
+                        " and it is not allocatable");
+  }
+  const bool record = is_grad_enabled() && tensor->is_differentiable();
+  // Work starts: one request pins the tiles and promotes the missing ones.
+  auto work = c->begin_work(src, "projection");
+  Carrier::Claim claim;
+  try {
+    if (!dest) dest = proto.allocate_like(need, true, c->dtype(), /*empty=*/true);
+    else if (dest->size() < need) dest->grow(need, false);
+    claim = dest->claim("a projection");
+  } catch (...) {
+    c->end_work(work);
+    throw;
+  }
+  auto done = std::make_shared<Completion<TensorPtr>>();
+  struct State {
+    std::atomic<int64_t> remaining;
+    std::mutex m;
+    std::exception_ptr error;
+    Carrier::Claim claim;
+  };
+  auto st = std::make_shared<State>();
+  st->remaining.store(static_cast<int64_t>(src.size()));
+  st->claim = std::move(claim);
+  std::vector<int64_t> counts = counts_of(sel);
+  std::vector<int64_t> dstride = dense_strides(cshape);
+  auto finish = [c, tensor, sel, dest, work, done, st, cshape, record]() {
+    st->claim.end();
+    c->end_work(work);
+    if (st->error) {
+      done->set_error(st->error);
+      return;
+    }
+    TensorPtr result;
+    try {
+      result = make_tensor(dest, 0, column_major(Shape::flat(cshape)));
+      dest->bump_version();
+      if (record) {
+        auto node = std::make_shared<ProjectionNode>();
+        node->name = "project";
+        node->dispatch_kind = &c->kind();
+        node->inputs = {tensor};
+        node->carrier = c;
+        node->selection = sel;
+        node->save(tensor);
+        attach_node(node, result);
+      }
+    } catch (...) {
+      done->set_error(std::current_exception());
+      return;
+    }
+    done->set_value(std::move(result));
+  };
+  auto gather = [c, tensor, dest, st, counts, dstride, finish](int64_t k, int64_t index) {
+    try {
+      if (!st->error) {
+        TileAccess access(*c, *tensor);
+        gather_tile(*c, access, c->tile_coord(index), c->tile_buffer(index), *dest, decode_compact(k, counts), dstride);
+      }
+    } catch (...) {
+      std::lock_guard lock(st->m);
+      if (!st->error) st->error = std::current_exception();
+    }
+    if (st->remaining.fetch_sub(1) == 1) finish();
+  };
+  // Resident tiles are gathered at once; the others as soon as the request's promotion lands.
+  auto ready = TiledEvictable::work_ready(work);
+  std::vector<std::pair<int64_t, int64_t>> waiting;
+  for (size_t k = 0; k < src.size(); ++k) {
+    TileState s = c->tile_state(c->tile_coord(src[k]));
+    if (s.location == TileLocation::Primary || s.location == TileLocation::Implicit)
+      Executor::select().submit([gather, k, i = src[k]] { gather(static_cast<int64_t>(k), i); });
+    else
+      waiting.emplace_back(static_cast<int64_t>(k), src[k]);
+  }
+  if (!waiting.empty()) {
+    ready->then([ready, waiting, gather, st] {
+      if (auto e = ready->error()) {
+        std::lock_guard lock(st->m);
+        if (!st->error) st->error = e;
+      }
+      for (auto [k, i] : waiting) Executor::select().submit([gather, k = k, i = i] { gather(k, i); });
+    });
+  }
+  return done;
+}
+
+// --- scatter ---------------------------------------------------------------
+
+namespace {
+
+struct ScatterNode final : Node {
+  std::shared_ptr<TiledEvictable> carrier;
+  TileSelectionC selection;
+  bool add = false;
+  bool compact_input = false, template_input = false;  // which of inputs[] are present
+  std::vector<TensorPtr> apply(const TensorPtr& g) override {
+    // g is a full tiled cotangent of the result's carrier kind.
+    std::vector<TensorPtr> grads(inputs.size());
+    auto gc = std::static_pointer_cast<TiledEvictable>(g->carrier);
+    size_t slot = 0;
+    if (compact_input) {
+      GradModeGuard off(false);
+      grads[slot++] = project(gc, g, selection, nullptr)->value();
+    }
+    if (template_input) {
+      if (add) {
+        grads[slot] = g;
+      } else {
+        // The selected tiles were overwritten: their template gradient is zero.
+        auto fresh = std::static_pointer_cast<TiledEvictable>(gc->allocate_like(gc->size(), true, gc->dtype(), false));
+        std::vector<int64_t> sel = bind_selection(*gc, selection);
+        std::vector<std::pair<int64_t, CarrierPtr>> tiles;
+        TileAccess access(*gc, *g);
+        auto all = std::vector<int64_t>();
+        for (int64_t i = 0; i < gc->tile_count(); ++i)
+          if (std::find(sel.begin(), sel.end(), i) == sel.end()) all.push_back(i);
+        auto work = gc->begin_work(all, "backward");
+        TiledEvictable::work_ready(work)->value();
+        for (int64_t i : all)
+          if (CarrierPtr b = gc->tile_buffer(i)) {
+            CarrierPtr copy = gc->primary()->allocate_like(gc->tile_size(), true, gc->dtype(), true);
+            copy_slots(*b, 0, *copy, 0, gc->tile_size());
+            tiles.emplace_back(i, copy);
+          }
+        gc->end_work(work);
+        fresh->install_tiles(tiles);
+        grads[slot] = make_tensor(fresh, g->offset, g->layout);
+      }
+    }
+    return grads;
+  }
+};
+
+}  // namespace
+
+CompletionPtr<TensorPtr> scatter(const std::shared_ptr<TiledEvictable>& c, const TensorPtr& compact,
+                                 const TensorPtr& templ, const TileSelectionC& sel, bool add) {
+  if (!compact) raise<TypeError>("scatter: compact must be a Tensor");
+  if (!templ) raise<TypeError>("scatter: template must be a Tensor");
+  const CarrierKind& ck = compact->carrier->kind();
+  if (ck.dependent) raise<TypeError>("scatter: compact must be backed by an ordinary carrier, not ", ck.name);
+  if (&ck != &c->primary()->kind())
+    raise<TypeError>("scatter: compact must be backed by ", c->primary()->kind_name(), " (the compute tier's class), got ",
+                     ck.name);
+  if (templ->carrier.get() != c.get()) raise<TypeError>("scatter: template must be backed by this TiledEvictable");
+  c->check_live("scatter");
+  compact->carrier->check_live("scatter it");
+  if (compact->dtype() != c->dtype())
+    raise<TypeError>("scatter: compact dtype ", compact->dtype().name(), " does not match ", c->dtype().name());
+  c->check_footprints(*templ);
+  std::vector<int64_t> src = bind_selection(*c, sel);
+  std::vector<int64_t> cshape = compact_shape(*c, sel);
+  if (compact->layout.shape().extents() != cshape) {
+    std::ostringstream want;
+    for (size_t i = 0; i < cshape.size(); ++i) want << (i ? ", " : "") << cshape[i];
+    raise<ValueError>("scatter: compact shape ", compact->layout.shape().str(), " does not match the selected region (",
+                      want.str(), ")");
+  }
+  const bool record = is_grad_enabled() && (compact->is_differentiable() || templ->is_differentiable());
+  auto work = add ? c->begin_work(src, "scatter") : nullptr;
+  auto done = std::make_shared<Completion<TensorPtr>>();
+  auto ccl = compact->carrier->claim("a scatter");
+  auto job = [c, compact, templ, sel, add, work, done, src, cshape, record,
+              claim = std::make_shared<Carrier::Claim>(std::move(ccl))]() mutable {
+    try {
+      if (work) TiledEvictable::work_ready(work)->value();
+      auto fresh = std::static_pointer_cast<TiledEvictable>(c->allocate_like(c->size(), true, c->dtype(), true));
+      TileAccess access(*c, *templ);
+      std::vector<int64_t> counts = counts_of(sel);
+      std::vector<int64_t> cstride = dense_strides(cshape);
+      std::vector<std::pair<int64_t, CarrierPtr>> tiles;
+      for (size_t k = 0; k < src.size(); ++k)
+        tiles.emplace_back(src[k], scatter_tile(*c, access, c->tile_coord(src[k]), *compact,
+                                                decode_compact(static_cast<int64_t>(k), counts), cstride,
+                                                add ? c->tile_buffer(src[k]) : nullptr, add));
+      if (work) c->end_work(work);
+      work = nullptr;
+      fresh->install_tiles(tiles);  // valid, dirty, version advanced once
+      claim->end();
+      TensorPtr result = make_tensor(fresh, templ->offset, templ->layout);
+      if (record) {
+        auto node = std::make_shared<ScatterNode>();
+        node->name = "scatter";
+        node->dispatch_kind = &c->kind();
+        node->carrier = c;
+        node->selection = sel;
+        node->add = add;
+        if (compact->is_differentiable()) {
+          node->inputs.push_back(compact);
+          node->compact_input = true;
+        }
+        if (templ->is_differentiable()) {
+          node->inputs.push_back(templ);
+          node->template_input = true;
+        }
+        attach_node(node, result);
+      }
+      done->set_value(std::move(result));
+    } catch (...) {
+      if (work) c->end_work(work);
+      claim->end();
+      done->set_error(std::current_exception());
+    }
+  };
+  Executor::select().submit(std::move(job));
+  return done;
+}
+
+// --- direct operations -----------------------------------------------------
+
+namespace {
+
+TileSelectionC full_selection(const TiledEvictable& c) {
+  TileSelectionC sel;
+  for (int64_t g : c.grid_shape()) {
+    std::vector<int64_t> axis(static_cast<size_t>(g));
+    for (int64_t i = 0; i < g; ++i) axis[static_cast<size_t>(i)] = i;
+    sel.per_axis.push_back(std::move(axis));
+  }
+  return sel;
+}
+
+// The full logical tensor as a dense compute-carrier tensor (blocking).
+TensorPtr materialize(const TensorPtr& t) {
+  auto c = std::static_pointer_cast<TiledEvictable>(t->carrier);
+  GradModeGuard off(false);
+  TensorPtr dense = project(c, t, full_selection(*c), nullptr)->value();
+  // Keep the caller's hierarchy (nested modes) over the dense values.
+  return make_tensor(dense->carrier, 0, column_major(t->layout.shape()));
+}
+
+class TiledBackend final : public OpBackend {
+ public:
+  bool supports(OpId id) const override { return op_def(id).central; }
+  bool materializes() const override { return true; }
+  TensorPtr materialize_for_backward(const TensorPtr& input) override { return materialize(input); }
+  TensorPtr gradient_from_dense(const TensorPtr& input, const TensorPtr& dense) override {
+    auto c = std::static_pointer_cast<TiledEvictable>(input->carrier);
+    TileSelectionC sel = full_selection(*c);
+    TensorPtr flat = make_tensor(dense->carrier, dense->offset, column_major(Shape::flat(c->logical_shape())));
+    if (!dense->layout.is_column_major() || dense->offset != 0) flat = expand_dense(dense, dense->layout.shape());
+    return scatter_add_gradient(c, input, sel, make_tensor(flat->carrier, 0, column_major(Shape::flat(c->logical_shape()))));
+  }
+  TensorPtr forward(OpId id, std::span<const Operand> ops, const OpOptions& options) override {
+    std::vector<Operand> dense;
+    for (const auto& o : ops) dense.push_back(o.is_tensor() ? Operand::of(materialize(o.tensor)) : o);
+    GradModeGuard off(false);  // one outer node: the caller records it
+    return call_op(id, dense, options);
+  }
+};
+
+}  // namespace
+
+void install_tiled_backend() {
+  static const bool done = [] {
+    register_backend(&tiled_evictable_kind(), std::make_shared<TiledBackend>());
+    return true;
+  }();
+  (void)done;
+}
+
+}  // namespace sw
