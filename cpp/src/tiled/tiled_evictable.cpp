@@ -495,6 +495,31 @@ void TiledEvictable::read_slots(int64_t start, int64_t count, void* out) const {
 }
 
 void TiledEvictable::write_slots(int64_t start, int64_t count, const void* in) {
+  // A bulk write that covers the whole footprint of an invalid tile initialises it (new_like, gradients):
+  // such a tile gets a fresh primary buffer first, and the writes below fill all of it.
+  std::vector<int64_t> covered;
+  {
+    std::lock_guard lock(mutex_);
+    for (int64_t t = 0; t < tile_count_; ++t) {
+      if (tiles_[t].loc != TileLocation::Invalid || tiles_[t].pending) continue;
+      const auto& runs = runs_[t];
+      if (std::all_of(runs.begin(), runs.end(),
+                      [&](const Run& r) { return r.offset >= start && r.offset + r.length <= start + count; }))
+        covered.push_back(t);
+    }
+  }
+  for (int64_t t : covered) {
+    CarrierPtr buf = primary_->allocate_like(tile_size_, true, dtype(), true);  // outside the lock
+    std::lock_guard lock(mutex_);
+    Tile& tile = tiles_[t];
+    if (tile.loc != TileLocation::Invalid || tile.pending) continue;
+    tile.buffer = std::move(buf);
+    tile.loc = TileLocation::Primary;
+    tile.dirty = true;
+    tile.secondary_valid = false;
+    stats_.primary_tiles++;
+    stats_.primary_bytes += tile_size_ * static_cast<int64_t>(slot_bytes(dtype()));
+  }
   auto* bytes = static_cast<const std::byte*>(in);
   const size_t w = slot_bytes(dtype());
   for (int64_t k = 0; k < count; ++k) write_value(start + k, load_value(dtype(), bytes + k * w));
