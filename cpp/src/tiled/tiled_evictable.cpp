@@ -118,7 +118,7 @@ TiledEvictable::TiledEvictable(CarrierPtr primary, CarrierPtr secondary, std::ve
       for (const Run& r : runs_[t]) copy_slots(*primary, r.offset, *buf, r.ordinal, r.length);
       tiles_[t].loc = TileLocation::Primary;
       tiles_[t].buffer = std::move(buf);
-      tiles_[t].dirty = s != total_;
+      tiles_[t].dirty = true;  // a full secondary holds unrelated values: the primary value must be preserved
       tiles_[t].secondary_valid = false;
       stats_.primary_tiles++;
       stats_.primary_bytes += tile_size_ * static_cast<int64_t>(slot_bytes(dtype()));
