@@ -56,8 +56,8 @@ struct TiledEvictable::Work {
 // ---------------------------------------------------------------- construction
 
 TiledEvictable::TiledEvictable(CarrierPtr primary, CarrierPtr secondary, std::vector<int64_t> grid,
-                               std::vector<int64_t> tile, std::shared_ptr<ResidencyPolicyIface> policy)
-    : DependentCarrier(&tiled_evictable_kind(), primary ? primary->dtype() : DType::Float32(), true),
+                               std::vector<int64_t> tile, std::shared_ptr<ResidencyPolicyIface> policy, bool is_mutable)
+    : DependentCarrier(&tiled_evictable_kind(), primary ? primary->dtype() : DType::Float32(), is_mutable),
       grid_(std::move(grid)),
       tile_(std::move(tile)),
       policy_(std::move(policy)) {
@@ -534,12 +534,11 @@ CarrierPtr TiledEvictable::allocate_like(int64_t slots, bool is_mutable, const D
     raise<ValueError>("TiledEvictable.allocate_like size must be 0 or the full extent ", total_, ", got ", slots);
   CarrierPtr p = primary_->allocate_like(0, true, d, true);
   CarrierPtr s = secondary_->allocate_like(0, true, d, true);
-  auto out = std::make_shared<TiledEvictable>(p, s, grid_, tile_, policy_);
+  auto out = std::make_shared<TiledEvictable>(p, s, grid_, tile_, policy_, is_mutable);
   if (!empty) {
     std::lock_guard lock(out->mutex_);
     for (auto& t : out->tiles_) t.loc = TileLocation::Implicit;
   }
-  (void)is_mutable;
   return out;
 }
 
