@@ -240,7 +240,12 @@ CarrierPtr Carrier::new_like(std::span<const Value> values, bool is_mutable, con
   converted.reserve(values.size());
   for (const auto& v : values) converted.push_back(dtype.convert(v));  // TypeError/OverflowError before allocating
   CarrierPtr c = allocate_like(static_cast<int64_t>(values.size()), is_mutable, dtype, /*empty=*/true);
-  for (size_t k = 0; k < converted.size(); ++k) c->write_value(static_cast<int64_t>(k), converted[k]);
+  // One bulk write: a kind whose fresh empty storage is not writable slot by slot (a TiledEvictable's
+  // invalid tiles) initialises whole tiles from it.
+  const size_t w = slot_bytes(dtype);
+  std::vector<std::byte> bytes(converted.size() * w);
+  for (size_t k = 0; k < converted.size(); ++k) store_value(dtype, bytes.data() + k * w, converted[k]);
+  if (!converted.empty()) c->write_slots(0, static_cast<int64_t>(converted.size()), bytes.data());
   return c;
 }
 

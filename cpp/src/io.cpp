@@ -6,7 +6,10 @@
 #include <array>
 #include <atomic>
 #include <cerrno>
+#include <chrono>
+#include <condition_variable>
 #include <cstring>
+#include <mutex>
 
 #include "strideweave/errors.hpp"
 
@@ -69,6 +72,31 @@ int injected(Op op) {
   }
 }
 
+// The test-only gate (see hold()).
+struct Gate {
+  std::mutex m;
+  std::condition_variable cv;
+  std::array<bool, 4> held{};
+  std::array<int64_t, 4> waiting{};
+};
+Gate& gate() {
+  static Gate* g = new Gate();  // never destroyed: library threads may still pass through at exit
+  return *g;
+}
+std::atomic<bool> g_gate_armed{false};
+
+void pass_gate(Op op) {
+  if (!g_gate_armed.load(std::memory_order_acquire)) return;
+  Gate& g = gate();
+  const auto k = static_cast<size_t>(op);
+  std::unique_lock lock(g.m);
+  if (!g.held[k]) return;
+  g.waiting[k]++;
+  g.cv.notify_all();
+  g.cv.wait_for(lock, std::chrono::seconds(60), [&] { return !g.held[k]; });
+  g.waiting[k]--;
+}
+
 [[noreturn]] void fail(Op op, const std::string& what, int e) {
   raise<RuntimeError>(op_name(op), " of ", what, " failed: ", std::strerror(e), " (", errno_name(e), ")");
 }
@@ -89,6 +117,29 @@ void clear_faults() {
     f.skip.store(0);
   }
   g_armed.store(false, std::memory_order_release);
+  unhold();
+}
+
+void hold(Op op) {
+  Gate& g = gate();
+  std::lock_guard lock(g.m);
+  g.held[static_cast<size_t>(op)] = true;
+  g_gate_armed.store(true, std::memory_order_release);
+}
+
+void unhold() {
+  Gate& g = gate();
+  {
+    std::lock_guard lock(g.m);
+    g.held.fill(false);
+  }
+  g.cv.notify_all();
+}
+
+int64_t held_waiting(Op op) {
+  Gate& g = gate();
+  std::lock_guard lock(g.m);
+  return g.waiting[static_cast<size_t>(op)];
 }
 
 int64_t calls(Op op) { return g_faults[static_cast<int>(op)].calls.load(); }
@@ -96,6 +147,7 @@ int64_t calls(Op op) { return g_faults[static_cast<int>(op)].calls.load(); }
 void raise_failure(Op op, const std::string& what, int error) { fail(op, what, error); }
 
 int try_open_file(const std::string& path, int flags, int mode) {
+  pass_gate(Op::Open);
   if (int e = injected(Op::Open)) return -e;
   int fd;
   do fd = ::open(path.c_str(), flags | O_CLOEXEC, mode);
@@ -110,6 +162,7 @@ int open_file(const std::string& path, int flags, int mode) {
 }
 
 void pread_full(int fd, void* buf, size_t bytes, int64_t offset, const std::string& what) {
+  pass_gate(Op::Pread);
   if (int e = injected(Op::Pread)) fail(Op::Pread, what, e);
   auto* p = static_cast<char*>(buf);
   while (bytes > 0) {
@@ -129,6 +182,7 @@ void pread_full(int fd, void* buf, size_t bytes, int64_t offset, const std::stri
 }
 
 void pwrite_full(int fd, const void* buf, size_t bytes, int64_t offset, const std::string& what) {
+  pass_gate(Op::Pwrite);
   if (int e = injected(Op::Pwrite)) fail(Op::Pwrite, what, e);
   auto* p = static_cast<const char*>(buf);
   while (bytes > 0) {
@@ -144,6 +198,7 @@ void pwrite_full(int fd, const void* buf, size_t bytes, int64_t offset, const st
 }
 
 void fsync_file(int fd, const std::string& what) {
+  pass_gate(Op::Fsync);
   if (int e = injected(Op::Fsync)) fail(Op::Fsync, what, e);
   if (::fsync(fd) < 0) fail(Op::Fsync, what, errno);
 }

@@ -231,6 +231,21 @@ void bind_extension(nb::module_& m) {
     sw::io::inject(o, error, count, after);
   }, nb::arg("op"), nb::arg("error"), nb::arg("count") = 1, nb::arg("after") = 0);
   m.def("_io_clear", &sw::io::clear_faults);
+  // Test-only gate: while held, calls of `op` block until _io_unhold() or _io_clear(), so a test
+  // can keep an asynchronous request pending without sleeping. _io_held_waiting(op) counts blocked calls.
+  auto op_of = [](const std::string& op) {
+    if (op == "open") return sw::io::Op::Open;
+    if (op == "pread") return sw::io::Op::Pread;
+    if (op == "pwrite") return sw::io::Op::Pwrite;
+    if (op == "fsync") return sw::io::Op::Fsync;
+    sw::raise<sw::ValueError>("unknown I/O operation ", op, " (open, pread, pwrite, fsync)");
+  };
+  m.def("_io_hold", [op_of](const std::string& op) { sw::io::hold(op_of(op)); }, nb::arg("op"));
+  m.def("_io_unhold", [] {
+    nb::gil_scoped_release nogil;
+    sw::io::unhold();
+  });
+  m.def("_io_held_waiting", [op_of](const std::string& op) { return sw::io::held_waiting(op_of(op)); }, nb::arg("op"));
 
   m.def("_definition_of", [](nb::handle cls) -> nb::object { return definition_object(cls); });
   m.def("_install_shipped_definition", [](nb::handle cls, nb::handle definition) {

@@ -27,6 +27,14 @@ void inject(Op op, int error, int count = 1, int after = 0);
 void clear_faults();
 // Calls of `op` so far (successful or injected).
 int64_t calls(Op op);
+// Test-only gate, so that tests can keep an asynchronous request pending
+// deterministically: while `op` is held, every call of it blocks before
+// reaching the kernel (or an injected fault) until unhold() or clear_faults();
+// a held call gives up waiting after 60 s so that a faulty test cannot hang
+// the process. held_waiting(op) counts the calls blocked right now.
+void hold(Op op);
+void unhold();
+int64_t held_waiting(Op op);
 
 int open_file(const std::string& path, int flags, int mode = 0644);
 // As open_file, but a failure returns -errno instead of raising (for callers

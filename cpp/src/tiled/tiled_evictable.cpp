@@ -56,8 +56,8 @@ struct TiledEvictable::Work {
 // ---------------------------------------------------------------- construction
 
 TiledEvictable::TiledEvictable(CarrierPtr primary, CarrierPtr secondary, std::vector<int64_t> grid,
-                               std::vector<int64_t> tile, std::shared_ptr<ResidencyPolicyIface> policy)
-    : DependentCarrier(&tiled_evictable_kind(), primary ? primary->dtype() : DType::Float32(), true),
+                               std::vector<int64_t> tile, std::shared_ptr<ResidencyPolicyIface> policy, bool is_mutable)
+    : DependentCarrier(&tiled_evictable_kind(), primary ? primary->dtype() : DType::Float32(), is_mutable),
       grid_(std::move(grid)),
       tile_(std::move(tile)),
       policy_(std::move(policy)) {
@@ -118,7 +118,7 @@ TiledEvictable::TiledEvictable(CarrierPtr primary, CarrierPtr secondary, std::ve
       for (const Run& r : runs_[t]) copy_slots(*primary, r.offset, *buf, r.ordinal, r.length);
       tiles_[t].loc = TileLocation::Primary;
       tiles_[t].buffer = std::move(buf);
-      tiles_[t].dirty = s != total_;
+      tiles_[t].dirty = true;  // a full secondary holds unrelated values: the primary value must be preserved
       tiles_[t].secondary_valid = false;
       stats_.primary_tiles++;
       stats_.primary_bytes += tile_size_ * static_cast<int64_t>(slot_bytes(dtype()));
@@ -499,6 +499,31 @@ void TiledEvictable::read_slots(int64_t start, int64_t count, void* out) const {
 }
 
 void TiledEvictable::write_slots(int64_t start, int64_t count, const void* in) {
+  // A bulk write that covers the whole footprint of an invalid tile initialises it (new_like, gradients):
+  // such a tile gets a fresh primary buffer first, and the writes below fill all of it.
+  std::vector<int64_t> covered;
+  {
+    std::lock_guard lock(mutex_);
+    for (int64_t t = 0; t < tile_count_; ++t) {
+      if (tiles_[t].loc != TileLocation::Invalid || tiles_[t].pending) continue;
+      const auto& runs = runs_[t];
+      if (std::all_of(runs.begin(), runs.end(),
+                      [&](const Run& r) { return r.offset >= start && r.offset + r.length <= start + count; }))
+        covered.push_back(t);
+    }
+  }
+  for (int64_t t : covered) {
+    CarrierPtr buf = primary_->allocate_like(tile_size_, true, dtype(), true);  // outside the lock
+    std::lock_guard lock(mutex_);
+    Tile& tile = tiles_[t];
+    if (tile.loc != TileLocation::Invalid || tile.pending) continue;
+    tile.buffer = std::move(buf);
+    tile.loc = TileLocation::Primary;
+    tile.dirty = true;
+    tile.secondary_valid = false;
+    stats_.primary_tiles++;
+    stats_.primary_bytes += tile_size_ * static_cast<int64_t>(slot_bytes(dtype()));
+  }
   auto* bytes = static_cast<const std::byte*>(in);
   const size_t w = slot_bytes(dtype());
   for (int64_t k = 0; k < count; ++k) write_value(start + k, load_value(dtype(), bytes + k * w));
@@ -513,12 +538,11 @@ CarrierPtr TiledEvictable::allocate_like(int64_t slots, bool is_mutable, const D
     raise<ValueError>("TiledEvictable.allocate_like size must be 0 or the full extent ", total_, ", got ", slots);
   CarrierPtr p = primary_->allocate_like(0, true, d, true);
   CarrierPtr s = secondary_->allocate_like(0, true, d, true);
-  auto out = std::make_shared<TiledEvictable>(p, s, grid_, tile_, policy_);
+  auto out = std::make_shared<TiledEvictable>(p, s, grid_, tile_, policy_, is_mutable);
   if (!empty) {
     std::lock_guard lock(out->mutex_);
     for (auto& t : out->tiles_) t.loc = TileLocation::Implicit;
   }
-  (void)is_mutable;
   return out;
 }
 

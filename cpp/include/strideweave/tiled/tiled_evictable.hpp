@@ -75,7 +75,7 @@ class TiledEvictable final : public DependentCarrier {
   // and positive extents; each tier has 0 slots or the full extent. Claims
   // taken here are rolled back on failure.
   TiledEvictable(CarrierPtr primary, CarrierPtr secondary, std::vector<int64_t> grid, std::vector<int64_t> tile,
-                 std::shared_ptr<ResidencyPolicyIface> policy);
+                 std::shared_ptr<ResidencyPolicyIface> policy, bool is_mutable = true);
   ~TiledEvictable() override;
 
   // -------- geometry
