@@ -1,5 +1,6 @@
 #include "strideweave/tiled/data.hpp"
 
+#include <algorithm>
 #include <atomic>
 #include <sstream>
 
@@ -140,10 +141,21 @@ TensorPtr scatter_add_gradient(const std::shared_ptr<TiledEvictable>& c, const T
   std::vector<int64_t> cstride = cl.flat().strides;
   TensorPtr g = compact_grad;
   std::vector<std::pair<int64_t, CarrierPtr>> tiles;
-  for (size_t k = 0; k < src.size(); ++k)
-    tiles.emplace_back(src[k], scatter_tile(*fresh, access, fresh->tile_coord(src[k]), *g,
-                                            decode_compact(static_cast<int64_t>(k), counts), cstride, nullptr, false));
-  fresh->install_tiles(tiles);
+  const size_t bytes = static_cast<size_t>(fresh->tile_size()) * slot_bytes(fresh->dtype());
+  std::vector<std::byte> raw(bytes);
+  for (size_t k = 0; k < src.size(); ++k) {
+    CarrierPtr buf = scatter_tile(*fresh, access, fresh->tile_coord(src[k]), *g,
+                                  decode_compact(static_cast<int64_t>(k), counts), cstride, nullptr, false);
+    // A tile whose gradient is all (+0) zero stays a valid implicit zero: summed
+    // gradients keep untouched tiles implicit.
+    buf->read_slots(0, fresh->tile_size(), raw.data());
+    if (std::all_of(raw.begin(), raw.end(), [](std::byte b) { return b == std::byte{0}; })) {
+      buf->release();
+      continue;
+    }
+    tiles.emplace_back(src[k], std::move(buf));
+  }
+  if (!tiles.empty()) fresh->install_tiles(tiles);
   return make_tensor(fresh, primal->offset, primal->layout);
 }
 
