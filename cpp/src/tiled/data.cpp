@@ -319,38 +319,20 @@ struct ScatterNode final : Node {
   bool compact_input = false, template_input = false;  // which of inputs[] are present
   std::vector<TensorPtr> apply(const TensorPtr& g) override {
     // g is a full tiled cotangent of the result's carrier kind.
+    auto gc = std::dynamic_pointer_cast<TiledEvictable>(g->carrier);
+    SW_ASSERT(gc, "scatter backward received a ", g->carrier->kind_name(), " cotangent, not a TiledEvictable one");
     std::vector<TensorPtr> grads(inputs.size());
-    auto gc = std::static_pointer_cast<TiledEvictable>(g->carrier);
-    size_t slot = 0;
-    if (compact_input) {
+    TensorPtr selected;  // the cotangent at the saved selection, compact
+    {
       GradModeGuard off(false);
-      grads[slot++] = project(gc, g, selection, nullptr)->value();
+      selected = project(gc, g, selection, nullptr)->value();
     }
-    if (template_input) {
-      if (add) {
-        grads[slot] = g;
-      } else {
-        // The selected tiles were overwritten: their template gradient is zero.
-        auto fresh = std::static_pointer_cast<TiledEvictable>(gc->allocate_like(gc->size(), true, gc->dtype(), false));
-        std::vector<int64_t> sel = bind_selection(*gc, selection);
-        std::vector<std::pair<int64_t, CarrierPtr>> tiles;
-        TileAccess access(*gc, *g);
-        auto all = std::vector<int64_t>();
-        for (int64_t i = 0; i < gc->tile_count(); ++i)
-          if (std::find(sel.begin(), sel.end(), i) == sel.end()) all.push_back(i);
-        auto work = gc->begin_work(all, "backward");
-        TiledEvictable::work_ready(work)->value();
-        for (int64_t i : all)
-          if (CarrierPtr b = gc->tile_buffer(i)) {
-            CarrierPtr copy = gc->primary()->allocate_like(gc->tile_size(), true, gc->dtype(), true);
-            copy_slots(*b, 0, *copy, 0, gc->tile_size());
-            tiles.emplace_back(i, copy);
-          }
-        gc->end_work(work);
-        fresh->install_tiles(tiles);
-        grads[slot] = make_tensor(fresh, g->offset, g->layout);
-      }
-    }
+    size_t slot = 0;
+    if (compact_input) grads[slot++] = selected;
+    // The result holds no template values outside the selection (those tiles are
+    // invalid), and replace overwrote the selected ones: only add propagates to
+    // the template, and only the selected cotangent.
+    if (template_input && add) grads[slot] = scatter_add_gradient(carrier, inputs[slot], selection, selected);
     return grads;
   }
 };
