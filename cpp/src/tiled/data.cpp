@@ -196,8 +196,22 @@ std::vector<int64_t> compact_shape(const TiledEvictable& c, const TileSelectionC
   return out;
 }
 
+namespace {
+CompletionPtr<TensorPtr> project_for(const std::shared_ptr<TiledEvictable>& c, const TensorPtr& tensor,
+                                     const TileSelectionC& sel, const CarrierPtr& destination, const char* purpose);
+}  // namespace
+
 CompletionPtr<TensorPtr> project(const std::shared_ptr<TiledEvictable>& c, const TensorPtr& tensor,
                                  const TileSelectionC& sel, const CarrierPtr& destination) {
+  return project_for(c, tensor, sel, destination, "projection");
+}
+
+namespace {
+
+// `purpose` is what the residency policy is told: "projection" for carrier.project,
+// "operation" for a direct operation's operands, "backward" inside backward.
+CompletionPtr<TensorPtr> project_for(const std::shared_ptr<TiledEvictable>& c, const TensorPtr& tensor,
+                                     const TileSelectionC& sel, const CarrierPtr& destination, const char* purpose) {
   if (!tensor) raise<TypeError>("project: tensor must be a Tensor");
   if (tensor->carrier.get() != c.get())
     raise<TypeError>("project: the tensor is backed by ", tensor->carrier->kind_name(),
@@ -225,7 +239,7 @@ CompletionPtr<TensorPtr> project(const std::shared_ptr<TiledEvictable>& c, const
   }
   const bool record = is_grad_enabled() && tensor->is_differentiable();
   // Work starts: one request pins the tiles and promotes the missing ones.
-  auto work = c->begin_work(src, "projection");
+  auto work = c->begin_work(src, purpose);
   Carrier::Claim claim;
   try {
     if (!dest) dest = proto.allocate_like(need, true, c->dtype(), /*empty=*/true);
@@ -308,6 +322,8 @@ CompletionPtr<TensorPtr> project(const std::shared_ptr<TiledEvictable>& c, const
   return done;
 }
 
+}  // namespace
+
 // --- scatter ---------------------------------------------------------------
 
 namespace {
@@ -325,7 +341,7 @@ struct ScatterNode final : Node {
     TensorPtr selected;  // the cotangent at the saved selection, compact
     {
       GradModeGuard off(false);
-      selected = project(gc, g, selection, nullptr)->value();
+      selected = project_for(gc, g, selection, nullptr, "backward")->value();
     }
     size_t slot = 0;
     if (compact_input) grads[slot++] = selected;
@@ -427,10 +443,10 @@ TileSelectionC full_selection(const TiledEvictable& c) {
 }
 
 // The full logical tensor as a dense compute-carrier tensor (blocking).
-TensorPtr materialize(const TensorPtr& t) {
+TensorPtr materialize(const TensorPtr& t, const char* purpose) {
   auto c = std::static_pointer_cast<TiledEvictable>(t->carrier);
   GradModeGuard off(false);
-  TensorPtr dense = project(c, t, full_selection(*c), nullptr)->value();
+  TensorPtr dense = project_for(c, t, full_selection(*c), nullptr, purpose)->value();
   // Keep the caller's hierarchy (nested modes) over the dense values.
   return make_tensor(dense->carrier, 0, column_major(t->layout.shape()));
 }
@@ -439,7 +455,7 @@ class TiledBackend final : public OpBackend {
  public:
   bool supports(OpId id) const override { return op_def(id).central; }
   bool materializes() const override { return true; }
-  TensorPtr materialize_for_backward(const TensorPtr& input) override { return materialize(input); }
+  TensorPtr materialize_for_backward(const TensorPtr& input) override { return materialize(input, "backward"); }
   TensorPtr gradient_from_dense(const TensorPtr& input, const TensorPtr& dense) override {
     auto c = std::static_pointer_cast<TiledEvictable>(input->carrier);
     TileSelectionC sel = full_selection(*c);
@@ -449,7 +465,7 @@ class TiledBackend final : public OpBackend {
   }
   TensorPtr forward(OpId id, std::span<const Operand> ops, const OpOptions& options) override {
     std::vector<Operand> dense;
-    for (const auto& o : ops) dense.push_back(o.is_tensor() ? Operand::of(materialize(o.tensor)) : o);
+    for (const auto& o : ops) dense.push_back(o.is_tensor() ? Operand::of(materialize(o.tensor, "operation")) : o);
     GradModeGuard off(false);  // one outer node: the caller records it
     return call_op(id, dense, options);
   }
