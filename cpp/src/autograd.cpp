@@ -26,7 +26,22 @@ bool should_record(std::span<const TensorPtr> inputs, const TensorPtr& result) {
 
 namespace {
 
+// The backend of a kind that computes on dense copies (TiledEvictable), or null.
+OpBackend* materializing_backend(const Carrier& c) {
+  OpBackend* b = backend_for(c.kind());
+  return b && b->materializes() ? b : nullptr;
+}
+
+// a + b as a gradient of a's kind. For a materializing kind (TiledEvictable) both
+// are read densely as backward work, added on the compute carrier, and the sum
+// is turned back into a gradient of a's kind, geometry and layout (a summed
+// tiled gradient stays tiled, and all-zero tiles stay implicit).
 TensorPtr add_grads(const TensorPtr& a, const TensorPtr& b) {
+  OpBackend* m = materializing_backend(*a->carrier);
+  if (m && &b->carrier->kind() == &a->carrier->kind()) {
+    std::vector<Operand> dense{Operand::of(m->materialize_for_backward(a)), Operand::of(m->materialize_for_backward(b))};
+    return m->gradient_from_dense(a, call_op(OpId::Add, dense));
+  }
   std::vector<Operand> ops{Operand::of(a), Operand::of(b)};
   return call_op(OpId::Add, ops);
 }
@@ -35,6 +50,14 @@ TensorPtr add_grads(const TensorPtr& a, const TensorPtr& b) {
 // (freshly computed here, held by nobody else); otherwise (the caller's seed, or one gradient that add passes
 // through to several operands) it is copied, so that no two .grad tensors, nor .grad and the seed, share storage.
 TensorPtr on_leaf_kind(const TensorImpl& leaf, const TensorPtr& g, bool owned) {
+  if (OpBackend* m = materializing_backend(*leaf.carrier)) {
+    // A tiled leaf: its gradient is a fresh carrier of its kind with its geometry and layout (slot-wise
+    // copies cannot fill the fresh carrier's invalid tiles).
+    const bool same_kind = &g->carrier->kind() == &leaf.carrier->kind();
+    if (owned && same_kind && g->offset == leaf.offset && g->layout == leaf.layout) return g;
+    TensorPtr dense = same_kind ? m->materialize_for_backward(g) : g;
+    return m->gradient_from_dense(make_tensor(leaf.carrier, leaf.offset, leaf.layout), dense);
+  }
   if (owned && &g->carrier->kind() == &leaf.carrier->kind() && g->layout == column_major(leaf.layout.shape()))
     return g;
   CarrierPtr c = leaf.carrier->allocate_like(g->size(), true, DType::Float32(), /*empty=*/true);

@@ -215,7 +215,7 @@ void bind_tiled(nb::module_& m) {
           dest = nb::cast<sw::CarrierPtr>(destination);
         }
         return tensor_handle<AwaitProjection>(sw::project(c, t, sel, dest));
-      }, nb::arg("tensor"), nb::arg("selection"), nb::arg("destination") = nb::none(),
+      }, nb::arg("tensor").none(), nb::arg("selection").none(), nb::arg("destination").none() = nb::none(),
          "Gathers the selected tiles of the full `tensor` into a compact dense tensor; returns an AwaitProjection.")
       .def("scatter", [](std::shared_ptr<TiledEvictable> c, nb::handle compact, nb::handle templ, nb::handle selection,
                          nb::handle reduction) {
@@ -227,7 +227,8 @@ void bind_tiled(nb::module_& m) {
         if (r != "replace" && r != "add")
           sw::raise<sw::ValueError>("scatter: reduction must be 'replace' or 'add', got '", r, "'");
         return tensor_handle<AwaitMove>(sw::scatter(c, ct, tt, sel, r == "add"));
-      }, nb::arg("compact"), nb::arg("template"), nb::arg("selection"), nb::arg("reduction") = "replace",
+      }, nb::arg("compact").none(), nb::arg("template").none(), nb::arg("selection").none(),
+         nb::arg("reduction").none() = "replace",
          "Writes `compact` into the selected tiles of a fresh full-shaped TiledEvictable; returns an AwaitMove.")
       .def("_check_footprints", [](const TiledEvictable& c, const sw::TensorImpl& t) { c.check_footprints(t); });
 }

@@ -1,5 +1,6 @@
 #include "strideweave/tiled/data.hpp"
 
+#include <algorithm>
 #include <atomic>
 #include <sstream>
 
@@ -140,10 +141,21 @@ TensorPtr scatter_add_gradient(const std::shared_ptr<TiledEvictable>& c, const T
   std::vector<int64_t> cstride = cl.flat().strides;
   TensorPtr g = compact_grad;
   std::vector<std::pair<int64_t, CarrierPtr>> tiles;
-  for (size_t k = 0; k < src.size(); ++k)
-    tiles.emplace_back(src[k], scatter_tile(*fresh, access, fresh->tile_coord(src[k]), *g,
-                                            decode_compact(static_cast<int64_t>(k), counts), cstride, nullptr, false));
-  fresh->install_tiles(tiles);
+  const size_t bytes = static_cast<size_t>(fresh->tile_size()) * slot_bytes(fresh->dtype());
+  std::vector<std::byte> raw(bytes);
+  for (size_t k = 0; k < src.size(); ++k) {
+    CarrierPtr buf = scatter_tile(*fresh, access, fresh->tile_coord(src[k]), *g,
+                                  decode_compact(static_cast<int64_t>(k), counts), cstride, nullptr, false);
+    // A tile whose gradient is all (+0) zero stays a valid implicit zero: summed
+    // gradients keep untouched tiles implicit.
+    buf->read_slots(0, fresh->tile_size(), raw.data());
+    if (std::all_of(raw.begin(), raw.end(), [](std::byte b) { return b == std::byte{0}; })) {
+      buf->release();
+      continue;
+    }
+    tiles.emplace_back(src[k], std::move(buf));
+  }
+  if (!tiles.empty()) fresh->install_tiles(tiles);
   return make_tensor(fresh, primal->offset, primal->layout);
 }
 
@@ -184,8 +196,22 @@ std::vector<int64_t> compact_shape(const TiledEvictable& c, const TileSelectionC
   return out;
 }
 
+namespace {
+CompletionPtr<TensorPtr> project_for(const std::shared_ptr<TiledEvictable>& c, const TensorPtr& tensor,
+                                     const TileSelectionC& sel, const CarrierPtr& destination, const char* purpose);
+}  // namespace
+
 CompletionPtr<TensorPtr> project(const std::shared_ptr<TiledEvictable>& c, const TensorPtr& tensor,
                                  const TileSelectionC& sel, const CarrierPtr& destination) {
+  return project_for(c, tensor, sel, destination, "projection");
+}
+
+namespace {
+
+// `purpose` is what the residency policy is told: "projection" for carrier.project,
+// "operation" for a direct operation's operands, "backward" inside backward.
+CompletionPtr<TensorPtr> project_for(const std::shared_ptr<TiledEvictable>& c, const TensorPtr& tensor,
+                                     const TileSelectionC& sel, const CarrierPtr& destination, const char* purpose) {
   if (!tensor) raise<TypeError>("project: tensor must be a Tensor");
   if (tensor->carrier.get() != c.get())
     raise<TypeError>("project: the tensor is backed by ", tensor->carrier->kind_name(),
@@ -213,7 +239,7 @@ CompletionPtr<TensorPtr> project(const std::shared_ptr<TiledEvictable>& c, const
   }
   const bool record = is_grad_enabled() && tensor->is_differentiable();
   // Work starts: one request pins the tiles and promotes the missing ones.
-  auto work = c->begin_work(src, "projection");
+  auto work = c->begin_work(src, purpose);
   Carrier::Claim claim;
   try {
     if (!dest) dest = proto.allocate_like(need, true, c->dtype(), /*empty=*/true);
@@ -296,6 +322,8 @@ CompletionPtr<TensorPtr> project(const std::shared_ptr<TiledEvictable>& c, const
   return done;
 }
 
+}  // namespace
+
 // --- scatter ---------------------------------------------------------------
 
 namespace {
@@ -307,38 +335,20 @@ struct ScatterNode final : Node {
   bool compact_input = false, template_input = false;  // which of inputs[] are present
   std::vector<TensorPtr> apply(const TensorPtr& g) override {
     // g is a full tiled cotangent of the result's carrier kind.
+    auto gc = std::dynamic_pointer_cast<TiledEvictable>(g->carrier);
+    SW_ASSERT(gc, "scatter backward received a ", g->carrier->kind_name(), " cotangent, not a TiledEvictable one");
     std::vector<TensorPtr> grads(inputs.size());
-    auto gc = std::static_pointer_cast<TiledEvictable>(g->carrier);
-    size_t slot = 0;
-    if (compact_input) {
+    TensorPtr selected;  // the cotangent at the saved selection, compact
+    {
       GradModeGuard off(false);
-      grads[slot++] = project(gc, g, selection, nullptr)->value();
+      selected = project_for(gc, g, selection, nullptr, "backward")->value();
     }
-    if (template_input) {
-      if (add) {
-        grads[slot] = g;
-      } else {
-        // The selected tiles were overwritten: their template gradient is zero.
-        auto fresh = std::static_pointer_cast<TiledEvictable>(gc->allocate_like(gc->size(), true, gc->dtype(), false));
-        std::vector<int64_t> sel = bind_selection(*gc, selection);
-        std::vector<std::pair<int64_t, CarrierPtr>> tiles;
-        TileAccess access(*gc, *g);
-        auto all = std::vector<int64_t>();
-        for (int64_t i = 0; i < gc->tile_count(); ++i)
-          if (std::find(sel.begin(), sel.end(), i) == sel.end()) all.push_back(i);
-        auto work = gc->begin_work(all, "backward");
-        TiledEvictable::work_ready(work)->value();
-        for (int64_t i : all)
-          if (CarrierPtr b = gc->tile_buffer(i)) {
-            CarrierPtr copy = gc->primary()->allocate_like(gc->tile_size(), true, gc->dtype(), true);
-            copy_slots(*b, 0, *copy, 0, gc->tile_size());
-            tiles.emplace_back(i, copy);
-          }
-        gc->end_work(work);
-        fresh->install_tiles(tiles);
-        grads[slot] = make_tensor(fresh, g->offset, g->layout);
-      }
-    }
+    size_t slot = 0;
+    if (compact_input) grads[slot++] = selected;
+    // The result holds no template values outside the selection (those tiles are
+    // invalid), and replace overwrote the selected ones: only add propagates to
+    // the template, and only the selected cotangent.
+    if (template_input && add) grads[slot] = scatter_add_gradient(carrier, inputs[slot], selection, selected);
     return grads;
   }
 };
@@ -433,10 +443,10 @@ TileSelectionC full_selection(const TiledEvictable& c) {
 }
 
 // The full logical tensor as a dense compute-carrier tensor (blocking).
-TensorPtr materialize(const TensorPtr& t) {
+TensorPtr materialize(const TensorPtr& t, const char* purpose) {
   auto c = std::static_pointer_cast<TiledEvictable>(t->carrier);
   GradModeGuard off(false);
-  TensorPtr dense = project(c, t, full_selection(*c), nullptr)->value();
+  TensorPtr dense = project_for(c, t, full_selection(*c), nullptr, purpose)->value();
   // Keep the caller's hierarchy (nested modes) over the dense values.
   return make_tensor(dense->carrier, 0, column_major(t->layout.shape()));
 }
@@ -445,7 +455,7 @@ class TiledBackend final : public OpBackend {
  public:
   bool supports(OpId id) const override { return op_def(id).central; }
   bool materializes() const override { return true; }
-  TensorPtr materialize_for_backward(const TensorPtr& input) override { return materialize(input); }
+  TensorPtr materialize_for_backward(const TensorPtr& input) override { return materialize(input, "backward"); }
   TensorPtr gradient_from_dense(const TensorPtr& input, const TensorPtr& dense) override {
     auto c = std::static_pointer_cast<TiledEvictable>(input->carrier);
     TileSelectionC sel = full_selection(*c);
@@ -455,7 +465,7 @@ class TiledBackend final : public OpBackend {
   }
   TensorPtr forward(OpId id, std::span<const Operand> ops, const OpOptions& options) override {
     std::vector<Operand> dense;
-    for (const auto& o : ops) dense.push_back(o.is_tensor() ? Operand::of(materialize(o.tensor)) : o);
+    for (const auto& o : ops) dense.push_back(o.is_tensor() ? Operand::of(materialize(o.tensor, "operation")) : o);
     GradModeGuard off(false);  // one outer node: the caller records it
     return call_op(id, dense, options);
   }
