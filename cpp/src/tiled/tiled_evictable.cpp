@@ -316,6 +316,10 @@ CompletionPtr<std::monostate> TiledEvictable::promote_tiles(const std::vector<in
 }
 
 CompletionPtr<std::monostate> TiledEvictable::evict_async(const std::vector<int64_t>& tiles) {
+  return evict_tiles(tiles, false);
+}
+
+CompletionPtr<std::monostate> TiledEvictable::evict_tiles(const std::vector<int64_t>& tiles, bool inline_) {
   check_live("evict tiles");
   auto r = std::make_shared<Request>();
   r->promote = false;
@@ -342,7 +346,7 @@ CompletionPtr<std::monostate> TiledEvictable::evict_async(const std::vector<int6
     for (int64_t i : r->tiles) tiles_[i].pending = r->id;
     active_requests_++;
   }
-  start_request(r);
+  start_request(r, inline_);
   return r->done;
 }
 
@@ -610,7 +614,10 @@ void TiledEvictable::end_work(const std::shared_ptr<Work>& work) {
   }
   if (!evict.empty() && !is_released()) {
     try {
-      (void)evict_async(evict);  // deferred evictions: best effort, they never invalidate live work
+      // Deferred evictions run in this thread, before the work's own completion is
+      // published, so a caller that waited for the work observes them. Best effort:
+      // a failed eviction leaves its tiles resident and dirty, never invalidates work.
+      (void)evict_tiles(evict, /*inline_=*/true);
     } catch (const Error&) {
     }
   }

@@ -162,6 +162,7 @@ class TiledEvictable final : public DependentCarrier {
   // Runs the request's transfers on the I/O executor, or in this thread when `inline_`.
   void start_request(const std::shared_ptr<Request>& r, bool inline_ = false);
   CompletionPtr<std::monostate> promote_tiles(const std::vector<int64_t>& tiles, bool inline_);
+  CompletionPtr<std::monostate> evict_tiles(const std::vector<int64_t>& tiles, bool inline_);
   void finish_tile(const std::shared_ptr<Request>& r, size_t k, CarrierPtr buffer, std::exception_ptr error);
   void commit(const std::shared_ptr<Request>& r);
   // Blocking promotion of one tile for slot access (lock held by caller is released inside).

@@ -1,0 +1,77 @@
+"""Built-in residency policies: ordinary ResidencyPolicy implementations.
+
+A policy only optimises: the engine makes every required tile available with
+or without one, and defers every eviction until no running work needs the tile.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from .carriers.tiled_evictable import ResidencyPlan, TileSet
+
+__all__ = ["LRUPolicy", "PinnedPolicy"]
+
+
+def _tiles(tiles) -> tuple:
+    if isinstance(tiles, TileSet):
+        return tiles.coordinates
+    if hasattr(tiles, "tile_set"):
+        return tiles.tile_set.coordinates
+    return TileSet(coordinates=tiles).coordinates
+
+
+class LRUPolicy:
+    """Keeps at most ``capacity`` tiles resident, evicting the least recently required.
+
+    The policy tracks the tiles its requests made resident. Each plan marks the
+    required tiles most recent; when more than ``capacity`` tiles would be
+    resident, the least recently required others are evicted after the request
+    (the engine defers them until no running work needs them).
+    """
+
+    def __init__(self, capacity: int):
+        if isinstance(capacity, bool) or not isinstance(capacity, int):
+            raise TypeError("LRUPolicy capacity must be an int")
+        if capacity < 1:
+            raise ValueError("LRUPolicy capacity must be >= 1")
+        self.capacity = capacity
+        self._recent: OrderedDict = OrderedDict()  # tile -> None, least recent first
+
+    def plan(self, required: TileSet, purpose: str) -> ResidencyPlan:
+        needed = required.coordinates
+        for tile in needed:
+            self._recent.pop(tile, None)
+            self._recent[tile] = None
+        victims = []
+        excess = len(self._recent) - max(self.capacity, len(needed))
+        if excess > 0:
+            keep = set(needed)
+            for tile in list(self._recent):
+                if excess == 0:
+                    break
+                if tile in keep:
+                    continue
+                del self._recent[tile]
+                victims.append(tile)
+                excess -= 1
+        return ResidencyPlan(retain=TileSet(coordinates=needed), evict=TileSet(coordinates=victims))
+
+    def __repr__(self) -> str:
+        return f"LRUPolicy(capacity={self.capacity})"
+
+
+class PinnedPolicy:
+    """Keeps a fixed set of tiles resident: promotes them with the first request and never evicts."""
+
+    def __init__(self, tiles):
+        self.tiles = TileSet(coordinates=_tiles(tiles))
+
+    def plan(self, required: TileSet, purpose: str) -> ResidencyPlan:
+        pinned = set(self.tiles.coordinates)
+        promote = [t for t in self.tiles.coordinates if t not in set(required.coordinates)]
+        retain = [t for t in required.coordinates if t in pinned]
+        return ResidencyPlan(promote=TileSet(coordinates=promote), retain=TileSet(coordinates=retain))
+
+    def __repr__(self) -> str:
+        return f"PinnedPolicy({self.tiles!r})"
