@@ -2,6 +2,7 @@
 #   make test      C++ tests (ctest) and Python tests (pytest)
 #   make demo      the main example
 #   make sanitize  C++ tests under ASan+UBSan and under TSan
+#   make bench     benchmarks (bench/*.py --quick; FULL=1 for full runs) -> bench/results/
 SHELL := /bin/bash
 .ONESHELL:
 .SHELLFLAGS := -eu -o pipefail -c
@@ -14,7 +15,7 @@ APT_PACKAGES := libgtest-dev libopenblas-dev g++
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 CMAKE := $(VENV)/bin/cmake
 
-.PHONY: test demo sanitize cpp-test py-test install deps clean
+.PHONY: test demo sanitize bench cpp-test py-test install deps clean
 
 deps: build/.apt-stamp $(VENV)/.stamp
 
@@ -52,6 +53,14 @@ test: cpp-test py-test
 
 demo: install
 	$(VPY) examples/demo.py
+
+# Benchmark-only dependencies (PyTorch, matplotlib); make test never needs them.
+$(VENV)/.bench-stamp: requirements-bench.txt $(VENV)/.stamp
+	$(VPY) -m pip install -q -r requirements-bench.txt
+	touch $@
+
+bench: install $(VENV)/.bench-stamp
+	$(VPY) bench/run_all.py $(if $(FULL),--full,)
 
 sanitize: deps
 	for kind in address thread; do
