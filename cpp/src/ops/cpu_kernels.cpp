@@ -229,7 +229,10 @@ bool blas_view(const TensorImpl& t, const float*& ptr, bool& transposed, int& ld
   if (t.dtype().id() != DTypeId::Float32 || t.layout.rank() != 2) return false;
   int64_t s[2], e[2];
   for (size_t k = 0; k < 2; ++k) {
-    const auto& f = t.layout.mode(k).flat();
+    // Keep the mode's Layout alive: flat() returns a reference into it (binding
+    // t.layout.mode(k).flat() directly left `f` dangling once the temporary died).
+    const Layout mode = t.layout.mode(k);
+    const FlatLayout& f = mode.flat();
     int64_t extent = 1, stride = 0;
     bool have = false;
     for (size_t j = 0; j < f.extents.size(); ++j) {
