@@ -48,17 +48,41 @@ inline bool store(TO* dst, C v) {
   }
 }
 
+// Whether `strides` walk the leaves `ext` densely in ordinal order (each
+// non-trivial leaf's stride is the product of the extents before it), so that
+// ordinal i sits at offset + i. StridedPlan would merge such leaves into one
+// unit-stride run; the kernels then skip building the plan.
+bool dense_in_order(const std::vector<int64_t>& ext, const std::vector<int64_t>& strides) {
+  int64_t expect = 1;
+  for (size_t j = 0; j < ext.size(); ++j) {
+    if (ext[j] == 1) continue;
+    if (strides[j] != expect) return false;
+    expect *= ext[j];
+  }
+  return true;
+}
+
+int64_t product(const std::vector<int64_t>& ext) {
+  int64_t n = 1;
+  for (int64_t e : ext) n *= e;
+  return n;
+}
+
 template <class C, class TO, class TA, class TB, class F>
 void binary(const KernelInput& a, const KernelInput& b, TO* out, const std::vector<int64_t>& ext, F f,
             std::atomic<bool>& overflow) {
-  std::array<const std::vector<int64_t>*, 2> strides{&a.strides, &b.strides};
-  auto plan = StridedPlan<2>::make(ext, strides, {a.carrier ? a.offset : 0, b.carrier ? b.offset : 0});
+  const std::array<int64_t, 2> base{a.carrier ? a.offset : 0, b.carrier ? b.offset : 0};
+  const bool dense = dense_in_order(ext, a.strides) && dense_in_order(ext, b.strides);
+  StridedPlan<2> plan;
+  if (!dense) {
+    std::array<const std::vector<int64_t>*, 2> strides{&a.strides, &b.strides};
+    plan = StridedPlan<2>::make(ext, strides, base);
+  }
   const TA* pa = typed<TA>(a);
   const TB* pb = typed<TB>(b);
-  parallel_for(plan.size, kGrain, [&](int64_t begin, int64_t end) {
+  parallel_for(dense ? product(ext) : plan.size, kGrain, [&](int64_t begin, int64_t end) {
     bool ok = true;
-    plan.for_each_run(begin, end, [&](int64_t ord, const std::array<int64_t, 2>& off, int64_t n,
-                                      const std::array<int64_t, 2>& st) {
+    auto run = [&](int64_t ord, const std::array<int64_t, 2>& off, int64_t n, const std::array<int64_t, 2>& st) {
       const TA* x = pa + off[0];
       const TB* y = pb + off[1];
       TO* o = out + ord;
@@ -75,20 +99,25 @@ void binary(const KernelInput& a, const KernelInput& b, TO* out, const std::vect
       } else {
         for (int64_t i = 0; i < n; ++i) store(o + i, f(C(x[i * st[0]]), C(y[i * st[1]])));
       }
-    });
+    };
+    if (dense) run(begin, {base[0] + begin, base[1] + begin}, end - begin, {1, 1});
+    else plan.for_each_run(begin, end, run);
     if (!ok) overflow.store(true);
   });
 }
 
 template <class C, class TO, class TA, class F>
 void unary(const KernelInput& a, TO* out, const std::vector<int64_t>& ext, F f, std::atomic<bool>& overflow) {
-  std::array<const std::vector<int64_t>*, 1> strides{&a.strides};
-  auto plan = StridedPlan<1>::make(ext, strides, {a.offset});
+  const bool dense = dense_in_order(ext, a.strides);
+  StridedPlan<1> plan;
+  if (!dense) {
+    std::array<const std::vector<int64_t>*, 1> strides{&a.strides};
+    plan = StridedPlan<1>::make(ext, strides, {a.offset});
+  }
   const TA* pa = typed<TA>(a);
-  parallel_for(plan.size, kGrain, [&](int64_t begin, int64_t end) {
+  parallel_for(dense ? product(ext) : plan.size, kGrain, [&](int64_t begin, int64_t end) {
     bool ok = true;
-    plan.for_each_run(begin, end, [&](int64_t ord, const std::array<int64_t, 1>& off, int64_t n,
-                                      const std::array<int64_t, 1>& st) {
+    auto run = [&](int64_t ord, const std::array<int64_t, 1>& off, int64_t n, const std::array<int64_t, 1>& st) {
       const TA* x = pa + off[0];
       TO* o = out + ord;
       if (st[0] == 1) {
@@ -96,7 +125,9 @@ void unary(const KernelInput& a, TO* out, const std::vector<int64_t>& ext, F f, 
       } else {
         for (int64_t i = 0; i < n; ++i) ok &= store(o + i, f(C(x[i * st[0]])));
       }
-    });
+    };
+    if (dense) run(begin, {a.offset + begin}, end - begin, {1});
+    else plan.for_each_run(begin, end, run);
     if (!ok) overflow.store(true);
   });
 }

@@ -571,6 +571,8 @@ TensorPtr call_op(OpId id, std::span<const Operand> ops, const OpOptions& option
 
   TensorPtr result = backend->forward(id, ops, options);
 
+  // Nothing is recorded with grad mode off: skip gathering the inputs then.
+  if (!is_grad_enabled()) return result;
   std::vector<TensorPtr> inputs;
   for (const auto& o : ops)
     if (o.is_tensor()) inputs.push_back(o.tensor);
