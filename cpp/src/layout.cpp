@@ -96,15 +96,17 @@ int64_t index_tree(const IntTuple& shape, const IntTuple& stride, const IntTuple
   return off;
 }
 
+// `self` and `want` (the whole shapes) only name the shapes in error messages;
+// they are turned into text only when an error is raised.
 IntTuple broadcast_tree(const IntTuple& shape, const IntTuple& stride, const IntTuple& target,
-                        const std::string& self, const std::string& want) {
+                        const Shape& self, const Shape& want) {
   if (shape.is_leaf() != target.is_leaf() || (!shape.is_leaf() && shape.rank() != target.rank()))
-    raise<ValueError>("cannot broadcast layout shape ", self, " to ", want,
+    raise<ValueError>("cannot broadcast layout shape ", self.str(), " to ", want.str(),
                       ": the hierarchies differ (broadcast_to never inserts, removes or reorders modes)");
   if (shape.is_leaf()) {
     if (shape.value() == target.value()) return stride;
     if (shape.value() == 1) return IntTuple(int64_t{0});
-    raise<ValueError>("cannot broadcast layout shape ", self, " to ", want, ": extent ", shape.value(),
+    raise<ValueError>("cannot broadcast layout shape ", self.str(), " to ", want.str(), ": extent ", shape.value(),
                       " is neither 1 nor ", target.value());
   }
   std::vector<IntTuple> out;
@@ -379,8 +381,7 @@ bool Layout::is_injective() const {
 }
 
 Layout Layout::broadcast_to(const Shape& target) const {
-  return Layout(target, Stride(broadcast_tree(d_->shape.tree(), d_->stride.tree(), target.tree(), d_->shape.str(),
-                                              target.str())));
+  return Layout(target, Stride(broadcast_tree(d_->shape.tree(), d_->stride.tree(), target.tree(), d_->shape, target)));
 }
 
 std::vector<Run> Layout::runs() const {
