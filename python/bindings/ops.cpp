@@ -30,6 +30,20 @@ Operand operand(nb::handle h, const char* op, bool allow_scalar) {
                            nb::cast<std::string>(h.type().attr("__name__")));
 }
 
+// Note [Blocking without the GIL]. An operand on a dependent carrier (a TiledEvictable) is made
+// available inside call_op, which waits for transfers and gathers on the library's pools; backward
+// may do the same for saved tiled inputs. Those pool tasks may need the GIL (a Python-owned
+// reference they drop, a policy or provider callback), so waiting with it held can deadlock, and
+// would in any case freeze every other Python thread for the whole transfer. Dense operands never
+// block: they keep the GIL (no release/acquire on the fast path).
+TensorPtr run_op(OpId id, std::span<const Operand> ops, const sw::OpOptions& o = {}) {
+  bool may_block = false;
+  for (const auto& op : ops) may_block |= op.is_tensor() && op.tensor->carrier->kind().dependent;
+  if (!may_block) return sw::call_op(id, ops, o);
+  GilRelease nogil;
+  return sw::call_op(id, ops, o);
+}
+
 bool f64_option(nb::handle acc) {
   if (acc.is_none()) return false;
   if (!nb::isinstance<sw::DType>(acc)) sw::raise<sw::TypeError>("accumulator_dtype must be None or DType.Float64");
@@ -48,12 +62,12 @@ std::optional<std::string> description_of(nb::handle d) {
 TensorPtr binary(OpId id, nb::handle a, nb::handle b) {
   bool scalars = sw::op_def(id).weak_scalars;
   Operand ops[2] = {operand(a, sw::op_def(id).name, scalars), operand(b, sw::op_def(id).name, scalars)};
-  return sw::call_op(id, ops);
+  return run_op(id, ops);
 }
 
 TensorPtr unary(OpId id, nb::handle a) {
   Operand ops[1] = {operand(a, sw::op_def(id).name, false)};
-  return sw::call_op(id, ops);
+  return run_op(id, ops);
 }
 
 TensorPtr reduce_sum(nb::handle t, nb::handle description, nb::handle acc) {
@@ -61,14 +75,14 @@ TensorPtr reduce_sum(nb::handle t, nb::handle description, nb::handle acc) {
   sw::OpOptions o;
   o.description = description_of(description);
   o.accumulate_f64 = f64_option(acc);
-  return sw::call_op(OpId::ReduceSum, ops, o);
+  return run_op(OpId::ReduceSum, ops, o);
 }
 
 TensorPtr matmul(nb::handle a, nb::handle b, nb::handle acc) {
   Operand ops[2] = {operand(a, "matmul", false), operand(b, "matmul", false)};
   sw::OpOptions o;
   o.accumulate_f64 = f64_option(acc);
-  return sw::call_op(OpId::Matmul, ops, o);
+  return run_op(OpId::Matmul, ops, o);
 }
 
 // The object returned by dispatch_op(name).
@@ -155,7 +169,7 @@ void bind_ops(nb::module_& m) {
           if (op.is_tensor() && &op.tensor->carrier->kind() != &o.carrier->kind())
             sw::raise<sw::TypeError>(d.name, ": Tensor backing carriers must match (dispatching ",
                                      o.carrier->kind_name(), ", operand ", op.tensor->carrier->kind_name(), ")");
-        return sw::call_op(o.id, ops, opts);
+        return run_op(o.id, ops, opts);
       });
 
   nb::handle carrier = nb::type<sw::Carrier>();
@@ -211,6 +225,7 @@ void bind_ops(nb::module_& m) {
           if (!nb::isinstance<sw::TensorImpl>(gradient)) sw::raise<sw::TypeError>("backward: gradient must be a Tensor");
           g = nb::cast<TensorPtr>(gradient);
         }
+        GilRelease nogil;  // Note [Blocking without the GIL]
         sw::backward(t, g, retain_graph);
       },
       nb::is_method(), nb::arg("gradient") = nb::none(), nb::arg("retain_graph") = false);
