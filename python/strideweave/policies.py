@@ -6,6 +6,7 @@ or without one, and defers every eviction until no running work needs the tile.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 
 from .carriers.tiled_evictable import ResidencyPlan, TileSet
@@ -28,6 +29,9 @@ class LRUPolicy:
     required tiles most recent; when more than ``capacity`` tiles would be
     resident, the least recently required others are evicted after the request
     (the engine defers them until no running work needs them).
+
+    Thread-safe: the engine asks the policy from whichever thread starts a request, so two threads
+    projecting from one carrier call ``plan`` concurrently; the recency list is updated under a lock.
     """
 
     def __init__(self, capacity: int):
@@ -37,9 +41,13 @@ class LRUPolicy:
             raise ValueError("LRUPolicy capacity must be >= 1")
         self.capacity = capacity
         self._recent: OrderedDict = OrderedDict()  # tile -> None, least recent first
+        self._lock = threading.Lock()
 
     def plan(self, required: TileSet, purpose: str) -> ResidencyPlan:
-        needed = required.coordinates
+        with self._lock:
+            return self._plan(required.coordinates)
+
+    def _plan(self, needed: tuple) -> ResidencyPlan:
         for tile in needed:
             self._recent.pop(tile, None)
             self._recent[tile] = None
