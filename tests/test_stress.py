@@ -489,6 +489,43 @@ def test_stress_concurrent_moves_and_writes_on_one_source():
     print(f"move races: {ROUNDS * 5} rounds, one winner each")
 
 
+def test_stress_shared_policy_from_many_threads():
+    """Projections from many threads share one carrier and its LRUPolicy: plan() runs concurrently.
+
+    Regression: LRUPolicy's recency list was not guarded, and concurrent plans raised KeyError out of
+    the projections (a policy exception propagates to the request)."""
+    rng = random.Random(SEED + 4)
+    policy = sw.policies.LRUPolicy(2)
+    sh = Shared(rng, grid=(8, 2), tile=(2, 4), policy=policy, secondary="cpu")
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible inside plan()
+    try:
+        rnd = Round("shared policy")
+
+        def projector(k):
+            wr = random.Random(SEED * 79 + k)
+            for _ in range(150):
+                rows = wr.sample(range(8), wr.randint(1, 2))
+                col = wr.randrange(2)
+                try:
+                    with sw.no_grad():
+                        got = np.asarray(finish(sh.carrier.project(sh.full, TileSelection([rows, [col]]))))
+                except RuntimeError as e:
+                    assert tolerated(e), e
+                    rnd.count(conflict=True)
+                    continue
+                np.testing.assert_array_equal(got, sh.region([rows, [col]]))
+                rnd.count()
+
+        rnd.run([projector] * 6)
+    finally:
+        sys.setswitchinterval(previous)
+    sh.check_invariants()
+    assert len(policy._recent) <= 8 * 2
+    sh.carrier.release()
+    print(f"shared policy: {rnd.ops} projections, {rnd.conflicts} conflicts")
+
+
 GIL_SCRIPT = """
 import sys, threading, time
 import strideweave as sw
