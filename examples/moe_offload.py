@@ -30,6 +30,11 @@ default). Every batch:
    evicted to the gradient's own (temporary-file) secondary tier, so gradients
    are bounded like the weights.
 
+The default Zipf exponent (3.0) routes a batch to about 15 experts, within the
+budget. When a batch needs more experts than the budget, LRU with one expert
+per request must evict some of the batch's own experts by its end, and they
+are read again when the next batch needs them (try ``--zipf 2``).
+
 At the end, the outputs and the accumulated gradients are checked against a
 dense NumPy computation of the same batches, and a summary table is printed.
 
@@ -91,7 +96,7 @@ class Config:
     d_hidden: int = 1024
     budget: int = 16  # resident experts per matrix (lru, pinned)
     top_k: int = 2
-    batches: int = 80
+    batches: int = 120
     tokens: int = 256
     zipf: float = 3.0  # expert popularity ~ 1 / rank**zipf (about 15 experts a batch at the defaults)
     policy: str = "lru"  # lru | pinned | none
