@@ -58,6 +58,7 @@ from .carriers.extension import (
     register_carrier_definition,
 )
 from .friendly import column_major, row_major
+from . import policies  # noqa: E402  (built-in residency policies)
 
 
 def move(tensor, destination):
@@ -117,6 +118,7 @@ __all__ = [
     "layout",
     "move",
     "move_async",
+    "policies",
     "register_carrier_definition",
     "row_major",
 ]

@@ -292,6 +292,7 @@ CompletionPtr<std::monostate> TiledEvictable::promote_tiles(const std::vector<in
   r->promote = true;
   {
     std::lock_guard lock(mutex_);
+    check_live("promote tiles");  // again under the lock: see Note [Release races with requests]
     std::vector<int64_t> uniq = tiles;
     std::sort(uniq.begin(), uniq.end());
     uniq.erase(std::unique(uniq.begin(), uniq.end()), uniq.end());
@@ -325,6 +326,7 @@ CompletionPtr<std::monostate> TiledEvictable::evict_tiles(const std::vector<int6
   r->promote = false;
   {
     std::lock_guard lock(mutex_);
+    check_live("evict tiles");  // again under the lock: see Note [Release races with requests]
     std::vector<int64_t> uniq = tiles;
     std::sort(uniq.begin(), uniq.end());
     uniq.erase(std::unique(uniq.begin(), uniq.end()), uniq.end());
@@ -440,6 +442,7 @@ void TiledEvictable::commit(const std::shared_ptr<Request>& r) {
     if (r->error) r->staged.clear();
     active_requests_--;
   }
+  idle_cv_.notify_all();
   for (auto& b : discard)
     if (b) b->release();
   discard.clear();
@@ -568,6 +571,7 @@ std::shared_ptr<TiledEvictable::Work> TiledEvictable::begin_work(const std::vect
   std::vector<int64_t> missing;
   {
     std::lock_guard lock(mutex_);
+    check_live("run tiled work");  // again under the lock: see Note [Release races with requests]
     for (int64_t i : work->tiles) {
       if (tiles_[i].pending) pending_conflict(i, "running tiled work on it");
       if (tiles_[i].loc == TileLocation::Invalid)
@@ -607,6 +611,7 @@ void TiledEvictable::end_work(const std::shared_ptr<Work>& work) {
     work->ended = true;
     for (int64_t i : work->tiles) tiles_[i].pins--;
     active_work_--;
+    idle_cv_.notify_all();
     for (const auto& t : work->plan.evict) {
       int64_t i = tile_index(t);
       if (tiles_[i].pins == 0 && !tiles_[i].pending && tiles_[i].loc == TileLocation::Primary) evict.push_back(i);
@@ -783,10 +788,17 @@ void TiledEvictable::check_releasable() const {
                         active_work_, " tiled operation(s)); wait for it before release()");
 }
 
+// Note [Release races with requests]: Carrier::release() runs check_releasable() and only then
+// marks the carrier released, so a request or work that another thread begins in between passes
+// both checks and would commit into (or read from) released storage. Entry points therefore check
+// liveness again under the tile-table mutex, and do_release() first waits for what began in that
+// window. Neither needs the releasing thread (nor the GIL) to finish: residency requests leave
+// active_requests_ before publishing their completion, and data paths end their work from C++.
 void TiledEvictable::do_release() {
   std::vector<CarrierPtr> buffers;
   {
-    std::lock_guard lock(mutex_);
+    std::unique_lock lock(mutex_);
+    idle_cv_.wait(lock, [&] { return active_requests_ == 0 && active_work_ == 0; });
     for (auto& t : tiles_) {
       if (t.buffer) buffers.push_back(std::move(t.buffer));
       t.loc = TileLocation::Invalid;

@@ -22,6 +22,7 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -201,6 +202,7 @@ class TiledEvictable final : public DependentCarrier {
   uint64_t next_request_ = 1;
   int active_requests_ = 0;
   int active_work_ = 0;
+  std::condition_variable idle_cv_;  // notified when active_requests_ or active_work_ drops
   mutable std::mutex footprint_cache_mutex_;
   mutable std::vector<std::pair<Layout, int64_t>> footprint_cache_;  // compatible (layout, offset) pairs
 };
