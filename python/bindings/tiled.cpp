@@ -46,7 +46,7 @@ class PyPolicy final : public sw::ResidencyPolicyIface {
  public:
   explicit PyPolicy(nb::object policy) : policy_(std::move(policy)) {}
   sw::ResidencyPlanC plan(const std::vector<TileCoord>& required, const char* purpose) override {
-    nb::gil_scoped_acquire gil;
+    GilAcquire gil;
     sw::GradModeGuard off(false);
     nb::module_ mod = tiled_module();
     nb::object result = policy_.obj.attr("plan")(tile_set_of(required), purpose);
