@@ -9,7 +9,8 @@ TensorImpl::TensorImpl(CarrierPtr c, int64_t off, Layout l)
   if (!carrier) raise<TypeError>("Tensor carrier must be a Carrier");
   if (offset < 0) raise<ValueError>("Tensor offset must be >= 0, got ", offset);
   int64_t n = carrier->size();
-  if (offset + layout.cosize() > n)
+  // offset <= n first: offset + cosize could overflow int64 for an offset near 2**63.
+  if (offset > n || layout.cosize() > n - offset)
     raise<ValueError>("Tensor offset ", offset, " + layout cosize ", layout.cosize(), " exceeds the ",
                       carrier->kind_name(), " carrier's ", n, " slots");
 }

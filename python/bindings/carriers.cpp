@@ -213,11 +213,11 @@ void bind_carriers(nb::module_& m) {
                                         nb::cast<std::shared_ptr<Carrier>>(secondary));
       }, nb::arg("primary"), nb::arg("secondary"))
       .def("evict", [](sw::EvictableCarrier& c) {
-        nb::gil_scoped_release nogil;
+        swpy::GilRelease nogil;
         c.evict();
       })
       .def("promote", [](sw::EvictableCarrier& c) {
-        nb::gil_scoped_release nogil;
+        swpy::GilRelease nogil;
         c.promote();
       })
       .def("is_evicted", &sw::EvictableCarrier::is_evicted)

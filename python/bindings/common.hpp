@@ -28,7 +28,42 @@ void bind_tensor_operators(nb::module_& m);
 // Sets the Python error indicator for a C++ exception (the one translation point, errors.cpp).
 void set_python_error(std::exception_ptr error);
 
-// A Python object that may be dropped from any thread: the GIL is taken to release it.
+// Note [Threads at interpreter exit]. Once CPython finalizes, a thread other than the finalizing
+// (main) one must not take the GIL back: CPython ends such a thread with pthread_exit, and the forced
+// unwinding aborts the process ("terminate called without an active exception") as soon as it crosses
+// a noexcept frame such as a GIL guard's destructor. A daemon thread blocked in AwaitResult.wait() and
+// a library thread finishing work after the exit drain (module.cpp) gave up both meet it. Every GIL
+// transition of the bindings therefore goes through GilRelease / GilAcquire below.
+bool finalizing_elsewhere() noexcept;  // the interpreter finalizes and this is not its main thread
+
+// Releases the GIL for its scope. A thread that would take it back while the interpreter finalizes
+// parks until the process ends instead (it has nothing left to return to).
+class GilRelease {
+ public:
+  GilRelease() noexcept : state_(PyEval_SaveThread()) {}
+  ~GilRelease();
+  GilRelease(const GilRelease&) = delete;
+  GilRelease& operator=(const GilRelease&) = delete;
+
+ private:
+  PyThreadState* state_;
+};
+
+// Takes the GIL (for library threads calling user callbacks); raises RuntimeError instead once the
+// interpreter finalizes on another thread, so the request fails rather than the process.
+class GilAcquire {
+ public:
+  GilAcquire();
+  ~GilAcquire() { PyGILState_Release(state_); }
+  GilAcquire(const GilAcquire&) = delete;
+  GilAcquire& operator=(const GilAcquire&) = delete;
+
+ private:
+  PyGILState_STATE state_;
+};
+
+// A Python object that may be dropped from any thread: the GIL is taken to release it (during
+// interpreter finalization a library thread leaks it instead: Note [Threads at interpreter exit]).
 struct GilObject {
   explicit GilObject(nb::object o) : obj(std::move(o)) {}
   ~GilObject();

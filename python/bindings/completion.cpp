@@ -16,7 +16,7 @@ nb::object AwaitHandle::wait_py() {
     while (true) {
       bool finished;
       {
-        nb::gil_scoped_release nogil;
+        swpy::GilRelease nogil;
         finished = state->wait_for(std::chrono::milliseconds(20));
       }
       if (finished) break;

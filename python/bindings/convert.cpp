@@ -71,15 +71,21 @@ sw::IntTuple parse_modes(nb::handle modes, const char* kind) {
   return t;
 }
 
-sw::Coord parse_coord(nb::handle key) {
+namespace {
+// Recursion is bounded like parse_tree's: a hostile, deeply nested key must not exhaust the C++ stack.
+sw::Coord parse_coord_at(nb::handle key, int depth) {
+  if (depth > 64) sw::raise<sw::ValueError>("coordinate nesting is deeper than 64 levels");
   if (PyBool_Check(key.ptr())) sw::raise<sw::TypeError>("coordinates must be ints or tuples of them, got bool");
   if (is_index(key)) return sw::IntTuple(index_value(key, "coordinate"));
   if (!is_iterable(key))
     sw::raise<sw::TypeError>("coordinates must be ints or tuples of them, got ", py_type_name(key));
   std::vector<sw::IntTuple> children;
-  for (nb::handle item : nb::iter(key)) children.push_back(parse_coord(item));
+  for (nb::handle item : nb::iter(key)) children.push_back(parse_coord_at(item, depth + 1));
   return sw::IntTuple::tuple(std::move(children));
 }
+}  // namespace
+
+sw::Coord parse_coord(nb::handle key) { return parse_coord_at(key, 0); }
 
 nb::object coord_to_python(const sw::IntTuple& c) {
   if (c.is_leaf()) return nb::int_(c.value());

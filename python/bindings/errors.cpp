@@ -1,5 +1,7 @@
 // The one place where C++ errors become Python exceptions.
+#include <chrono>
 #include <new>
+#include <thread>
 
 #include "common.hpp"
 #include "strideweave/errors.hpp"
@@ -32,13 +34,34 @@ void set_python_error(std::exception_ptr p) {
   }
 }
 
+bool finalizing_elsewhere() noexcept {
+#if PY_VERSION_HEX >= 0x030D0000
+  const bool finalizing = Py_IsFinalizing();
+#else
+  const bool finalizing = _Py_IsFinalizing();
+#endif
+  return finalizing && !_PyOS_IsMainThread();
+}
+
+GilRelease::~GilRelease() {
+  if (finalizing_elsewhere())  // Note [Threads at interpreter exit]
+    for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
+  PyEval_RestoreThread(state_);
+}
+
+GilAcquire::GilAcquire() {
+  if (finalizing_elsewhere())
+    sw::raise<sw::RuntimeError>("the Python interpreter is shutting down; a Python callback cannot run");
+  state_ = PyGILState_Ensure();
+}
+
 GilObject::~GilObject() {
   if (!obj.is_valid()) return;
-  if (!nb::is_alive()) {
-    obj.release();  // the interpreter is gone: leak rather than touch it
+  if (!nb::is_alive() || finalizing_elsewhere()) {
+    obj.release();  // the interpreter is gone or going: leak rather than touch it
     return;
   }
-  nb::gil_scoped_acquire gil;
+  GilAcquire gil;
   obj.reset();
 }
 

@@ -38,40 +38,40 @@ class PyStorageProvider final : public sw::StorageProviderIface {
     elementwise_fallback = nb::cast<bool>(storage_.obj.attr("elementwise_fallback"));
   }
   bool supports_dtype(const sw::Carrier& c, const sw::DType& d) override {
-    nb::gil_scoped_acquire gil;
+    GilAcquire gil;
     sw::GradModeGuard off(false);
     nb::object r = storage_.obj.attr("supports_dtype")(self_of(c), nb::cast(&d, nb::rv_policy::reference));
     return PyObject_IsTrue(r.ptr()) == 1;
   }
   int64_t physical_size(const sw::Carrier& c) override {
-    nb::gil_scoped_acquire gil;
+    GilAcquire gil;
     sw::GradModeGuard off(false);
     nb::object r = storage_.obj.attr("physical_size")(self_of(c));
     if (!is_index(r)) sw::raise<sw::TypeError>("StorageProvider.physical_size must return an int");
     return index_value(r, "physical_size");
   }
   void allocate(sw::Carrier& c, int64_t slots) override {
-    nb::gil_scoped_acquire gil;
+    GilAcquire gil;
     sw::GradModeGuard off(false);
     storage_.obj.attr("allocate")(self_of(c), slots);
   }
   void release(sw::Carrier& c) override {
-    nb::gil_scoped_acquire gil;
+    GilAcquire gil;
     sw::GradModeGuard off(false);
     storage_.obj.attr("release")(self_of(c));
   }
   sw::Value read(const sw::Carrier& c, int64_t slot) override {
-    nb::gil_scoped_acquire gil;
+    GilAcquire gil;
     sw::GradModeGuard off(false);
     return to_value(storage_.obj.attr("read")(self_of(c), slot));
   }
   void write(sw::Carrier& c, int64_t slot, const sw::Value& v) override {
-    nb::gil_scoped_acquire gil;
+    GilAcquire gil;
     sw::GradModeGuard off(false);
     storage_.obj.attr("write")(self_of(c), slot, from_value(v));
   }
   sw::CarrierPtr construct(int64_t slots, const sw::DType& d, bool is_mutable) override {
-    nb::gil_scoped_acquire gil;
+    GilAcquire gil;
     nb::object obj = cls_.obj(slots, nb::arg("dtype") = nb::cast(&d, nb::rv_policy::reference),
                               nb::arg("mutable") = is_mutable);
     return nb::cast<sw::CarrierPtr>(obj);
@@ -87,7 +87,7 @@ class PyRoute final : public sw::TransferRouteIface {
   explicit PyRoute(nb::object provider) : provider_(std::make_shared<GilObject>(std::move(provider))) {}
 
   Submit prepare(const sw::TransferRequest& r, std::string& unsupported) override {
-    nb::gil_scoped_acquire gil;
+    GilAcquire gil;
     sw::GradModeGuard off(false);
     nb::module_ ext = nb::module_::import_("strideweave.carriers.extension");
     nb::object tensor = nb::cast(r.tensor);
@@ -108,7 +108,7 @@ class PyRoute final : public sw::TransferRouteIface {
                                nb::type_name(prepared.type()).c_str());
     auto submit = std::make_shared<GilObject>(prepared.attr("submit"));
     return [submit]() -> Waiter {
-      nb::gil_scoped_acquire gil;
+      GilAcquire gil;
       sw::GradModeGuard off(false);
       nb::object pending = submit->obj();
       if (pending.is_none()) return {};
@@ -116,7 +116,7 @@ class PyRoute final : public sw::TransferRouteIface {
         sw::raise<sw::TypeError>("PreparedTransfer.submit must return None or an object with done and wait()");
       auto held = std::make_shared<GilObject>(std::move(pending));
       return [held]() {
-        nb::gil_scoped_acquire gil;
+        GilAcquire gil;
         sw::GradModeGuard off(false);
         held->obj.attr("wait")();
       };
@@ -242,7 +242,7 @@ void bind_extension(nb::module_& m) {
   };
   m.def("_io_hold", [op_of](const std::string& op) { sw::io::hold(op_of(op)); }, nb::arg("op"));
   m.def("_io_unhold", [] {
-    nb::gil_scoped_release nogil;
+    swpy::GilRelease nogil;
     sw::io::unhold();
   });
   m.def("_io_held_waiting", [op_of](const std::string& op) { return sw::io::held_waiting(op_of(op)); }, nb::arg("op"));

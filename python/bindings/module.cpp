@@ -21,7 +21,7 @@ NB_MODULE(_core, m) {
   // Python-owned objects before finalization. Bounded, so work that never completes
   // (a transfer nobody finishes) cannot hang the exit.
   nb::module_::import_("atexit").attr("register")(nb::cpp_function([] {
-    nb::gil_scoped_release nogil;
+    swpy::GilRelease nogil;
     for (sw::Executor* e : {&sw::Executor::moves(), &sw::Executor::io(), &sw::Executor::select()})
       e->wait_idle(std::chrono::seconds(10));
   }));

@@ -29,9 +29,16 @@ nb::object tile_set_of(const std::vector<TileCoord>& coords) {
   return tiled_module().attr("TileSet")(nb::arg("coordinates") = items);
 }
 
+// Components beyond int64 are out of every grid: ValueError, as for any out-of-range coordinate.
+TileCoord coord_of(nb::handle coord, const char* what) {
+  TileCoord out;
+  for (nb::handle v : coord) out.push_back(index_value(v, what));
+  return out;
+}
+
 std::vector<TileCoord> coords_of(nb::handle tile_set) {
   std::vector<TileCoord> out;
-  for (nb::handle c : tile_set.attr("coordinates")) out.push_back(nb::cast<TileCoord>(c));
+  for (nb::handle c : tile_set.attr("coordinates")) out.push_back(coord_of(c, "tile coordinate"));
   return out;
 }
 
@@ -39,7 +46,7 @@ class PyPolicy final : public sw::ResidencyPolicyIface {
  public:
   explicit PyPolicy(nb::object policy) : policy_(std::move(policy)) {}
   sw::ResidencyPlanC plan(const std::vector<TileCoord>& required, const char* purpose) override {
-    nb::gil_scoped_acquire gil;
+    GilAcquire gil;
     sw::GradModeGuard off(false);
     nb::module_ mod = tiled_module();
     nb::object result = policy_.obj.attr("plan")(tile_set_of(required), purpose);
@@ -93,7 +100,7 @@ sw::TileSelectionC selection_of(nb::handle sel, const char* what) {
     sw::raise<sw::TypeError>(what, ": selection must be a TileSelection, got ",
                              nb::cast<std::string>(sel.type().attr("__name__")));
   sw::TileSelectionC out;
-  for (nb::handle axis : sel.attr("per_axis")) out.per_axis.push_back(nb::cast<std::vector<int64_t>>(axis));
+  for (nb::handle axis : sel.attr("per_axis")) out.per_axis.push_back(coord_of(axis, "TileSelection coordinate"));
   return out;
 }
 

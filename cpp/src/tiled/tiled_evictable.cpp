@@ -83,11 +83,21 @@ TiledEvictable::TiledEvictable(CarrierPtr primary, CarrierPtr secondary, std::ve
   for (size_t i = 0; i < grid_.size(); ++i) {
     if (grid_[i] < 1 || tile_[i] < 1)
       raise<ValueError>("grid_shape and tile_shape extents must be >= 1 (axis ", i, ")");
-    logical_.push_back(grid_[i] * tile_[i]);
-    tile_count_ *= grid_[i];
-    tile_size_ *= tile_[i];
   }
-  total_ = tile_count_ * tile_size_;
+  // Every product below is bounded by the extent (Shape's 2**62 limit), so none overflows int64.
+  constexpr int64_t kMaxExtent = int64_t{1} << 62;
+  auto checked = [](int64_t a, int64_t b) {
+    int64_t out;
+    if (__builtin_mul_overflow(a, b, &out) || out > kMaxExtent)
+      raise<ValueError>("TiledEvictable extent (grid_shape times tile_shape) exceeds the supported range (2**62)");
+    return out;
+  };
+  for (size_t i = 0; i < grid_.size(); ++i) {
+    logical_.push_back(checked(grid_[i], tile_[i]));
+    tile_count_ = checked(tile_count_, grid_[i]);
+    tile_size_ = checked(tile_size_, tile_[i]);
+  }
+  total_ = checked(tile_count_, tile_size_);
   const int64_t p = primary->size(), s = secondary->size();
   if (p != 0 && p != total_) raise<ValueError>("TiledEvictable primary must have 0 or ", total_, " slots, got ", p);
   if (s != 0 && s != total_) raise<ValueError>("TiledEvictable secondary must have 0 or ", total_, " slots, got ", s);
