@@ -14,8 +14,9 @@ Reference: one memcpy of the same 8 MiB, NumPy ``np.copyto`` from a contiguous
 array into a preallocated (already touched) array.
 
 Two cases: grad mode on (the full tensor is Float32, hence differentiable, so
-each projection records an autograd node) and off (sw.no_grad). Each sample
-drops the previous result before the next call, as a loop would.
+each projection records an autograd node) and off (sw.no_grad). Each call's
+result is dropped before the next call, as a loop would, so the destination's
+memory is recycled (Note [Mapping cache] in cpp/src/carriers/native.cpp).
 
 Usage: python bench/gather.py [--quick] [--reps N] [--quiet]
 """
