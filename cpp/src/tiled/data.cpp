@@ -333,22 +333,35 @@ CompletionPtr<TensorPtr> project_for(const std::shared_ptr<TiledEvictable>& c, c
     if (st->remaining.fetch_sub(1) == 1) finish();
   };
   // Resident tiles are gathered at once; the others as soon as the request's promotion lands.
+  // Each batch of tiles goes to at most one job per select thread; the jobs take
+  // tiles from the batch's shared cursor, so a few wake-ups serve many tiles.
+  using Batch = std::vector<std::pair<int64_t, int64_t>>;  // (compact ordinal, tile index)
+  auto submit_batch = [gather](std::shared_ptr<const Batch> batch) {
+    auto cursor = std::make_shared<std::atomic<size_t>>(0);
+    const size_t jobs = std::min(batch->size(), Executor::select().max_threads());
+    for (size_t j = 0; j < jobs; ++j)
+      Executor::select().submit([gather, batch, cursor] {
+        for (size_t n; (n = cursor->fetch_add(1)) < batch->size();) gather((*batch)[n].first, (*batch)[n].second);
+      });
+  };
   auto ready = TiledEvictable::work_ready(work);
-  std::vector<std::pair<int64_t, int64_t>> waiting;
+  auto now = std::make_shared<Batch>();
+  auto waiting = std::make_shared<Batch>();
   for (size_t k = 0; k < src.size(); ++k) {
     TileState s = c->tile_state(c->tile_coord(src[k]));
     if (s.location == TileLocation::Primary || s.location == TileLocation::Implicit)
-      Executor::select().submit([gather, k, i = src[k]] { gather(static_cast<int64_t>(k), i); });
+      now->emplace_back(static_cast<int64_t>(k), src[k]);
     else
-      waiting.emplace_back(static_cast<int64_t>(k), src[k]);
+      waiting->emplace_back(static_cast<int64_t>(k), src[k]);
   }
-  if (!waiting.empty()) {
-    ready->then([ready, waiting, gather, st] {
+  if (!now->empty()) submit_batch(std::move(now));
+  if (!waiting->empty()) {
+    ready->then([ready, waiting, submit_batch, st] {
       if (auto e = ready->error()) {
         std::lock_guard lock(st->m);
         if (!st->error) st->error = e;
       }
-      for (auto [k, i] : waiting) Executor::select().submit([gather, k = k, i = i] { gather(k, i); });
+      submit_batch(waiting);
     });
   }
   return done;
