@@ -128,7 +128,11 @@ AlignedBuffer::AlignedBuffer(size_t bytes, bool zero) : bytes_(bytes) {
   if (bytes == 0) return;
   if (bytes >= kMapThreshold) {
     // Anonymous mappings are zero-filled by the kernel; huge pages make first touch cheap.
-    size_t len = (bytes + kHugePage - 1) / kHugePage * kHugePage;
+    // Only buffers of at least one huge page use them: rounding a 1 MiB tile up to a
+    // 2 MiB page would double the memory a resident tile holds.
+    const bool huge = bytes >= kHugePage;
+    const size_t page = huge ? kHugePage : size_t{4096};
+    size_t len = (bytes + page - 1) / page * page;
     if (std::byte* cached = mapping_cache().take(len)) {  // Note [Mapping cache]
       if (zero) std::memset(cached, 0, len);
       data_ = cached;
@@ -136,14 +140,15 @@ AlignedBuffer::AlignedBuffer(size_t bytes, bool zero) : bytes_(bytes) {
       mapped_ = true;
       return;
     }
-    void* p = mmap(nullptr, len + kHugePage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    const size_t slack = huge ? kHugePage : 0;
+    void* p = mmap(nullptr, len + slack, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) throw std::bad_alloc();
     auto base = reinterpret_cast<uintptr_t>(p);
-    uintptr_t aligned = (base + kHugePage - 1) & ~(kHugePage - 1);
+    uintptr_t aligned = huge ? (base + kHugePage - 1) & ~(kHugePage - 1) : base;
     if (aligned > base) munmap(p, aligned - base);
-    size_t tail = (base + len + kHugePage) - (aligned + len);
+    size_t tail = (base + len + slack) - (aligned + len);
     if (tail) munmap(reinterpret_cast<void*>(aligned + len), tail);
-    madvise(reinterpret_cast<void*>(aligned), len, MADV_HUGEPAGE);
+    if (huge) madvise(reinterpret_cast<void*>(aligned), len, MADV_HUGEPAGE);
     data_ = reinterpret_cast<std::byte*>(aligned);
     bytes_ = len;
     mapped_ = true;
