@@ -33,14 +33,21 @@ void set_python_error(std::exception_ptr error);
 // unwinding aborts the process ("terminate called without an active exception") as soon as it crosses
 // a noexcept frame such as a GIL guard's destructor. A daemon thread blocked in AwaitResult.wait() and
 // a library thread finishing work after the exit drain (module.cpp) gave up both meet it. Every GIL
-// transition of the bindings therefore goes through GilRelease / GilAcquire below.
-bool finalizing_elsewhere() noexcept;  // the interpreter finalizes and this is not its main thread
+// transition of the bindings therefore goes through GilRelease / GilAcquire below, and the exit drain
+// calls settle_threads_at_exit(): from then on no other thread takes the GIL back through them.
+// (CPython offers no way to take the GIL without that risk, so a thread already blocked on the GIL
+// inside CPython itself when finalization starts is beyond reach; the drain makes that window small.)
+bool finalizing_elsewhere() noexcept;  // the interpreter exits or finalizes, and this is not its main thread
+void remember_main_thread() noexcept;  // at module init
+// Marks the interpreter as exiting, then (GIL released, bounded) lets every thread inside a GilRelease
+// scope reach its end, where it parks.
+void settle_threads_at_exit() noexcept;
 
 // Releases the GIL for its scope. A thread that would take it back while the interpreter finalizes
 // parks until the process ends instead (it has nothing left to return to).
 class GilRelease {
  public:
-  GilRelease() noexcept : state_(PyEval_SaveThread()) {}
+  GilRelease() noexcept;
   ~GilRelease();
   GilRelease(const GilRelease&) = delete;
   GilRelease& operator=(const GilRelease&) = delete;

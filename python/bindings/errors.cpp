@@ -1,4 +1,5 @@
 // The one place where C++ errors become Python exceptions.
+#include <atomic>
 #include <chrono>
 #include <new>
 #include <thread>
@@ -34,19 +35,55 @@ void set_python_error(std::exception_ptr p) {
   }
 }
 
-bool finalizing_elsewhere() noexcept {
-#if PY_VERSION_HEX >= 0x030D0000
-  const bool finalizing = Py_IsFinalizing();
-#else
-  const bool finalizing = _Py_IsFinalizing();
-#endif
-  return finalizing && !_PyOS_IsMainThread();
+namespace {
+std::atomic<bool> g_exiting{false};
+std::atomic<int> g_released{0};  // threads inside a GilRelease scope (until the GIL is back), not parked
+std::atomic<unsigned long> g_main_thread{0};
+
+[[noreturn]] void park() {
+  for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
+}
+}  // namespace
+
+void remember_main_thread() noexcept {
+  // The module is imported on the main thread in every ordinary program; threading knows for sure.
+  unsigned long ident = PyThread_get_thread_ident();
+  try {
+    ident = nb::cast<unsigned long>(nb::module_::import_("threading").attr("main_thread")().attr("ident"));
+  } catch (...) {
+    PyErr_Clear();
+  }
+  g_main_thread.store(ident);
 }
 
+bool finalizing_elsewhere() noexcept {
+  // Neither call needs the GIL: the thread ident is pthread_self, the flag an atomic of the runtime.
+  if (PyThread_get_thread_ident() == g_main_thread.load()) return false;
+#if PY_VERSION_HEX >= 0x030D0000
+  return g_exiting.load() || Py_IsFinalizing();
+#else
+  return g_exiting.load() || _Py_IsFinalizing();
+#endif
+}
+
+void settle_threads_at_exit() noexcept {
+  g_exiting.store(true);
+  // The caller (the exit drain, on the main thread) is inside a GilRelease scope itself.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+  while (g_released.load() > 1 && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+}
+
+GilRelease::GilRelease() noexcept : state_(PyEval_SaveThread()) { g_released.fetch_add(1); }
+
 GilRelease::~GilRelease() {
-  if (finalizing_elsewhere())  // Note [Threads at interpreter exit]
-    for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
+  if (finalizing_elsewhere()) {  // Note [Threads at interpreter exit]
+    g_released.fetch_sub(1);
+    park();
+  }
+  // Counted until the GIL is back: settle_threads_at_exit() waits for threads blocked right here.
   PyEval_RestoreThread(state_);
+  g_released.fetch_sub(1);
 }
 
 GilAcquire::GilAcquire() {

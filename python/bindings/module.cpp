@@ -7,6 +7,7 @@ NB_MODULE(_core, m) {
   // DType singletons live as class attributes for the life of the process; the
   // type <-> instance cycle is intended, so the exit-time leak report is noise.
   nb::set_leak_warnings(false);
+  swpy::remember_main_thread();
   swpy::bind_errors(m);
   swpy::bind_dtype(m);
   swpy::bind_layout(m);
@@ -24,5 +25,6 @@ NB_MODULE(_core, m) {
     swpy::GilRelease nogil;
     for (sw::Executor* e : {&sw::Executor::moves(), &sw::Executor::io(), &sw::Executor::select()})
       e->wait_idle(std::chrono::seconds(10));
+    swpy::settle_threads_at_exit();  // Note [Threads at interpreter exit] (common.hpp)
   }));
 }
