@@ -1,6 +1,6 @@
 # StrideWeave: every target starts from a fresh machine and installs what is missing.
 #   make test      C++ tests (ctest) and Python tests (pytest)
-#   make demo      the main example
+#   make demo      the main example: examples/moe_offload.py (MoE weights offloaded to a file)
 #   make sanitize  C++ tests under ASan+UBSan and under TSan
 #   make bench     benchmarks (bench/*.py --quick; FULL=1 for full runs) -> bench/results/
 SHELL := /bin/bash
@@ -52,7 +52,7 @@ py-test: install
 test: cpp-test py-test
 
 demo: install
-	$(VPY) examples/demo.py
+	$(VPY) examples/moe_offload.py
 
 # Benchmark-only dependencies (PyTorch, matplotlib); make test never needs them.
 $(VENV)/.bench-stamp: requirements-bench.txt $(VENV)/.stamp

@@ -120,6 +120,7 @@ def compare(
     bytes: int = 0,
     budget_s: float | None = None,
     min_reps: int = 5,
+    prepare_ours: Callable[[], object] | None = None,
 ) -> Case:
     """Interleaved timing A B A B ...: `warmup` untimed pairs, then `reps` timed pairs.
 
@@ -129,18 +130,30 @@ def compare(
     the timed pairs have taken that long and at least `min_reps` pairs exist
     (keeps --quick under a minute when a side turns slow); Case.reps tells
     how many pairs were timed.
+
+    With `prepare_ours`, every call of `ours` is preceded by an untimed call
+    of prepare_ours (state that each call must start from, e.g. evicted
+    tiles); samples are then single calls, so `inner` must be 1 or None.
     """
+    if prepare_ours is not None:
+        if inner not in (None, 1):
+            raise ValueError("prepare_ours needs single-call samples (inner=1)")
+        inner = 1
+    prepare = prepare_ours or (lambda: None)
     for _ in range(warmup):
+        prepare()
         ours()
         reference()
     if inner is None:
         inner = calibrate_inner(reference, min_sample_s)
     # One untimed pair at the sample size too, so caches and pools are warm for it.
+    prepare()
     time_call(ours, inner)
     time_call(reference, inner)
     ours_t, ref_t, ratios = [], [], []
     started = time.perf_counter()
     for _ in range(reps):
+        prepare()
         a = time_call(ours, inner)
         b = time_call(reference, inner)
         ours_t.append(a / inner)

@@ -1,8 +1,8 @@
 """A short tour of StrideWeave: layouts, carriers, tensors and asynchronous movement.
 
-Run with `make demo`. The main job (a Mixture-of-Experts layer whose expert
-weights live in a file) arrives with TiledEvictable; this tour shows the
-pieces it stands on.
+Run with `python examples/demo.py`. The main job, a Mixture-of-Experts layer
+whose expert weights live in a file, is examples/moe_offload.py (`make demo`);
+this tour shows the pieces it stands on.
 """
 
 import os

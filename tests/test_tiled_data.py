@@ -1120,3 +1120,79 @@ def test_direct_operation_other_names_unsupported(name, rng):
     q = v.carrier.project(v.full, TileSelection([[0], [0], [0, 1]])).wait()
     r = fn(p, q) if name in ("sub", "div") else fn(p)
     assert type(r.carrier) is sw.CPU
+
+
+# ---------------------------------------------------------------- held I/O: pending projections and races
+
+
+@pytest.fixture
+def held_io():
+    yield sw._core
+    sw._core._io_clear()  # also releases holds
+
+
+def test_overlap_projection_with_computation_while_promotion_is_held(rng, held_io):
+    out, inp, experts = 8, 4, 6
+    w = Tiled(rng.standard_normal((out, inp, experts)).astype(np.float32), (1, 1, experts), (out, inp, 1))
+    c = w.carrier
+    sel = TileSelection([[0], [0], [4, 1, 3]])
+    held_io._io_hold("pread")
+    handle = c.project(w.full, sel)
+    # project returned while the missing tiles' transfer is still pending.
+    assert handle.done is False
+    unrelated = sw.matmul(cpu_tensor(np.ones((3, 5))), cpu_tensor(np.ones((2, 5))))
+    np.testing.assert_array_equal(np.asarray(unrelated), np.full((3, 2), 5.0, np.float32))
+    assert handle.done is False
+    held_io._io_unhold()
+    compact = handle.wait()
+    assert handle.done and compact is handle.wait()
+    np.testing.assert_array_equal(np.asarray(compact), region(w.values, w.tile, sel.per_axis))
+
+
+@pytest.mark.parametrize("work", ["project", "scatter_add", "operation"])
+def test_tiled_work_racing_a_pending_evict_raises_wait(rng, held_io, work):
+    out, inp, experts = 4, 3, 5
+    w = Tiled(rng.standard_normal((out, inp, experts)).astype(np.float32), (1, 1, experts), (out, inp, 1))
+    c = w.carrier
+    c.promote(te.TileSet([(0, 0, 1), (0, 0, 2)]))
+    w.full[(0, 0, 1)] = 5.0  # dirty: its eviction must write
+    held_io._io_hold("pwrite")
+    pending = c.evict_async(te.TileSet([(0, 0, 1)]))
+    assert pending.done is False
+    before = {t: c.tile_state(t) for t in [(0, 0, e) for e in range(experts)]}
+    version = c.version
+    sel = TileSelection([[0], [0], [1, 2]])
+    with pytest.raises(RuntimeError, match="wait"):
+        if work == "project":
+            c.project(w.full, sel)
+        elif work == "scatter_add":
+            compact = cpu_tensor(np.ones((out, inp, 2)))
+            c.scatter(compact, w.full, sel, "add")
+        else:
+            sw.relu(w.full)
+    assert pending.done is False  # it neither waited for nor joined the eviction
+    assert {t: c.tile_state(t) for t in before} == before and c.version == version
+    held_io._io_unhold()
+    pending.wait()
+    assert c.tile_state((0, 0, 1)).location == "secondary"
+    # Once the eviction is terminal the same work succeeds.
+    got = c.project(w.full, sel).wait()
+    expected = region(w.values, w.tile, sel.per_axis).copy()
+    expected[0, 0, 0] = 5.0
+    np.testing.assert_array_equal(np.asarray(got), expected)
+
+
+def test_evict_racing_a_pending_projection_raises_wait(rng, held_io):
+    out, inp, experts = 4, 3, 5
+    w = Tiled(rng.standard_normal((out, inp, experts)).astype(np.float32), (1, 1, experts), (out, inp, 1))
+    c = w.carrier
+    held_io._io_hold("pread")
+    handle = c.project(w.full, TileSelection([[0], [0], [2, 3]]))
+    assert handle.done is False
+    with pytest.raises(RuntimeError, match="wait"):
+        c.evict_async(te.TileSet([(0, 0, 3)]))
+    assert handle.done is False
+    held_io._io_unhold()
+    handle.wait()
+    c.evict(te.TileSet([(0, 0, 3)]))
+    assert c.tile_state((0, 0, 3)).location == "secondary"

@@ -8,6 +8,7 @@
 #include "strideweave/errors.hpp"
 #include "strideweave/grad_mode.hpp"
 #include "strideweave/ops.hpp"
+#include "strideweave/tiled/data.hpp"
 
 namespace sw {
 
@@ -39,6 +40,8 @@ OpBackend* materializing_backend(const Carrier& c) {
 TensorPtr add_grads(const TensorPtr& a, const TensorPtr& b) {
   OpBackend* m = materializing_backend(*a->carrier);
   if (m && &b->carrier->kind() == &a->carrier->kind()) {
+    // Tiled gradients of one geometry and layout add tile by tile (no dense temporary).
+    if (tiled_gradients_compatible(a, b)) return add_tiled_gradients(a, b);
     std::vector<Operand> dense{Operand::of(m->materialize_for_backward(a)), Operand::of(m->materialize_for_backward(b))};
     return m->gradient_from_dense(a, call_op(OpId::Add, dense));
   }
@@ -74,6 +77,17 @@ void accumulate_into(TensorImpl& t, const TensorPtr& g, bool owned) {
   {
     std::lock_guard lock(t.mutex);
     current = t.grad;
+  }
+  // A tiled .grad that only this leaf holds (no Python reference, no saved
+  // copy: the tensor is referenced by t.grad and `current`, its carrier by the
+  // tensor alone) accumulates in place, tile by tile: the cost is the tiles `g`
+  // touches, not the full extent. See Note [Tiled gradient accumulation].
+  if (current && tiled_gradients_compatible(current, g) && current.use_count() == 2 &&
+      current->carrier.use_count() == 1 && current->carrier->is_mutable() && !current->carrier->is_owned()) {
+    auto acc = std::static_pointer_cast<TiledEvictable>(current->carrier);
+    const bool share = owned && g->carrier.use_count() == 1;  // g's tile buffers die with g
+    if (!acc->has_incomplete_work() && acc->accumulate_tiles(static_cast<const TiledEvictable&>(*g->carrier), share))
+      return;
   }
   TensorPtr value = current ? on_leaf_kind(t, add_grads(current, g), /*owned=*/true) : on_leaf_kind(t, g, owned);
   std::lock_guard lock(t.mutex);

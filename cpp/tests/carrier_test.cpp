@@ -604,6 +604,82 @@ INSTANTIATE_TEST_SUITE_P(AllPairs, CopySlotsBetweenKinds,
                          ::testing::Combine(::testing::Range<size_t>(0, 6), ::testing::Range<size_t>(0, 6)),
                          pair_name);
 
+// ---------------------------------------------------------------- CPU large buffers (Note [Mapping cache])
+
+// Sets the mapping cache limit for one test (emptying the cache first) and restores it after.
+class MappingCacheScope {
+ public:
+  explicit MappingCacheScope(size_t limit) : old_(set_mapping_cache_limit(0)) { set_mapping_cache_limit(limit); }
+  ~MappingCacheScope() { set_mapping_cache_limit(old_); }
+
+ private:
+  size_t old_;
+};
+
+TEST(MappingCache, FreedLargeBuffersAreReusedAndZeroedOnRequest) {
+  MappingCacheScope scope(size_t{64} << 20);
+  const size_t bytes = (size_t{3} << 20) + 5;  // mapped as 4 MiB
+  std::byte* first;
+  {
+    AlignedBuffer a(bytes, false);
+    first = a.data();
+    std::memset(a.data(), 0xAB, bytes);
+    EXPECT_EQ(mapping_cache_bytes(), 0u);
+  }
+  EXPECT_EQ(mapping_cache_bytes(), size_t{4} << 20);
+  {
+    AlignedBuffer z(bytes, true);  // same mapped length: the freed mapping, zero-filled
+    EXPECT_EQ(z.data(), first);
+    EXPECT_EQ(mapping_cache_bytes(), 0u);
+    std::vector<std::byte> zeros(z.bytes(), std::byte{0});
+    EXPECT_EQ(std::memcmp(z.data(), zeros.data(), z.bytes()), 0);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(z.data()) % (size_t{2} << 20), 0u);
+  }
+  {
+    AlignedBuffer other(size_t{5} << 20, false);  // another mapped length: a fresh mapping
+    EXPECT_NE(other.data(), first);
+    EXPECT_EQ(mapping_cache_bytes(), size_t{4} << 20);
+  }
+  EXPECT_EQ(mapping_cache_bytes(), size_t{10} << 20);
+  // A CPU carrier's storage goes back to the cache when its last owner drops it.
+  {
+    auto c = std::make_shared<CPUCarrier>(int64_t{1} << 20, F32(), true, false);  // 4 MiB, zero-filled
+    EXPECT_EQ(c->native_data(), first);
+    for (int64_t i : {int64_t{0}, int64_t{12345}, (int64_t{1} << 20) - 1}) EXPECT_EQ(c->get(i), F(0.0)) << i;
+    std::shared_ptr<const void> exported = c->native_owner();
+    c->release();
+    EXPECT_EQ(mapping_cache_bytes(), size_t{6} << 20);  // an export still holds it
+  }
+  EXPECT_EQ(mapping_cache_bytes(), size_t{10} << 20);
+}
+
+TEST(MappingCache, LimitEvictsTheOldestAndZeroTurnsItOff) {
+  MappingCacheScope scope(size_t{8} << 20);
+  std::vector<std::byte*> order;
+  {
+    AlignedBuffer bufs[3] = {{size_t{4} << 20, false}, {size_t{4} << 20, false}, {size_t{4} << 20, false}};
+    for (auto& b : bufs) order.push_back(b.data());
+    for (auto& b : bufs) b.reset();  // freed in order 0, 1, 2: 0 is unmapped to make room for 2
+  }
+  EXPECT_EQ(mapping_cache_bytes(), size_t{8} << 20);
+  {
+    AlignedBuffer a(size_t{4} << 20, false), b(size_t{4} << 20, false);
+    EXPECT_EQ(a.data(), order[2]);  // most recently freed first
+    EXPECT_EQ(b.data(), order[1]);
+    EXPECT_EQ(mapping_cache_bytes(), 0u);
+  }
+  {
+    AlignedBuffer big(size_t{10} << 20, false);  // larger than the limit: never cached
+  }
+  EXPECT_EQ(mapping_cache_bytes(), size_t{8} << 20);
+  EXPECT_EQ(set_mapping_cache_limit(0), size_t{8} << 20);
+  EXPECT_EQ(mapping_cache_bytes(), 0u);
+  {
+    AlignedBuffer a(size_t{4} << 20, false);
+  }
+  EXPECT_EQ(mapping_cache_bytes(), 0u);
+}
+
 // ---------------------------------------------------------------- BlockDevice arena
 
 class BlockDeviceArena : public ::testing::Test {

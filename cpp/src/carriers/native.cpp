@@ -2,9 +2,13 @@
 
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <new>
+#include <utility>
+#include <vector>
 
 #include "strideweave/errors.hpp"
 
@@ -13,6 +17,7 @@ namespace sw {
 namespace {
 constexpr size_t kMapThreshold = size_t{1} << 20;
 constexpr size_t kHugePage = size_t{2} << 20;
+constexpr size_t kDefaultMappingCacheLimit = size_t{64} << 20;  // Note [Mapping cache]
 
 void check_slots(const char* kind, int64_t slots) {
   if (slots < 0) raise<ValueError>(kind, " size must be >= 0, got ", slots);
@@ -22,7 +27,100 @@ void check_slots(const char* kind, int64_t slots) {
 void check_storage_dtype(const char* kind, const DType& dtype) {
   if (!dtype.is_storage()) raise<TypeError>(kind, ": ", dtype.name(), " is not a storage dtype");
 }
+
+// Note [Mapping cache]: a fresh huge-page mapping pays a page fault on first
+// touch, and that fault zeroes the whole 2 MiB page (twice the bytes of a 1 MiB
+// tile). Residency churn (promote after evict), projections and op results
+// allocate and free same-sized large buffers over and over; measured on
+// promoting 1 MiB tiles from a page-cached file, the kernel's zeroing took
+// more time than the read itself. Freed mappings are therefore kept, most
+// recently freed last, up to a limit of cached bytes in all (64 MiB unless
+// set_mapping_cache_limit says otherwise). An allocation of the same mapped
+// length takes the most recently freed one (already faulted in) and zeroes it
+// only when asked to; the oldest are unmapped first when the cache is full.
+// Like glibc's heap, the process keeps that much freed memory resident for
+// reuse.
+class MappingCache {
+ public:
+  // A cached mapping of exactly `len` bytes, or null.
+  std::byte* take(size_t len) noexcept {
+    std::lock_guard lock(mutex_);
+    for (size_t i = free_.size(); i-- > 0;) {
+      if (free_[i].second != len) continue;
+      std::byte* p = free_[i].first;
+      free_.erase(free_.begin() + static_cast<std::ptrdiff_t>(i));
+      bytes_ -= len;
+      return p;
+    }
+    return nullptr;
+  }
+  // Keeps a freed mapping (or unmaps it when it alone exceeds the limit).
+  void give(std::byte* p, size_t len) noexcept {
+    std::vector<std::pair<std::byte*, size_t>> drop;
+    bool kept = false;
+    {
+      std::lock_guard lock(mutex_);
+      if (len <= limit_) {
+        trim(limit_ - len, drop);
+        try {
+          free_.emplace_back(p, len);
+          bytes_ += len;
+          kept = true;
+        } catch (...) {  // no memory for the list: unmap it below
+        }
+      }
+    }
+    if (!kept) munmap(p, len);
+    unmap(drop);
+  }
+  size_t set_limit(size_t limit) {
+    std::vector<std::pair<std::byte*, size_t>> drop;
+    size_t old;
+    {
+      std::lock_guard lock(mutex_);
+      old = limit_;
+      limit_ = limit;
+      trim(limit, drop);
+    }
+    unmap(drop);
+    return old;
+  }
+  size_t bytes() {
+    std::lock_guard lock(mutex_);
+    return bytes_;
+  }
+
+ private:
+  // Under the lock: moves the oldest mappings to `drop` until at most `keep` bytes stay cached.
+  void trim(size_t keep, std::vector<std::pair<std::byte*, size_t>>& drop) noexcept {
+    size_t n = 0;
+    while (bytes_ > keep) bytes_ -= free_[n++].second;
+    if (n == 0) return;
+    try {
+      drop.insert(drop.end(), free_.begin(), free_.begin() + static_cast<std::ptrdiff_t>(n));
+    } catch (...) {  // no memory for the list: unmap them here
+      for (size_t i = 0; i < n; ++i) munmap(free_[i].first, free_[i].second);
+    }
+    free_.erase(free_.begin(), free_.begin() + static_cast<std::ptrdiff_t>(n));
+  }
+  static void unmap(const std::vector<std::pair<std::byte*, size_t>>& drop) noexcept {
+    for (auto [q, l] : drop) munmap(q, l);
+  }
+
+  std::mutex mutex_;
+  std::vector<std::pair<std::byte*, size_t>> free_;
+  size_t bytes_ = 0;
+  size_t limit_ = kDefaultMappingCacheLimit;
+};
+
+MappingCache& mapping_cache() {
+  static MappingCache* c = new MappingCache();  // never destroyed: buffers may be freed during static destruction
+  return *c;
+}
 }  // namespace
+
+size_t set_mapping_cache_limit(size_t bytes) { return mapping_cache().set_limit(bytes); }
+size_t mapping_cache_bytes() { return mapping_cache().bytes(); }
 
 // ---------------------------------------------------------------- AlignedBuffer
 
@@ -30,15 +128,27 @@ AlignedBuffer::AlignedBuffer(size_t bytes, bool zero) : bytes_(bytes) {
   if (bytes == 0) return;
   if (bytes >= kMapThreshold) {
     // Anonymous mappings are zero-filled by the kernel; huge pages make first touch cheap.
-    size_t len = (bytes + kHugePage - 1) / kHugePage * kHugePage;
-    void* p = mmap(nullptr, len + kHugePage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    // Only buffers of at least one huge page use them: rounding a 1 MiB tile up to a
+    // 2 MiB page would double the memory a resident tile holds.
+    const bool huge = bytes >= kHugePage;
+    const size_t page = huge ? kHugePage : size_t{4096};
+    size_t len = (bytes + page - 1) / page * page;
+    if (std::byte* cached = mapping_cache().take(len)) {  // Note [Mapping cache]
+      if (zero) std::memset(cached, 0, len);
+      data_ = cached;
+      bytes_ = len;
+      mapped_ = true;
+      return;
+    }
+    const size_t slack = huge ? kHugePage : 0;
+    void* p = mmap(nullptr, len + slack, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) throw std::bad_alloc();
     auto base = reinterpret_cast<uintptr_t>(p);
-    uintptr_t aligned = (base + kHugePage - 1) & ~(kHugePage - 1);
+    uintptr_t aligned = huge ? (base + kHugePage - 1) & ~(kHugePage - 1) : base;
     if (aligned > base) munmap(p, aligned - base);
-    size_t tail = (base + len + kHugePage) - (aligned + len);
+    size_t tail = (base + len + slack) - (aligned + len);
     if (tail) munmap(reinterpret_cast<void*>(aligned + len), tail);
-    madvise(reinterpret_cast<void*>(aligned), len, MADV_HUGEPAGE);
+    if (huge) madvise(reinterpret_cast<void*>(aligned), len, MADV_HUGEPAGE);
     data_ = reinterpret_cast<std::byte*>(aligned);
     bytes_ = len;
     mapped_ = true;
@@ -71,7 +181,7 @@ AlignedBuffer& AlignedBuffer::operator=(AlignedBuffer&& o) noexcept {
 
 void AlignedBuffer::reset() noexcept {
   if (!data_) return;
-  if (mapped_) munmap(data_, bytes_);
+  if (mapped_) mapping_cache().give(data_, bytes_);
   else std::free(data_);
   data_ = nullptr;
   bytes_ = 0;

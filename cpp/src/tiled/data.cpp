@@ -88,10 +88,33 @@ void gather_tile(const TiledEvictable& c, const TileAccess& access, const TileCo
 CarrierPtr scatter_tile(const TiledEvictable& c, const TileAccess& access, const TileCoord& s,
                         const TensorImpl& compact, const TileCoord& cc, const std::vector<int64_t>& cstride,
                         const CarrierPtr& existing, bool add) {
-  CarrierPtr buf = c.primary()->allocate_like(c.tile_size(), true, c.dtype(), /*empty=*/false);
   int64_t base = 0;
   for (size_t i = 0; i < cc.size(); ++i) base += cc[i] * c.tile_shape()[i] * cstride[i];
   const int64_t n = c.tile_size();
+  // Fast path: canonical tile order and a dense compact tensor: one bulk copy
+  // per contiguous run of the compact region, then (add) one vectorisable pass.
+  const bool float_add_native = c.dtype().id() == DTypeId::Float32 &&
+                                (!existing || existing->native_data() != nullptr);
+  if (access.canonical && compact.layout.is_column_major() && (!add || float_add_native)) {
+    CarrierPtr buf = c.primary()->allocate_like(n, true, c.dtype(), /*empty=*/true);
+    Layout region(Shape::flat(c.tile_shape()), Stride::flat(cstride));
+    for (const Run& r : region.runs())
+      copy_slots(*compact.carrier, compact.offset + base + r.offset, *buf, r.ordinal, r.length);
+    if (add && existing) {
+      float* d = reinterpret_cast<float*>(buf->native_data());
+      const float* e = reinterpret_cast<const float*>(existing->native_data());
+      if (d) {
+        for (int64_t k = 0; k < n; ++k) d[k] = e[k] + d[k];
+      } else {
+        std::vector<float> v(static_cast<size_t>(n));
+        buf->read_slots(0, n, v.data());
+        for (int64_t k = 0; k < n; ++k) v[k] = e[k] + v[k];
+        buf->write_slots(0, n, v.data());
+      }
+    }
+    return buf;
+  }
+  CarrierPtr buf = c.primary()->allocate_like(c.tile_size(), true, c.dtype(), /*empty=*/false);
   for (int64_t wo = 0; wo < n; ++wo) {
     int64_t ord = base, rest = wo;
     for (size_t i = 0; i < cc.size(); ++i) {
@@ -129,6 +152,17 @@ std::vector<int64_t> counts_of(const TileSelectionC& sel) {
   return n;
 }
 
+bool all_zero_bytes(const Carrier& buf, int64_t slots, std::vector<std::byte>& scratch) {
+  const size_t bytes = static_cast<size_t>(slots) * slot_bytes(buf.dtype());
+  const std::byte* p = buf.native_data();
+  if (!p) {
+    scratch.resize(bytes);
+    buf.read_slots(0, slots, scratch.data());
+    p = scratch.data();
+  }
+  return std::all_of(p, p + bytes, [](std::byte b) { return b == std::byte{0}; });
+}
+
 // --- projection node -------------------------------------------------------
 
 TensorPtr scatter_add_gradient(const std::shared_ptr<TiledEvictable>& c, const TensorPtr& primal,
@@ -141,15 +175,13 @@ TensorPtr scatter_add_gradient(const std::shared_ptr<TiledEvictable>& c, const T
   std::vector<int64_t> cstride = cl.flat().strides;
   TensorPtr g = compact_grad;
   std::vector<std::pair<int64_t, CarrierPtr>> tiles;
-  const size_t bytes = static_cast<size_t>(fresh->tile_size()) * slot_bytes(fresh->dtype());
-  std::vector<std::byte> raw(bytes);
+  std::vector<std::byte> raw;
   for (size_t k = 0; k < src.size(); ++k) {
     CarrierPtr buf = scatter_tile(*fresh, access, fresh->tile_coord(src[k]), *g,
                                   decode_compact(static_cast<int64_t>(k), counts), cstride, nullptr, false);
     // A tile whose gradient is all (+0) zero stays a valid implicit zero: summed
     // gradients keep untouched tiles implicit.
-    buf->read_slots(0, fresh->tile_size(), raw.data());
-    if (std::all_of(raw.begin(), raw.end(), [](std::byte b) { return b == std::byte{0}; })) {
+    if (all_zero_bytes(*buf, fresh->tile_size(), raw)) {
       buf->release();
       continue;
     }
@@ -301,28 +333,91 @@ CompletionPtr<TensorPtr> project_for(const std::shared_ptr<TiledEvictable>& c, c
     if (st->remaining.fetch_sub(1) == 1) finish();
   };
   // Resident tiles are gathered at once; the others as soon as the request's promotion lands.
+  // Each batch of tiles goes to at most one job per select thread; the jobs take
+  // tiles from the batch's shared cursor, so a few wake-ups serve many tiles.
+  using Batch = std::vector<std::pair<int64_t, int64_t>>;  // (compact ordinal, tile index)
+  auto submit_batch = [gather](std::shared_ptr<const Batch> batch) {
+    auto cursor = std::make_shared<std::atomic<size_t>>(0);
+    const size_t jobs = std::min(batch->size(), Executor::select().max_threads());
+    for (size_t j = 0; j < jobs; ++j)
+      Executor::select().submit([gather, batch, cursor] {
+        for (size_t n; (n = cursor->fetch_add(1)) < batch->size();) gather((*batch)[n].first, (*batch)[n].second);
+      });
+  };
   auto ready = TiledEvictable::work_ready(work);
-  std::vector<std::pair<int64_t, int64_t>> waiting;
+  auto now = std::make_shared<Batch>();
+  auto waiting = std::make_shared<Batch>();
   for (size_t k = 0; k < src.size(); ++k) {
     TileState s = c->tile_state(c->tile_coord(src[k]));
     if (s.location == TileLocation::Primary || s.location == TileLocation::Implicit)
-      Executor::select().submit([gather, k, i = src[k]] { gather(static_cast<int64_t>(k), i); });
+      now->emplace_back(static_cast<int64_t>(k), src[k]);
     else
-      waiting.emplace_back(static_cast<int64_t>(k), src[k]);
+      waiting->emplace_back(static_cast<int64_t>(k), src[k]);
   }
-  if (!waiting.empty()) {
-    ready->then([ready, waiting, gather, st] {
+  if (!now->empty()) submit_batch(std::move(now));
+  if (!waiting->empty()) {
+    ready->then([ready, waiting, submit_batch, st] {
       if (auto e = ready->error()) {
         std::lock_guard lock(st->m);
         if (!st->error) st->error = e;
       }
-      for (auto [k, i] : waiting) Executor::select().submit([gather, k = k, i = i] { gather(k, i); });
+      submit_batch(waiting);
     });
   }
   return done;
 }
 
 }  // namespace
+
+// --- tiled gradient sums ------------------------------------------------------
+
+bool tiled_gradients_compatible(const TensorPtr& a, const TensorPtr& b) {
+  auto ca = std::dynamic_pointer_cast<TiledEvictable>(a->carrier);
+  auto cb = std::dynamic_pointer_cast<TiledEvictable>(b->carrier);
+  if (!ca || !cb || ca == cb) return false;
+  if (ca->grid_shape() != cb->grid_shape() || ca->tile_shape() != cb->tile_shape() || ca->dtype() != cb->dtype() ||
+      ca->dtype().id() != DTypeId::Float32)
+    return false;
+  if (a->offset != b->offset || !(a->layout == b->layout)) return false;
+  if (ca->is_released() || cb->is_released()) return false;
+  try {
+    ca->check_footprints(*a);
+    cb->check_footprints(*b);
+  } catch (const ValueError&) {
+    return false;
+  }
+  return true;
+}
+
+TensorPtr add_tiled_gradients(const TensorPtr& a, const TensorPtr& b) {
+  auto ca = std::static_pointer_cast<TiledEvictable>(a->carrier);
+  auto cb = std::static_pointer_cast<TiledEvictable>(b->carrier);
+  auto fresh = std::static_pointer_cast<TiledEvictable>(ca->allocate_like(ca->size(), true, ca->dtype(), false));
+  const int64_t n = ca->tile_size();
+  std::vector<std::pair<int64_t, CarrierPtr>> tiles;
+  for (int64_t i = 0; i < ca->tile_count(); ++i) {
+    CarrierPtr va = ca->tile_value(i), vb = cb->tile_value(i);
+    if (!va && !vb) continue;  // implicit + implicit stays implicit
+    CarrierPtr out = fresh->primary()->allocate_like(n, true, fresh->dtype(), /*empty=*/true);
+    const CarrierPtr& first = va ? va : vb;
+    copy_slots(*first, 0, *out, 0, n);
+    if (va && vb) {
+      float* d = reinterpret_cast<float*>(out->native_data());
+      std::vector<float> other(static_cast<size_t>(n)), mine;
+      vb->read_slots(0, n, other.data());
+      if (!d) {
+        mine.resize(static_cast<size_t>(n));
+        out->read_slots(0, n, mine.data());
+        d = mine.data();
+      }
+      for (int64_t k = 0; k < n; ++k) d[k] += other[k];
+      if (!mine.empty()) out->write_slots(0, n, mine.data());
+    }
+    tiles.emplace_back(i, std::move(out));
+  }
+  if (!tiles.empty()) fresh->install_tiles(tiles);
+  return make_tensor(fresh, a->offset, a->layout);
+}
 
 // --- scatter ---------------------------------------------------------------
 

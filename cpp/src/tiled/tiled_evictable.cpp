@@ -302,6 +302,7 @@ CompletionPtr<std::monostate> TiledEvictable::promote_tiles(const std::vector<in
   r->promote = true;
   {
     std::lock_guard lock(mutex_);
+    check_live("promote tiles");  // again under the lock: see Note [Release races with requests]
     std::vector<int64_t> uniq = tiles;
     std::sort(uniq.begin(), uniq.end());
     uniq.erase(std::unique(uniq.begin(), uniq.end()), uniq.end());
@@ -335,6 +336,7 @@ CompletionPtr<std::monostate> TiledEvictable::evict_tiles(const std::vector<int6
   r->promote = false;
   {
     std::lock_guard lock(mutex_);
+    check_live("evict tiles");  // again under the lock: see Note [Release races with requests]
     std::vector<int64_t> uniq = tiles;
     std::sort(uniq.begin(), uniq.end());
     uniq.erase(std::unique(uniq.begin(), uniq.end()), uniq.end());
@@ -450,6 +452,7 @@ void TiledEvictable::commit(const std::shared_ptr<Request>& r) {
     if (r->error) r->staged.clear();
     active_requests_--;
   }
+  idle_cv_.notify_all();
   for (auto& b : discard)
     if (b) b->release();
   discard.clear();
@@ -578,6 +581,7 @@ std::shared_ptr<TiledEvictable::Work> TiledEvictable::begin_work(const std::vect
   std::vector<int64_t> missing;
   {
     std::lock_guard lock(mutex_);
+    check_live("run tiled work");  // again under the lock: see Note [Release races with requests]
     for (int64_t i : work->tiles) {
       if (tiles_[i].pending) pending_conflict(i, "running tiled work on it");
       if (tiles_[i].loc == TileLocation::Invalid)
@@ -617,6 +621,7 @@ void TiledEvictable::end_work(const std::shared_ptr<Work>& work) {
     work->ended = true;
     for (int64_t i : work->tiles) tiles_[i].pins--;
     active_work_--;
+    idle_cv_.notify_all();
     for (const auto& t : work->plan.evict) {
       int64_t i = tile_index(t);
       if (tiles_[i].pins == 0 && !tiles_[i].pending && tiles_[i].loc == TileLocation::Primary) evict.push_back(i);
@@ -672,6 +677,118 @@ void TiledEvictable::make_all_implicit() {
     if (t.loc == TileLocation::Invalid) t.loc = TileLocation::Implicit;
 }
 
+// ---------------------------------------------------------------- gradient accumulation
+
+namespace {
+// dst[k] += src[k] over one Float32 tile (native host memory when both have it).
+void add_tile_into(Carrier& dst, const Carrier& src, int64_t n) {
+  std::byte* d = dst.native_data();
+  const std::byte* s = src.native_data();
+  if (d && s) {
+    float* df = reinterpret_cast<float*>(d);
+    const float* sf = reinterpret_cast<const float*>(s);
+    for (int64_t k = 0; k < n; ++k) df[k] += sf[k];
+    return;
+  }
+  std::vector<float> a(static_cast<size_t>(n)), b(static_cast<size_t>(n));
+  dst.read_slots(0, n, a.data());
+  src.read_slots(0, n, b.data());
+  for (int64_t k = 0; k < n; ++k) a[k] += b[k];
+  dst.write_slots(0, n, a.data());
+}
+}  // namespace
+
+CarrierPtr TiledEvictable::tile_value(int64_t index) const {
+  TileLocation loc;
+  {
+    std::lock_guard lock(mutex_);
+    const Tile& t = tiles_[index];
+    if (t.pending) pending_conflict(index, "reading it");
+    if (t.loc == TileLocation::Invalid)
+      raise<RuntimeError>("tile ", coord_str(tile_coord(index)), " of TiledEvictable is invalid: it has no value yet");
+    if (t.loc == TileLocation::Implicit) return nullptr;
+    if (t.loc == TileLocation::Primary) return t.buffer;
+    loc = t.loc;
+  }
+  (void)loc;
+  CarrierPtr buf = primary_->allocate_like(tile_size_, true, dtype(), true);
+  for (const Run& run : runs_[index]) copy_slots(*secondary_, run.offset, *buf, run.ordinal, run.length);
+  return buf;
+}
+
+bool TiledEvictable::accumulate_tiles(const TiledEvictable& other, bool share_other) {
+  SW_ASSERT(&other != this && other.grid_ == grid_ && other.tile_ == tile_ && other.dtype() == dtype(),
+            "accumulate_tiles over a different geometry");
+  if (dtype().id() != DTypeId::Float32 || is_released() || other.is_released() || !is_mutable()) return false;
+  // Plan under both locks: which tiles contribute and what each does here.
+  struct Step {
+    int64_t index;
+    TileLocation here, theirs;
+    CarrierPtr mine;
+  };
+  std::vector<Step> steps;
+  {
+    std::scoped_lock lock(mutex_, other.mutex_);
+    for (int64_t i = 0; i < tile_count_; ++i) {
+      const Tile& o = other.tiles_[i];
+      if (o.pending || o.loc == TileLocation::Invalid) return false;
+      if (o.loc == TileLocation::Implicit) continue;
+      const Tile& t = tiles_[i];
+      if (t.pending || t.pins > 0 || t.loc == TileLocation::Invalid) return false;
+      steps.push_back({i, t.loc, o.loc, t.buffer});
+    }
+  }
+  if (steps.empty()) return true;
+  // The caller holds the only reference to this carrier: nothing else changes
+  // its tiles while the values are computed outside the lock.
+  const int64_t bytes = tile_size_ * static_cast<int64_t>(slot_bytes(dtype()));
+  std::vector<std::pair<Step, CarrierPtr>> results;  // new primary buffer per step (null: added in place)
+  for (const Step& st : steps) {
+    CarrierPtr theirs = other.tile_value(st.index);
+    CarrierPtr out;
+    if (st.here == TileLocation::Implicit) {
+      if (share_other && st.theirs == TileLocation::Primary) {
+        out = theirs;
+      } else if (st.theirs == TileLocation::Primary) {
+        out = primary_->allocate_like(tile_size_, true, dtype(), true);
+        copy_slots(*theirs, 0, *out, 0, tile_size_);
+      } else {
+        out = theirs;  // already a fresh buffer read from other's secondary tier
+      }
+    } else if (st.here == TileLocation::Primary) {
+      add_tile_into(*st.mine, *theirs, tile_size_);
+    } else {  // secondary: promote, then add
+      out = primary_->allocate_like(tile_size_, true, dtype(), true);
+      for (const Run& run : runs_[st.index]) copy_slots(*secondary_, run.offset, *out, run.ordinal, run.length);
+      add_tile_into(*out, *theirs, tile_size_);
+    }
+    results.emplace_back(st, std::move(out));
+  }
+  {
+    std::lock_guard lock(mutex_);
+    for (auto& [st, out] : results) {
+      Tile& t = tiles_[st.index];
+      if (st.here == TileLocation::Secondary) {
+        stats_.promotions++;
+        stats_.bytes_promoted += bytes;
+      }
+      if (out) {
+        t.buffer = std::move(out);
+        if (t.loc != TileLocation::Primary) {
+          stats_.primary_tiles++;
+          stats_.primary_bytes += bytes;
+        }
+        // An implicit tile has no secondary copy; a promoted one keeps its (now stale) copy.
+        t.secondary_valid = st.here == TileLocation::Secondary;
+        t.loc = TileLocation::Primary;
+      }
+      t.dirty = true;
+    }
+  }
+  bump_version();
+  return true;
+}
+
 // ---------------------------------------------------------------- release
 
 void TiledEvictable::check_releasable() const {
@@ -681,10 +798,17 @@ void TiledEvictable::check_releasable() const {
                         active_work_, " tiled operation(s)); wait for it before release()");
 }
 
+// Note [Release races with requests]: Carrier::release() runs check_releasable() and only then
+// marks the carrier released, so a request or work that another thread begins in between passes
+// both checks and would commit into (or read from) released storage. Entry points therefore check
+// liveness again under the tile-table mutex, and do_release() first waits for what began in that
+// window. Neither needs the releasing thread (nor the GIL) to finish: residency requests leave
+// active_requests_ before publishing their completion, and data paths end their work from C++.
 void TiledEvictable::do_release() {
   std::vector<CarrierPtr> buffers;
   {
-    std::lock_guard lock(mutex_);
+    std::unique_lock lock(mutex_);
+    idle_cv_.wait(lock, [&] { return active_requests_ == 0 && active_work_ == 0; });
     for (auto& t : tiles_) {
       if (t.buffer) buffers.push_back(std::move(t.buffer));
       t.loc = TileLocation::Invalid;

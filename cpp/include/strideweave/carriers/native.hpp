@@ -3,8 +3,10 @@
 // Generic  the reference carrier: a plain vector of elements and the simplest
 //          obviously-correct loops; the oracle fast carriers are tested against.
 // CPU      aligned native host memory (64-byte aligned; 2 MiB aligned and
-//          huge-page advised from 1 MiB up, so first touch is cheap); the fast
-//          kernels run here; native_data() exposes the pointer.
+//          huge-page advised from 1 MiB up, so first touch is cheap; freed
+//          large mappings are recycled, see Note [Mapping cache] in
+//          native.cpp); the fast kernels run here; native_data() exposes the
+//          pointer.
 // Both are allocatable when empty and are final.
 #pragma once
 
@@ -15,7 +17,8 @@
 
 namespace sw {
 
-// Owning aligned host buffer. Zero-filled on request.
+// Owning aligned host buffer. Zero-filled on request; otherwise its contents are
+// unspecified (a recycled large mapping keeps its previous bytes).
 class AlignedBuffer {
  public:
   AlignedBuffer() = default;
@@ -34,6 +37,15 @@ class AlignedBuffer {
   size_t bytes_ = 0;
   bool mapped_ = false;
 };
+
+// Freed AlignedBuffer mappings (the 1 MiB-and-up, huge-page path) are kept for
+// reuse by later allocations of the same mapped length, up to a process-wide
+// limit of cached bytes (64 MiB by default); see Note [Mapping cache] in
+// native.cpp. set_mapping_cache_limit returns the previous limit; lowering it
+// unmaps the oldest cached mappings at once (0 turns the cache off).
+// mapping_cache_bytes is what the cache holds now. Thread-safe.
+size_t set_mapping_cache_limit(size_t bytes);
+size_t mapping_cache_bytes();
 
 const CarrierKind& generic_kind();
 const CarrierKind& cpu_kind();

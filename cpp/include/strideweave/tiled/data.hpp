@@ -39,6 +39,32 @@ CompletionPtr<TensorPtr> project(const std::shared_ptr<TiledEvictable>& carrier,
 CompletionPtr<TensorPtr> scatter(const std::shared_ptr<TiledEvictable>& carrier, const TensorPtr& compact,
                                  const TensorPtr& templ, const TileSelectionC& selection, bool add);
 
+// Note [Tiled gradient accumulation]
+// A leaf backed by TiledEvictable (an expert weight in a file) receives one
+// fresh tiled gradient per projection node: only the selected tiles hold
+// values, the rest are implicit zeros. Summing such gradients densely would
+// cost a full-extent pass (and full-size temporaries) per contribution, so:
+//  * add_tiled_gradients sums two gradients tile by tile into a fresh carrier
+//    (used when gradients meet inside one backward);
+//  * autograd's leaf accumulation adds into the existing .grad in place
+//    (TiledEvictable::accumulate_tiles) when nothing but the leaf holds that
+//    .grad tensor and its carrier, so nobody can observe the mutation; then
+//    the cost is the tiles the new gradient touches. Otherwise it falls back to
+//    a fresh sum, leaving any tensor the caller holds unchanged.
+// Neither consults the residency policy: they are part of the backward request
+// that produced the gradient, and the policy (shared with the weight carrier
+// through allocate_like) tracks the weight's tiles.
+//
+// Tiled gradient sums (autograd): tile by tile, never through a dense full-size
+// temporary. `a` and `b` are compatible when both are Float32 tensors over
+// distinct live TiledEvictables of one geometry, read with one offset and
+// Layout that match the carriers' tile footprints.
+bool tiled_gradients_compatible(const TensorPtr& a, const TensorPtr& b);
+// a + b as a fresh tiled gradient with a's carrier kind, geometry, offset and
+// Layout; a tile implicit in both stays implicit. Reads evicted tiles from the
+// secondary tier without changing the inputs' residency.
+TensorPtr add_tiled_gradients(const TensorPtr& a, const TensorPtr& b);
+
 // Registers the operation backend of TiledEvictable (direct operations). Idempotent.
 void install_tiled_backend();
 

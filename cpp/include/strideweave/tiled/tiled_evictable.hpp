@@ -22,6 +22,7 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -145,6 +146,23 @@ class TiledEvictable final : public DependentCarrier {
   // Marks every tile a valid implicit zero (fresh carriers: gradients).
   void make_all_implicit();
 
+  // -------- gradient accumulation (engine code: autograd's tiled gradient sums)
+  // Tile `index`'s value without changing residency: nullptr for an implicit
+  // zero, the primary buffer itself for a resident tile (read it, never write
+  // it), or a fresh primary-kind buffer read from the secondary tier.
+  // RuntimeError for an invalid tile or one under an incomplete request.
+  CarrierPtr tile_value(int64_t index) const;
+  // this += other, tile by tile and in place, for a gradient that nobody but
+  // the caller holds (the caller checks that). `other` must have this carrier's
+  // geometry and dtype and be read with the same offset and Layout, so tile i
+  // of both holds the same logical values in the same order. Implicit tiles of
+  // `other` cost nothing; an implicit tile here takes `other`'s value (its
+  // buffer itself when `share_other`, i.e. `other` is a fresh gradient about to
+  // be dropped); a secondary tile here is promoted and added to. Returns false,
+  // changing nothing, when a tile is invalid, pinned or under an incomplete
+  // request; otherwise advances the version once when anything was added.
+  bool accumulate_tiles(const TiledEvictable& other, bool share_other);
+
  protected:
   void do_release() override;
   void check_releasable() const override;
@@ -184,6 +202,7 @@ class TiledEvictable final : public DependentCarrier {
   uint64_t next_request_ = 1;
   int active_requests_ = 0;
   int active_work_ = 0;
+  std::condition_variable idle_cv_;  // notified when active_requests_ or active_work_ drops
   mutable std::mutex footprint_cache_mutex_;
   mutable std::vector<std::pair<Layout, int64_t>> footprint_cache_;  // compatible (layout, offset) pairs
 };

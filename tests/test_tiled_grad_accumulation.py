@@ -1,0 +1,134 @@
+"""Tiled gradient accumulation stays tiled (issue 7, item 3; Note [Tiled gradient accumulation]).
+
+A leaf over a TiledEvictable receives one fresh tiled gradient per projection
+node. Accumulating into its ``.grad`` is tile by tile: implicit + implicit stays
+implicit, no dense full-size temporary, and (while nothing else holds the
+``.grad``) in place, so a batch that touches one expert costs one tile, not the
+full extent. Gradient sums never consult the residency policy, which the
+gradient carriers share with the weight (allocate_like keeps it).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import strideweave as sw
+from strideweave import friendly
+from strideweave.carriers.tiled_evictable import TiledEvictable, TileSelection, TileSet
+from strideweave.policies import LRUPolicy
+
+OUT, IN, E = 4, 3, 6
+
+
+def expert_weight(rng, policy=None):
+    w = rng.standard_normal((OUT, IN * E)).astype(np.float32)  # (out, in * expert), expert-last
+    on_file = sw.move(friendly.tensor(w), sw.FileBacked())
+    c = TiledEvictable(sw.CPU(0), on_file.carrier, (1, E), (OUT, IN), residency_policy=policy)
+    full = sw.Tensor(c, 0, sw.Layout(sw.Shape(OUT, [IN, E]), sw.Stride(1, [OUT, OUT * IN])))
+    return w, c, full
+
+
+def expert_of(w, e):
+    return w[:, IN * e:IN * (e + 1)]
+
+
+def backward_through(c, full, e, seed):
+    """Projects expert e and backpropagates `seed` (OUT, IN) through a matmul with the identity."""
+    compact = c.project(full, TileSelection([[0], [e]])).wait()
+    out = sw.mul(compact, 1.0)
+    out.backward(friendly.tensor(seed))
+
+
+def grad_values(full):
+    g = full.grad
+    with sw.no_grad():
+        compact = g.carrier.project(g, TileSelection([[0], list(range(E))])).wait()
+    return np.array(np.asarray(compact), copy=True)
+
+
+def locations(full):
+    g = full.grad.carrier
+    return [g.tile_state((0, e)).location for e in range(E)]
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(20250307)
+
+
+def test_accumulation_is_in_place_and_tile_wise(rng):
+    w, c, full = expert_weight(rng)
+    s1, s2, s3 = (rng.standard_normal((OUT, IN)).astype(np.float32) for _ in range(3))
+    backward_through(c, full, 1, s1)
+    version = full.grad.carrier.version  # holding the carrier would make the next sums fresh (see below)
+    backward_through(c, full, 4, s2)
+    backward_through(c, full, 1, s3)
+    # The same gradient carrier, advanced once per accumulation (a fresh sum would start again at 1).
+    assert version == 1 and full.grad.carrier.version == version + 2
+    want = np.zeros((OUT, IN * E), np.float32)
+    want[:, IN:2 * IN] = s1 + s3
+    want[:, 4 * IN:5 * IN] = s2
+    np.testing.assert_array_equal(grad_values(full), want)
+    assert locations(full) == ["implicit", "primary", "implicit", "implicit", "primary", "implicit"]
+
+
+def test_a_held_gradient_is_never_mutated(rng):
+    w, c, full = expert_weight(rng)
+    s1, s2 = (rng.standard_normal((OUT, IN)).astype(np.float32) for _ in range(2))
+    backward_through(c, full, 2, s1)
+    held = full.grad
+    before = grad_values(full)
+    backward_through(c, full, 2, s2)
+    assert full.grad is not held  # a fresh, tile-wise sum: the held tensor keeps its value
+    np.testing.assert_array_equal(grad_values_of(held), before)
+    np.testing.assert_allclose(grad_values(full)[:, 2 * IN:3 * IN], s1 + s2, rtol=1e-6)
+    assert locations(full) == ["implicit", "implicit", "primary", "implicit", "implicit", "implicit"]
+
+
+def grad_values_of(t):
+    with sw.no_grad():
+        compact = t.carrier.project(t, TileSelection([[0], list(range(E))])).wait()
+    return np.array(np.asarray(compact), copy=True)
+
+
+def test_an_evicted_gradient_tile_is_promoted_and_added(rng):
+    w, c, full = expert_weight(rng)
+    s1, s2 = (rng.standard_normal((OUT, IN)).astype(np.float32) for _ in range(2))
+    backward_through(c, full, 3, s1)
+    full.grad.carrier.evict(TileSet([(0, 3)]))
+    stats = full.grad.carrier.stats()
+    assert stats["bytes_evicted"] == OUT * IN * 4  # a dirty gradient tile is written
+    backward_through(c, full, 3, s2)
+    assert full.grad.carrier.stats()["promotions"] == stats["promotions"] + 1
+    assert full.grad.carrier.tile_state((0, 3)).dirty
+    np.testing.assert_allclose(grad_values(full)[:, 3 * IN:4 * IN], s1 + s2, rtol=1e-6)
+
+
+def test_gradient_sums_leave_the_weight_policy_alone(rng):
+    policy = LRUPolicy(3)
+    w, c, full = expert_weight(rng, policy)
+    for e in (0, 1, 2, 0, 1):
+        backward_through(c, full, e, np.ones((OUT, IN), np.float32))
+    # Only the weight's projections drove the LRU: nothing was evicted, three experts are resident.
+    assert set(c.primary_tiles.coordinates) == {(0, 0), (0, 1), (0, 2)}
+    assert c.stats()["evictions"] == 0
+    want = np.zeros((OUT, IN * E), np.float32)
+    want[:, :2 * IN] = 2.0
+    want[:, 2 * IN:3 * IN] = 1.0
+    np.testing.assert_array_equal(grad_values(full), want)
+
+
+def test_two_consumers_of_a_scatter_result_sum_tile_wise(rng):
+    w, c, full = expert_weight(rng)
+    compact = friendly.tensor(rng.standard_normal((OUT, 2 * IN)).astype(np.float32))
+    sel = TileSelection([[0], [1, 5]])
+    scattered = c.scatter(compact, full, sel).wait()
+    sc = scattered.carrier
+    a = sc.project(scattered, TileSelection([[0], [1]])).wait()
+    b = sc.project(scattered, TileSelection([[0], [1, 5]])).wait()
+    loss = sw.add(sw.reduce_sum(a, "o i ->"), sw.reduce_sum(b, "o i ->"))
+    loss.backward()
+    want = np.ones((OUT, 2 * IN), np.float32)
+    want[:, :IN] = 2.0  # expert 1 is read by both projections
+    np.testing.assert_array_equal(np.asarray(compact.grad), want)
