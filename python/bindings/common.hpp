@@ -37,7 +37,10 @@ void set_python_error(std::exception_ptr error);
 // calls settle_threads_at_exit(): from then on no other thread takes the GIL back through them.
 // (CPython offers no way to take the GIL without that risk, so a thread already blocked on the GIL
 // inside CPython itself when finalization starts is beyond reach; the drain makes that window small.)
-bool finalizing_elsewhere() noexcept;  // the interpreter exits or finalizes, and this is not its main thread
+// This is not the interpreter's main thread, and CPython finalizes (or, with `or_exiting`, the exit drain
+// has run: GilRelease parks from then on; taking the GIL for a callback stays allowed until finalization,
+// so that atexit handlers that run after the drain can still use user-defined carriers).
+bool finalizing_elsewhere(bool or_exiting = false) noexcept;
 void remember_main_thread() noexcept;  // at module init
 // Marks the interpreter as exiting, then (GIL released, bounded) lets every thread inside a GilRelease
 // scope reach its end, where it parks.

@@ -56,13 +56,14 @@ void remember_main_thread() noexcept {
   g_main_thread.store(ident);
 }
 
-bool finalizing_elsewhere() noexcept {
+bool finalizing_elsewhere(bool or_exiting) noexcept {
   // Neither call needs the GIL: the thread ident is pthread_self, the flag an atomic of the runtime.
   if (PyThread_get_thread_ident() == g_main_thread.load()) return false;
+  if (or_exiting && g_exiting.load()) return true;
 #if PY_VERSION_HEX >= 0x030D0000
-  return g_exiting.load() || Py_IsFinalizing();
+  return Py_IsFinalizing();
 #else
-  return g_exiting.load() || _Py_IsFinalizing();
+  return _Py_IsFinalizing();
 #endif
 }
 
@@ -77,7 +78,7 @@ void settle_threads_at_exit() noexcept {
 GilRelease::GilRelease() noexcept : state_(PyEval_SaveThread()) { g_released.fetch_add(1); }
 
 GilRelease::~GilRelease() {
-  if (finalizing_elsewhere()) {  // Note [Threads at interpreter exit]
+  if (finalizing_elsewhere(/*or_exiting=*/true)) {  // Note [Threads at interpreter exit]
     g_released.fetch_sub(1);
     park();
   }
