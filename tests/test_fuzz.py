@@ -115,8 +115,9 @@ def expect(entry, fn, faults, check=None, *, extra=()):
 
 @pytest.fixture(scope="module", autouse=True)
 def _report(request):
-    # Watchdog: a hang anywhere in this module dumps every thread's stack and ends the run.
-    faulthandler.dump_traceback_later(240, exit=True)
+    # Watchdog: a hang anywhere in this module dumps every thread's stack and ends the run (the module
+    # takes about 25 s; the bound is generous for slow or sanitized runs and scales with SW_FUZZ_EXAMPLES).
+    faulthandler.dump_traceback_later(max(600, 60 * SCALE * 10), exit=True)
     yield
     faulthandler.cancel_dump_traceback_later()
     lines = ["", "test_fuzz: examples run per entry point (calls; outcomes)"]
