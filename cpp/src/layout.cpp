@@ -420,6 +420,26 @@ std::vector<Run> Layout::runs() const {
 }
 
 
+std::optional<std::pair<int64_t, int64_t>> Layout::mode_as_leaf(size_t k) const {
+  const Layout m = mode(k);  // keep it alive: flat() refers into it
+  const FlatLayout& f = m.flat();
+  int64_t extent = 1, stride = 0;
+  bool have = false;
+  for (size_t j = 0; j < f.extents.size(); ++j) {
+    if (f.extents[j] == 1) continue;
+    if (!have) {
+      extent = f.extents[j];
+      stride = f.strides[j];
+      have = true;
+    } else if (f.strides[j] == extent * stride) {
+      extent *= f.extents[j];
+    } else {
+      return std::nullopt;
+    }
+  }
+  return std::make_pair(extent, stride);
+}
+
 size_t Layout::hash() const noexcept {
   size_t seed = d_->shape.hash();
   hash_combine(seed, d_->stride.hash());

@@ -21,24 +21,10 @@ using sw::TensorPtr;
 // Each top-level mode as one (extent, stride) pair, when its leaves coalesce.
 bool mode_strides(const sw::Layout& l, std::vector<size_t>& shape, std::vector<int64_t>& strides) {
   for (size_t k = 0; k < l.rank(); ++k) {
-    sw::Layout mode = l.mode(k);
-    const auto& f = mode.flat();
-    int64_t extent = 1, stride = 0;
-    bool have = false;
-    for (size_t j = 0; j < f.extents.size(); ++j) {
-      if (f.extents[j] == 1) continue;
-      if (!have) {
-        extent = f.extents[j];
-        stride = f.strides[j];
-        have = true;
-      } else if (f.strides[j] == extent * stride) {
-        extent *= f.extents[j];
-      } else {
-        return false;
-      }
-    }
-    shape.push_back(static_cast<size_t>(extent));
-    strides.push_back(stride);
+    auto leaf = l.mode_as_leaf(k);
+    if (!leaf) return false;
+    shape.push_back(static_cast<size_t>(leaf->first));
+    strides.push_back(leaf->second);
   }
   return true;
 }

@@ -28,6 +28,8 @@
 #include <cstdint>
 #include <initializer_list>
 #include <memory>
+#include <optional>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -160,6 +162,9 @@ class Layout {
   // The layout as maximal contiguous runs in ordinal order (adjacent leaves
   // with stride_{j+1} == extent_j * stride_j and unit leading stride merge).
   std::vector<Run> runs() const;
+  // Top-level mode k as one (extent, stride) when its non-trivial leaves coalesce
+  // (stride_{j+1} == extent_j * stride_j); a mode of extent 1 gives (1, 0).
+  std::optional<std::pair<int64_t, int64_t>> mode_as_leaf(size_t k) const;
   // True when ordinals map to [0, size) in order (stride-1 contiguous).
   bool is_contiguous() const noexcept { return d_->contiguous; }
   // True when every leaf stride is the running product of the extents before

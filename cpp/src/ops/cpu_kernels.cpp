@@ -260,26 +260,10 @@ bool blas_view(const TensorImpl& t, const float*& ptr, bool& transposed, int& ld
   if (t.dtype().id() != DTypeId::Float32 || t.layout.rank() != 2) return false;
   int64_t s[2], e[2];
   for (size_t k = 0; k < 2; ++k) {
-    // Keep the mode's Layout alive: flat() returns a reference into it (binding
-    // t.layout.mode(k).flat() directly left `f` dangling once the temporary died).
-    const Layout mode = t.layout.mode(k);
-    const FlatLayout& f = mode.flat();
-    int64_t extent = 1, stride = 0;
-    bool have = false;
-    for (size_t j = 0; j < f.extents.size(); ++j) {
-      if (f.extents[j] == 1) continue;
-      if (!have) {
-        extent = f.extents[j];
-        stride = f.strides[j];
-        have = true;
-      } else if (f.strides[j] == extent * stride) {
-        extent *= f.extents[j];
-      } else {
-        return false;
-      }
-    }
-    e[k] = extent;
-    s[k] = have ? stride : 1;
+    auto leaf = t.layout.mode_as_leaf(k);
+    if (!leaf) return false;
+    e[k] = leaf->first;
+    s[k] = leaf->first == 1 ? 1 : leaf->second;
   }
   ptr = reinterpret_cast<const float*>(t.carrier->native_data()) + t.offset;
   if (s[0] == 1 && (e[1] == 1 || s[1] >= std::max<int64_t>(1, e[0]))) {
