@@ -121,6 +121,7 @@ def compare(
     budget_s: float | None = None,
     min_reps: int = 5,
     prepare_ours: Callable[[], object] | None = None,
+    settle_s: float = 0.0,
 ) -> Case:
     """Interleaved timing A B A B ...: `warmup` untimed pairs, then `reps` timed pairs.
 
@@ -134,6 +135,11 @@ def compare(
     With `prepare_ours`, every call of `ours` is preceded by an untimed call
     of prepare_ours (state that each call must start from, e.g. evicted
     tiles); samples are then single calls, so `inner` must be 1 or None.
+
+    With `settle_s`, the process sleeps that long (untimed) before every timed
+    sample of either side, so helper threads the previous sample left busy
+    (a BLAS's workers spin for a while after each call) are idle again when
+    the next sample starts: both sides start from the same quiet machine.
     """
     if prepare_ours is not None:
         if inner not in (None, 1):
@@ -154,7 +160,11 @@ def compare(
     started = time.perf_counter()
     for _ in range(reps):
         prepare()
+        if settle_s:
+            time.sleep(settle_s)
         a = time_call(ours, inner)
+        if settle_s:
+            time.sleep(settle_s)
         b = time_call(reference, inner)
         ours_t.append(a / inner)
         ref_t.append(b / inner)

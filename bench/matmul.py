@@ -31,10 +31,16 @@ SHAPES = [((64, 4096), (1024, 4096)), ((512, 1024), (1024, 1024))]
 def main(argv=None) -> None:
     args = harness.parse_args("matmul", argv, __doc__)
     reps = args.reps or (10 if args.quick else 40)
-    # Long samples: after each call a BLAS's worker threads spin for a while
-    # (OpenBLAS, both NumPy's and the system's), competing with the other side's
-    # next call on this 2-core machine; longer samples amortise that hand-over.
+    # Two OpenBLAS builds live in this process (NumPy's bundled one and the
+    # system one StrideWeave links). After a call each build's worker threads
+    # spin for a while, and on a 2-core machine the spinning pool of one side
+    # takes a core from the other side's next sample. Measured alone, each
+    # side runs at full speed; interleaved without a pause, whichever pool
+    # spins longer makes the *other* side look up to 25% slower. So every
+    # timed sample starts after an untimed settle pause (both sides alike),
+    # and samples are long enough to amortise what is left of the hand-over.
     min_sample_s = 0.2 if args.quick else 0.5
+    settle_s = 0.3
     budget_s = 8.0 if args.quick else None  # per case: --quick stays under a minute
     rng = np.random.default_rng(0)
     cases = []
@@ -68,6 +74,7 @@ def main(argv=None) -> None:
                 case = harness.compare(
                     f"({m}x{k})@({n}x{k})^T grad={'on' if grad else 'off'}",
                     ours, reference, reps=reps, warmup=3, min_sample_s=min_sample_s, bytes=nbytes, budget_s=budget_s,
+                    settle_s=settle_s,
                 )
             finally:
                 sw.set_grad_enabled(True)
