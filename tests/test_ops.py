@@ -603,6 +603,33 @@ def test_large_matmul_matches_generic(da, db, acc):
     assert_close(flat(ref), f_order(a @ b.T), scale)
 
 
+# Shapes the CPU backend computes with its direct skinny kernels (few rows, or a short inner dimension;
+# see Note [Skinny products] in cpp/src/ops/skinny_gemm.hpp), in each operand order in memory, against the
+# Generic reference. These are the Mixture-of-Experts step's products: tokens x expert, and expert gradients.
+SKINNY_CASES = [
+    ("few-rows/rhs-along-j", ([36, 300], None, 0), ([260, 300], None, 1)),
+    ("few-rows/rhs-along-p", ([36, 300], None, 2), ([260, 300], [300, 1], 0)),
+    ("few-rows/row-major-lhs", ([5, 257], [257, 1], 0), ([256, 257], None, 0)),
+    ("few-rows/padded", ([48, 256], [1, 50], 1), ([270, 256], [258, 1], 3)),
+    ("short-inner/outer", ([300, 36], [36, 1], 0), ([257, 36], [36, 1], 0)),
+    ("short-inner/col-major", ([256, 17], None, 0), ([260, 17], None, 2)),
+]
+
+
+@pytest.mark.parametrize("case", SKINNY_CASES, ids=[c[0] for c in SKINNY_CASES])
+def test_skinny_matmul_matches_generic(case):
+    name, vl, vr = case
+    rng = rng_for("skinny-matmul", name)
+    pl, pr = placed(vl, F32, rng), placed(vr, F32, rng)
+    fast = sw.matmul(pl.on(sw.CPU), pr.on(sw.CPU))
+    ref = sw.matmul(pl.on(sw.Generic), pr.on(sw.Generic))
+    a, b = matrix(pl).astype(np.float64), matrix(pr).astype(np.float64)
+    scale = f_order(np.abs(a) @ np.abs(b).T)
+    check_result(fast, sw.CPU, [vl[0][0], vr[0][0]], F32)
+    assert_close(flat(fast), flat(ref), scale, name)
+    assert_close(flat(fast), f_order(a @ b.T), scale, name)
+
+
 def test_matmul_shape_is_lhs_mode0_by_rhs_mode0():
     """(tokens, in) @ (out, in) -> (tokens, out), nested modes kept as they are."""
     for cls in (sw.CPU, sw.Generic):

@@ -9,6 +9,7 @@
 #include <limits>
 
 #include "kernels.hpp"
+#include "skinny_gemm.hpp"
 #include "strided.hpp"
 #include "strideweave/errors.hpp"
 
@@ -321,6 +322,10 @@ void cpu_matmul(const TensorImpl& lhs, const TensorImpl& rhs, int64_t m, int64_t
       tb = false;
       ldb = static_cast<int>(n);
     }
+    // Few rows or a short inner dimension: see Note [Skinny products].
+    if (detail::skinny_sgemm(m, n, k, A, ta ? lda : 1, ta ? 1 : lda, B, tb ? ldb : 1, tb ? 1 : ldb,
+                             reinterpret_cast<float*>(dst)))
+      return;
     // C (m x n) = A (m x k) * B^T, B stored (n x k): op(B) = B^T.
     cblas_sgemm(CblasColMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasNoTrans : CblasTrans, static_cast<int>(m),
                 static_cast<int>(n), static_cast<int>(k), 1.0f, A, lda, B, ldb, 0.0f, reinterpret_cast<float*>(dst),

@@ -1,0 +1,264 @@
+// Direct Float32 kernels for skinny products. See Note [Skinny products] in skinny_gemm.hpp.
+#include "skinny_gemm.hpp"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <array>
+#include <utility>
+#include <vector>
+
+#include "strided.hpp"
+
+#define SW_AVX512 __attribute__((target("avx512f,fma")))
+
+// GCC 12 reports the intrinsics header's own deliberately undefined vector in
+// _mm512_reduce_add_ps as used uninitialized.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+namespace sw::detail {
+
+namespace {
+
+bool has_avx512() {
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
+  return ok;
+}
+
+inline __mmask16 lanes(int64_t r) {
+  return r >= 16 ? __mmask16(0xFFFF) : r <= 0 ? __mmask16(0) : __mmask16((1u << r) - 1u);
+}
+
+// Work of at least this many multiply-adds is split over threads (by output columns).
+constexpr int64_t kParallelFlops = int64_t{1} << 21;
+
+template <class F>
+void over_columns(int64_t blocks, int64_t work, F&& f) {
+  if (work < kParallelFlops) f(int64_t{0}, blocks);
+  else parallel_for(blocks, 1, f);
+}
+
+// ---------------------------------------------------------------- small m, B contiguous along j
+// Ap: A packed column-major (Ap[p * m + i]). For MI rows starting at Ai = Ap + i0 and the 32 columns at Bj
+// (masked to mask0/mask1), accumulates over all p and writes the MI x 32 block to out (row ii at out + 32 ii).
+template <int MI>
+SW_AVX512 void mj_block(int64_t k, int64_t m, const float* Ai, const float* Bj, int64_t ldb, __mmask16 mask0,
+                        __mmask16 mask1, float* out) {
+  __m512 acc0[MI], acc1[MI];
+#pragma GCC unroll 16
+  for (int ii = 0; ii < MI; ++ii) acc0[ii] = acc1[ii] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < k; ++p) {
+    const float* b = Bj + p * ldb;
+    _mm_prefetch(reinterpret_cast<const char*>(b + 8 * ldb), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(b + 8 * ldb + 16), _MM_HINT_T0);
+    const __m512 b0 = _mm512_maskz_loadu_ps(mask0, b);
+    const __m512 b1 = _mm512_maskz_loadu_ps(mask1, b + 16);
+    const float* a = Ai + p * m;
+#pragma GCC unroll 16
+    for (int ii = 0; ii < MI; ++ii) {
+      const __m512 av = _mm512_set1_ps(a[ii]);
+      acc0[ii] = _mm512_fmadd_ps(av, b0, acc0[ii]);
+      acc1[ii] = _mm512_fmadd_ps(av, b1, acc1[ii]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int ii = 0; ii < MI; ++ii) {
+    _mm512_storeu_ps(out + 32 * ii, acc0[ii]);
+    _mm512_storeu_ps(out + 32 * ii + 16, acc1[ii]);
+  }
+}
+
+using MjFn = void (*)(int64_t, int64_t, const float*, const float*, int64_t, __mmask16, __mmask16, float*);
+constexpr int kMjRows = 14;  // 28 accumulators + 2 loads + 1 broadcast: the 32 vector registers
+
+template <int... I>
+constexpr auto mj_table(std::integer_sequence<int, I...>) {
+  return std::array<MjFn, sizeof...(I)>{&mj_block<I + 1>...};
+}
+
+SW_AVX512 void small_m_j(int64_t m, int64_t k, const float* Ap, const float* B, int64_t ldb, float* C, int64_t jb,
+                         int64_t je) {
+  static constexpr auto table = mj_table(std::make_integer_sequence<int, kMjRows>{});
+  const int64_t nblocks = (m + kMjRows - 1) / kMjRows;
+  const int64_t rows = (m + nblocks - 1) / nblocks;  // balanced row blocks (36 -> 12, 12, 12)
+  alignas(64) float tmp[kMjRows * 32];
+  for (int64_t j0 = jb; j0 < je; j0 += 32) {
+    const int64_t nj = std::min<int64_t>(32, je - j0);
+    const __mmask16 mask0 = lanes(nj), mask1 = lanes(nj - 16);
+    for (int64_t i0 = 0; i0 < m; i0 += rows) {
+      const int64_t mi = std::min(rows, m - i0);
+      table[mi - 1](k, m, Ap + i0, B + j0, ldb, mask0, mask1, tmp);
+      for (int64_t jj = 0; jj < nj; ++jj) {
+        float* c = C + (j0 + jj) * m + i0;
+        for (int64_t ii = 0; ii < mi; ++ii) c[ii] = tmp[32 * ii + jj];
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------- small m, B contiguous along p
+// Ar: A packed row-major (Ar[i * k + p]). Dot products of MI rows with NJ columns (B column j at Bc + j * ldb),
+// vectorised along p; writes C(i0 + ii, j0 + jj) at C[jj * m + ii].
+template <int MI, int NJ>
+SW_AVX512 void mp_block(int64_t k, const float* Ai, const float* Bc, int64_t ldb, float* C, int64_t m) {
+  __m512 acc[MI][NJ];
+#pragma GCC unroll 8
+  for (int ii = 0; ii < MI; ++ii)
+#pragma GCC unroll 8
+    for (int jj = 0; jj < NJ; ++jj) acc[ii][jj] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < k; p += 16) {
+    const __mmask16 mask = lanes(k - p);
+    __m512 b[NJ];
+#pragma GCC unroll 8
+    for (int jj = 0; jj < NJ; ++jj) b[jj] = _mm512_maskz_loadu_ps(mask, Bc + jj * ldb + p);
+#pragma GCC unroll 8
+    for (int ii = 0; ii < MI; ++ii) {
+      const __m512 a = _mm512_maskz_loadu_ps(mask, Ai + ii * k + p);
+#pragma GCC unroll 8
+      for (int jj = 0; jj < NJ; ++jj) acc[ii][jj] = _mm512_fmadd_ps(a, b[jj], acc[ii][jj]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int ii = 0; ii < MI; ++ii)
+#pragma GCC unroll 8
+    for (int jj = 0; jj < NJ; ++jj) C[jj * m + ii] = _mm512_reduce_add_ps(acc[ii][jj]);
+}
+
+using MpFn = void (*)(int64_t, const float*, const float*, int64_t, float*, int64_t);
+constexpr int kMpRows = 3, kMpCols = 8;  // 24 accumulators + 8 column loads
+
+template <int MI, int... J>
+constexpr auto mp_row(std::integer_sequence<int, J...>) {
+  return std::array<MpFn, sizeof...(J)>{&mp_block<MI, J + 1>...};
+}
+
+SW_AVX512 void small_m_p(int64_t m, int64_t k, const float* Ar, const float* B, int64_t ldb, float* C, int64_t jb,
+                         int64_t je) {
+  static constexpr std::array<std::array<MpFn, kMpCols>, kMpRows> table{
+      mp_row<1>(std::make_integer_sequence<int, kMpCols>{}), mp_row<2>(std::make_integer_sequence<int, kMpCols>{}),
+      mp_row<3>(std::make_integer_sequence<int, kMpCols>{})};
+  for (int64_t j0 = jb; j0 < je; j0 += kMpCols) {
+    const int64_t nj = std::min<int64_t>(kMpCols, je - j0);
+    for (int64_t i0 = 0; i0 < m; i0 += kMpRows) {
+      const int64_t mi = std::min<int64_t>(kMpRows, m - i0);
+      table[mi - 1][nj - 1](k, Ar + i0 * k, B + j0 * ldb, ldb, C + j0 * m + i0, m);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- small k
+// Ap: A packed column-major (Ap[p * m + i]); Bp: B packed with p contiguous (Bp[j * k + p]). Writes the 32-row
+// (masked) by NJ-column block of C at Ci (column jj at Ci + jj * m).
+template <int NJ>
+SW_AVX512 void sk_block(int64_t k, int64_t m, const float* Ai, const float* Bj, __mmask16 mask0, __mmask16 mask1,
+                        float* Ci) {
+  __m512 acc0[NJ], acc1[NJ];
+#pragma GCC unroll 16
+  for (int jj = 0; jj < NJ; ++jj) acc0[jj] = acc1[jj] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < k; ++p) {
+    const __m512 a0 = _mm512_maskz_loadu_ps(mask0, Ai + p * m);
+    const __m512 a1 = _mm512_maskz_loadu_ps(mask1, Ai + p * m + 16);
+#pragma GCC unroll 16
+    for (int jj = 0; jj < NJ; ++jj) {
+      const __m512 bv = _mm512_set1_ps(Bj[jj * k + p]);
+      acc0[jj] = _mm512_fmadd_ps(a0, bv, acc0[jj]);
+      acc1[jj] = _mm512_fmadd_ps(a1, bv, acc1[jj]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int jj = 0; jj < NJ; ++jj) {
+    _mm512_mask_storeu_ps(Ci + jj * m, mask0, acc0[jj]);
+    _mm512_mask_storeu_ps(Ci + jj * m + 16, mask1, acc1[jj]);
+  }
+}
+
+using SkFn = void (*)(int64_t, int64_t, const float*, const float*, __mmask16, __mmask16, float*);
+constexpr int kSkCols = 12;  // 24 accumulators + 2 loads + 1 broadcast
+
+template <int... J>
+constexpr auto sk_table(std::integer_sequence<int, J...>) {
+  return std::array<SkFn, sizeof...(J)>{&sk_block<J + 1>...};
+}
+
+SW_AVX512 void small_k(int64_t m, int64_t k, const float* Ap, const float* Bp, float* C, int64_t jb, int64_t je) {
+  static constexpr auto table = sk_table(std::make_integer_sequence<int, kSkCols>{});
+  for (int64_t j0 = jb; j0 < je; j0 += kSkCols) {
+    const int64_t nj = std::min<int64_t>(kSkCols, je - j0);
+    for (int64_t i0 = 0; i0 < m; i0 += 32) {
+      const int64_t mi = std::min<int64_t>(32, m - i0);
+      table[nj - 1](k, m, Ap + i0, Bp + j0 * k, lanes(mi), lanes(mi - 16), C + j0 * m + i0);
+    }
+  }
+}
+
+// X(r, p) = X[r * s_r + p * s_p] packed so that element (r, p) is at out[r * r_step + p * p_step].
+const float* pack(const float* X, int64_t rows, int64_t k, int64_t s_r, int64_t s_p, int64_t r_step, int64_t p_step,
+                  std::vector<float>& buf) {
+  if (s_r == r_step && s_p == p_step) return X;  // already in that order
+  buf.resize(static_cast<size_t>(rows * k));
+  if (p_step == 1) {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t p = 0; p < k; ++p) buf[r * r_step + p] = X[r * s_r + p * s_p];
+  } else {
+    for (int64_t p = 0; p < k; ++p)
+      for (int64_t r = 0; r < rows; ++r) buf[r * r_step + p * p_step] = X[r * s_r + p * s_p];
+  }
+  return buf.data();
+}
+
+enum class Path { None, SmallMJ, SmallMP, SmallK };
+
+Path path_of(int64_t m, int64_t n, int64_t k, int64_t b_sj, int64_t b_sp) {
+  if (!has_avx512() || m < 1 || n < 1 || k < 1) return Path::None;
+  if (m <= kSkinny && n >= kWide && k >= kWide) {
+    if (b_sj == 1) return Path::SmallMJ;
+    if (b_sp == 1) return Path::SmallMP;
+    return Path::None;
+  }
+  if (k <= kSkinny && m >= kWide && n >= kWide) return Path::SmallK;
+  return Path::None;
+}
+
+}  // namespace
+
+const char* skinny_sgemm_path(int64_t m, int64_t n, int64_t k, int64_t b_sj, int64_t b_sp) {
+  switch (path_of(m, n, k, b_sj, b_sp)) {
+    case Path::SmallMJ: return "small-m/j";
+    case Path::SmallMP: return "small-m/p";
+    case Path::SmallK: return "small-k";
+    case Path::None: break;
+  }
+  return "";
+}
+
+bool skinny_sgemm(int64_t m, int64_t n, int64_t k, const float* A, int64_t a_si, int64_t a_sp, const float* B,
+                  int64_t b_sj, int64_t b_sp, float* C) {
+  const Path path = path_of(m, n, k, b_sj, b_sp);
+  if (path == Path::None) return false;
+  std::vector<float> abuf, bbuf;
+  const int64_t work = m * n * k;
+  if (path == Path::SmallMJ) {
+    const float* Ap = pack(A, m, k, a_si, a_sp, 1, m, abuf);
+    const int64_t blocks = (n + 31) / 32;
+    over_columns(blocks, work, [&](int64_t b, int64_t e) {
+      small_m_j(m, k, Ap, B, b_sp, C, b * 32, std::min(n, e * 32));
+    });
+  } else if (path == Path::SmallMP) {
+    const float* Ar = pack(A, m, k, a_si, a_sp, k, 1, abuf);
+    const int64_t blocks = (n + kMpCols - 1) / kMpCols;
+    over_columns(blocks, work, [&](int64_t b, int64_t e) {
+      small_m_p(m, k, Ar, B, b_sj, C, b * kMpCols, std::min(n, e * kMpCols));
+    });
+  } else {
+    const float* Ap = pack(A, m, k, a_si, a_sp, 1, m, abuf);
+    const float* Bp = pack(B, n, k, b_sj, b_sp, k, 1, bbuf);
+    const int64_t blocks = (n + kSkCols - 1) / kSkCols;
+    over_columns(blocks, work, [&](int64_t b, int64_t e) {
+      small_k(m, k, Ap, Bp, C, b * kSkCols, std::min(n, e * kSkCols));
+    });
+  }
+  return true;
+}
+
+}  // namespace sw::detail
