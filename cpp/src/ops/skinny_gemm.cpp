@@ -40,60 +40,39 @@ void over_columns(int64_t blocks, int64_t work, F&& f) {
 }
 
 // ---------------------------------------------------------------- small m, B contiguous along j
-// Ap: A packed column-major (Ap[p * m + i]). For MI rows starting at Ai = Ap + i0 and the 32 columns at Bj
-// (masked to mask0/mask1), accumulates over all p and writes the MI x 32 block to out (row ii at out + 32 ii).
-template <int MI>
-SW_AVX512 void mj_block(int64_t k, int64_t m, const float* Ai, const float* Bj, int64_t ldb, __mmask16 mask0,
-                        __mmask16 mask1, float* out) {
-  __m512 acc0[MI], acc1[MI];
-#pragma GCC unroll 16
-  for (int ii = 0; ii < MI; ++ii) acc0[ii] = acc1[ii] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < k; ++p) {
-    const float* b = Bj + p * ldb;
-    _mm_prefetch(reinterpret_cast<const char*>(b + 8 * ldb), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(b + 8 * ldb + 16), _MM_HINT_T0);
-    const __m512 b0 = _mm512_maskz_loadu_ps(mask0, b);
-    const __m512 b1 = _mm512_maskz_loadu_ps(mask1, b + 16);
-    const float* a = Ai + p * m;
-#pragma GCC unroll 16
-    for (int ii = 0; ii < MI; ++ii) {
-      const __m512 av = _mm512_set1_ps(a[ii]);
-      acc0[ii] = _mm512_fmadd_ps(av, b0, acc0[ii]);
-      acc1[ii] = _mm512_fmadd_ps(av, b1, acc1[ii]);
+// B's rows (fixed p, consecutive j) are read whole and in order, Q at a time, so
+// the large operand streams through memory once at full bandwidth (reading it
+// in column blocks instead touches a new 4 KiB page for every p, which
+// defeats the hardware prefetchers). The m x (columns) partial sums live in T
+// (row i at T + i * ts, at most 48 x 1024 floats: L1/L2), each updated by Q
+// multiply-adds per load and store. Ap: A packed column-major (Ap[p * m + i]).
+template <int Q>
+SW_AVX512 void rows_step(int64_t m, const float* Ap, const float* Bp, int64_t ldb, int64_t nj, float* T, int64_t ts) {
+  for (int64_t jv = 0; jv < nj; jv += 16) {
+    const __mmask16 mask = lanes(nj - jv);
+    __m512 b[Q];
+#pragma GCC unroll 8
+    for (int q = 0; q < Q; ++q) b[q] = _mm512_maskz_loadu_ps(mask, Bp + q * ldb + jv);
+    float* t = T + jv;
+    for (int64_t i = 0; i < m; ++i, t += ts) {
+      __m512 acc = _mm512_loadu_ps(t);
+#pragma GCC unroll 8
+      for (int q = 0; q < Q; ++q) acc = _mm512_fmadd_ps(_mm512_set1_ps(Ap[q * m + i]), b[q], acc);
+      _mm512_storeu_ps(t, acc);
     }
   }
-#pragma GCC unroll 16
-  for (int ii = 0; ii < MI; ++ii) {
-    _mm512_storeu_ps(out + 32 * ii, acc0[ii]);
-    _mm512_storeu_ps(out + 32 * ii + 16, acc1[ii]);
-  }
-}
-
-using MjFn = void (*)(int64_t, int64_t, const float*, const float*, int64_t, __mmask16, __mmask16, float*);
-constexpr int kMjRows = 14;  // 28 accumulators + 2 loads + 1 broadcast: the 32 vector registers
-
-template <int... I>
-constexpr auto mj_table(std::integer_sequence<int, I...>) {
-  return std::array<MjFn, sizeof...(I)>{&mj_block<I + 1>...};
 }
 
 SW_AVX512 void small_m_j(int64_t m, int64_t k, const float* Ap, const float* B, int64_t ldb, float* C, int64_t jb,
                          int64_t je) {
-  static constexpr auto table = mj_table(std::make_integer_sequence<int, kMjRows>{});
-  const int64_t nblocks = (m + kMjRows - 1) / kMjRows;
-  const int64_t rows = (m + nblocks - 1) / nblocks;  // balanced row blocks (36 -> 12, 12, 12)
-  alignas(64) float tmp[kMjRows * 32];
-  for (int64_t j0 = jb; j0 < je; j0 += 32) {
-    const int64_t nj = std::min<int64_t>(32, je - j0);
-    const __mmask16 mask0 = lanes(nj), mask1 = lanes(nj - 16);
-    for (int64_t i0 = 0; i0 < m; i0 += rows) {
-      const int64_t mi = std::min(rows, m - i0);
-      table[mi - 1](k, m, Ap + i0, B + j0, ldb, mask0, mask1, tmp);
-      for (int64_t jj = 0; jj < nj; ++jj) {
-        float* c = C + (j0 + jj) * m + i0;
-        for (int64_t ii = 0; ii < mi; ++ii) c[ii] = tmp[32 * ii + jj];
-      }
-    }
+  const int64_t nj = je - jb, ts = (nj + 15) / 16 * 16;
+  std::vector<float> T(static_cast<size_t>(m * ts), 0.f);
+  int64_t p = 0;
+  for (; p + 8 <= k; p += 8) rows_step<8>(m, Ap + p * m, B + p * ldb + jb, ldb, nj, T.data(), ts);
+  for (; p < k; ++p) rows_step<1>(m, Ap + p * m, B + p * ldb + jb, ldb, nj, T.data(), ts);
+  for (int64_t j = 0; j < nj; ++j) {
+    float* c = C + (jb + j) * m;
+    for (int64_t i = 0; i < m; ++i) c[i] = T[i * ts + j];
   }
 }
 
@@ -240,9 +219,9 @@ bool skinny_sgemm(int64_t m, int64_t n, int64_t k, const float* A, int64_t a_si,
   const int64_t work = m * n * k;
   if (path == Path::SmallMJ) {
     const float* Ap = pack(A, m, k, a_si, a_sp, 1, m, abuf);
-    const int64_t blocks = (n + 31) / 32;
+    const int64_t blocks = (n + 15) / 16;
     over_columns(blocks, work, [&](int64_t b, int64_t e) {
-      small_m_j(m, k, Ap, B, b_sp, C, b * 32, std::min(n, e * 32));
+      small_m_j(m, k, Ap, B, b_sp, C, b * 16, std::min(n, e * 16));
     });
   } else if (path == Path::SmallMP) {
     const float* Ar = pack(A, m, k, a_si, a_sp, k, 1, abuf);

@@ -5,6 +5,7 @@
 
 #include "strideweave/carriers/storage.hpp"
 #include "strideweave/errors.hpp"
+#include "../ops/strided.hpp"
 
 namespace sw {
 
@@ -687,7 +688,10 @@ void add_tile_into(Carrier& dst, const Carrier& src, int64_t n) {
   if (d && s) {
     float* df = reinterpret_cast<float*>(d);
     const float* sf = reinterpret_cast<const float*>(s);
-    for (int64_t k = 0; k < n; ++k) df[k] += sf[k];
+    // Bound by memory bandwidth: a large tile (an expert's 4 MiB) is split over the cores.
+    detail::parallel_for(n, int64_t{1} << 18, [df, sf](int64_t b, int64_t e) {
+      for (int64_t k = b; k < e; ++k) df[k] += sf[k];
+    });
     return;
   }
   std::vector<float> a(static_cast<size_t>(n)), b(static_cast<size_t>(n));
