@@ -400,7 +400,9 @@ def expert_forward_backward(batch: Batch, e: int, w1, w2, G: np.ndarray, y: np.n
     (in place, tile by tile: the gradient of every other expert is untouched).
     """
     rows, gate = batch.tokens_of(e)
-    xe = sw.friendly.tensor(batch.x[rows])  # (t_e, d_model): gathered with NumPy, needs no gradient
+    # (t_e, d_model), gathered with NumPy. Like the gate below it is a Float32 leaf, so backward computes its
+    # gradient as well (what a layer inside a network passes back to the previous one); this example drops it.
+    xe = sw.friendly.tensor(batch.x[rows])
     h = sw.relu(sw.matmul(xe, w1))  # (t_e, d_hidden)
     ye = sw.matmul(h, w2)  # (t_e, d_model)
     ye = sw.elementwise_mul(ye, sw.friendly.tensor(gate.reshape(-1, 1)))  # the gate, broadcast over columns
@@ -498,13 +500,17 @@ def torch_worker(mode: str, cfg: Config, paths: dict) -> dict:
             io += time.perf_counter() - t0
         else:
             ws = {n: {e: weights[n][e] for e in batch.used} for n in MATRICES}
-        x = torch.from_numpy(batch.x)
+        # The same gradients as StrideWeave computes: every Float32 tensor is differentiable there (it has no
+        # requires_grad), so the tokens' and the gates' gradients are computed too, as a layer inside a network
+        # needs them (they backpropagate into the previous layer and into the router).
+        x = torch.from_numpy(batch.x).requires_grad_()
+        gates = torch.from_numpy(batch.gates).requires_grad_()
         Gt = torch.from_numpy(G)
         for e in batch.used:
-            rows, gate = batch.tokens_of(e)
-            r = torch.from_numpy(rows)
+            rows, slot = np.nonzero(batch.experts == e)
+            r, s = torch.from_numpy(rows), torch.from_numpy(slot)
             h = torch.relu(x[r] @ ws["w1"][e].T)
-            ye = (h @ ws["w2"][e].T) * torch.from_numpy(gate)[:, None]
+            ye = (h @ ws["w2"][e].T) * gates[r, s][:, None]
             ye.backward(Gt[r])
         if mode == "naive":  # gradients accumulate in RAM, per expert
             for n in MATRICES:
