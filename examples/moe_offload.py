@@ -261,18 +261,19 @@ def resident_experts(carrier) -> set:
     return {e for (_, e) in carrier.primary_tiles.coordinates}
 
 
-def evict_gradient_tiles(full, keep: set) -> None:
-    """Evicts gradient tiles of experts no longer in `keep` (the weights' resident set) to the gradient's secondary.
+def evict_gradient_tiles(full, keep: set):
+    """Starts evicting gradient tiles of experts no longer in `keep` (the weights' resident set) to the gradient's
+    secondary tier; returns the pending handle, or None when there is nothing to evict.
 
-    Runs to completion and keeps no reference to the gradient, so the next backward can accumulate into it in
-    place (StrideWeave adds into a tiled .grad in place only while nothing else holds it).
+    The writes run while the next batch projects and computes its first expert. The handle must be waited and
+    dropped before the next backward: StrideWeave adds into a tiled .grad in place only while nothing else holds
+    it and no residency request on it is incomplete (otherwise it would build a new gradient carrier).
     """
     if full.grad is None:
-        return
+        return None
     carrier = full.grad.carrier
     victims = [t for t in carrier.primary_tiles.coordinates if t[1] not in keep]
-    if victims:
-        carrier.evict(sw.TileSet(victims))
+    return carrier.evict_async(sw.TileSet(victims)) if victims else None
 
 
 def gradient_stats(full) -> dict:
@@ -307,6 +308,18 @@ def run_strideweave(cfg: Config, paths: dict, batches_fn, G: np.ndarray, p: np.n
     # previous contents are dead once the previous expert's backward has run), sparing an allocation and
     # its page faults per projection.
     destinations = {name: sw.CPU(int(np.prod(matrix_shape(cfg, name))), empty=True) for name in MATRICES}
+    grad_evictions = []  # the previous batch's gradient evictions, waited before this batch's first backward
+
+    def finish_grad_evictions() -> None:
+        nonlocal evict_wait
+        if grad_evictions:
+            t = time.perf_counter()
+            for h in grad_evictions:
+                h.wait()
+            grad_evictions.clear()  # drop the handles: they refer to the gradient carriers
+            evict_wait += time.perf_counter() - t
+
+    evict_wait = 0.0
     start = time.perf_counter()
     batch = batches_fn(0)
     was_resident = set()
@@ -349,7 +362,7 @@ def run_strideweave(cfg: Config, paths: dict, batches_fn, G: np.ndarray, p: np.n
             recent[e] = None
             while len(recent) > cfg.budget:
                 recent.popitem(last=False)
-            expert_forward_backward(batch, e, w1, w2, G, y)
+            expert_forward_backward(batch, e, w1, w2, G, y, before_backward=finish_grad_evictions)
             project_time += t2 - t1
             compute += time.perf_counter() - t2
         outputs.append(y)
@@ -365,7 +378,9 @@ def run_strideweave(cfg: Config, paths: dict, batches_fn, G: np.ndarray, p: np.n
                     carriers[name].evict(expert_tiles(extra))
         if cfg.policy != "none":
             for name in MATRICES:
-                evict_gradient_tiles(fulls[name], resident_experts(carriers[name]) | upcoming)
+                h = evict_gradient_tiles(fulls[name], resident_experts(carriers[name]) | upcoming)
+                if h is not None:
+                    grad_evictions.append(h)
         compute += time.perf_counter() - t3
         per_batch.append({
             "seconds": time.perf_counter() - t0, "tokens": cfg.tokens, "used": list(batch.used),
@@ -376,6 +391,7 @@ def run_strideweave(cfg: Config, paths: dict, batches_fn, G: np.ndarray, p: np.n
     if prefetch is not None:
         for h in prefetch:
             h.wait()
+    finish_grad_evictions()
     wall = time.perf_counter() - start
     weight = [carriers[n].stats() for n in MATRICES]
     grads = [gradient_stats(fulls[n]) for n in MATRICES]
@@ -388,11 +404,11 @@ def run_strideweave(cfg: Config, paths: dict, batches_fn, G: np.ndarray, p: np.n
         "writes_skipped": total(weight, "writes_skipped"),
         "grad_bytes_promoted": total(grads, "bytes_promoted"), "grad_bytes_evicted": total(grads, "bytes_evicted"),
         "grad_writes_skipped": total(grads, "writes_skipped"),
-        "peak_rss": peak_rss_bytes(),
+        "grad_evict_wait": evict_wait, "peak_rss": peak_rss_bytes(),
     }
 
 
-def expert_forward_backward(batch: Batch, e: int, w1, w2, G: np.ndarray, y: np.ndarray) -> None:
+def expert_forward_backward(batch: Batch, e: int, w1, w2, G: np.ndarray, y: np.ndarray, before_backward=None) -> None:
     """Expert e's share of the batch: y[rows] += gate * relu(x W1_e^T) W2_e^T, then backward with G's rows.
 
     w1 and w2 are the projected compact (rows, cols) experts: backward runs through the matmuls into the
@@ -407,6 +423,8 @@ def expert_forward_backward(batch: Batch, e: int, w1, w2, G: np.ndarray, y: np.n
     ye = sw.matmul(h, w2)  # (t_e, d_model)
     ye = sw.elementwise_mul(ye, sw.friendly.tensor(gate.reshape(-1, 1)))  # the gate, broadcast over columns
     y[rows] += np.asarray(ye)
+    if before_backward is not None:
+        before_backward()
     ye.backward(sw.friendly.tensor(G[rows]))
 
 
@@ -576,7 +594,7 @@ def summary_rows(cfg: Config, r: dict) -> list:
                                            f"{r['grad_writes_skipped']} writes skipped"),
         ("waiting for prefetch I/O", f"{r['prefetch_wait']:.2f} s (reads not hidden behind compute)"),
         ("projecting (gather + misses)", f"{r['project']:.2f} s"),
-        ("computing (fwd + bwd)", f"{r['compute']:.2f} s (includes gradient tile evictions)"),
+        ("computing (fwd + bwd)", f"{r['compute']:.2f} s (includes {r['grad_evict_wait']:.2f} s waiting for gradient evictions)"),
         ("peak resident experts", f"{r['peak_resident_experts']} per matrix "
                                   f"({fmt_bytes(2 * r['peak_resident_experts'] * expert_bytes)})"),
         ("peak resident memory", f"{fmt_bytes(r['peak_rss'])} (process RSS, before the check)"),
