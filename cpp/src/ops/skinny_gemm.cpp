@@ -190,12 +190,12 @@ enum class Path { None, SmallMJ, SmallMP, SmallK };
 
 Path path_of(int64_t m, int64_t n, int64_t k, int64_t b_sj, int64_t b_sp) {
   if (!has_avx512() || m < 1 || n < 1 || k < 1) return Path::None;
-  if (m <= kSkinny && n >= kWide && k >= kWide) {
-    if (b_sj == 1) return Path::SmallMJ;
-    if (b_sp == 1) return Path::SmallMP;
+  if (n >= kWide && k >= kWide) {
+    if (b_sj == 1 && m <= kRowsAlongJ) return Path::SmallMJ;
+    if (b_sp == 1 && m <= kRowsAlongP) return Path::SmallMP;
     return Path::None;
   }
-  if (k <= kSkinny && m >= kWide && n >= kWide) return Path::SmallK;
+  if (k <= kInner && m >= kWide && n >= kWide) return Path::SmallK;
   return Path::None;
 }
 
