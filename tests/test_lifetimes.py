@@ -252,7 +252,7 @@ def test_dropped_projection_handle_and_tensors_work_completes(arena):
     c, full, values = tiled(arena)
     core._io_hold("pread")
     h = c.project(full, TileSelection([[3, 1]]))
-    held("pread")
+    held("pread", 2)  # both tile transfers staged (the I/O pool has at least 4 threads)
     assert not h.done
     in_flight = arena.in_use  # two staged tiles and the two-tile compact destination
     assert in_flight == 4 * 4096
