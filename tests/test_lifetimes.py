@@ -819,6 +819,33 @@ def test_policy_plans_run_while_garbage_is_collected(arena):
     assert arena.in_use == 0
 
 
+def test_failed_handle_cycle_is_collected(arena):
+    """A handle caches the exception its wait() raised; the exception's traceback holds the frame that
+    holds the handle. That cycle passes through C++ (Note [Handle reference cycles] in completion.cpp)
+    and is collected with everything the frame held."""
+
+    class Marker:
+        pass
+
+    c, _, _ = tiled(arena)
+
+    def fail():
+        marker = Marker()
+        core._io_inject("pread", errno.EIO)
+        h = c.promote_async(TileSet([(1,)]))
+        try:
+            h.wait()
+        except RuntimeError as e:
+            assert "EIO" in str(e) or "Input/output" in str(e), e
+        assert h.done
+        return weakref.ref(marker)
+
+    ref = fail()
+    core._io_clear()
+    eventually(lambda: collected(ref), "the handle, its exception and the frame collected")
+    c.release()
+
+
 def test_cleared_policy_mid_plan_behaves_like_no_policy(arena):
     """What the collector does to a carrier of a cycle (tp_clear: drop the policy) may meet a plan in
     flight. Deterministic: the plan blocks on a second thread while the main thread clears the carrier.
@@ -873,3 +900,31 @@ def test_clear_leaves_a_shared_policy_alone():
     assert policy.calls == 1
     with pytest.raises(TypeError, match="TiledEvictable or an AwaitResult"):
         core._gc_clear(policy)
+
+
+def test_cleared_handle_waits_again(arena):
+    """wait() raises the same exception every time; a handle whose caches the collector dropped
+    recomputes its outcome from the completion."""
+    c, full, values = tiled(arena)
+    core._io_inject("pread", errno.EIO)
+    h = c.promote_async(TileSet([(1,)]))
+    errors = []
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="EIO|Input/output") as info:
+            h.wait()
+        errors.append(info.value)
+    assert errors[0] is errors[1]
+    core._gc_clear(h)
+    with pytest.raises(RuntimeError, match="EIO|Input/output") as info:
+        h.wait()
+    assert info.value is not errors[0] and str(info.value) == str(errors[0])
+    core._io_clear()
+    p = c.project(full, TileSelection([[1]]))
+    first = p.wait()
+    assert p.wait() is first
+    core._gc_clear(p)
+    again = p.wait()  # the completion's tensor, so the same object while it lives
+    assert again is first and [again[i] for i in range(0, TILE, 41)] == values[TILE : 2 * TILE : 41]
+    assert p.wait() is again
+    del first, again, p
+    c.release()
