@@ -1228,9 +1228,9 @@ def tier(draw, label, n, dtype, hostile):
 
 
 BAD_EXTENTS = [True, 1.5, None, "2", np.int64(2)]
-# Tile extents may be huge (a tile of 2**32 slots with empty tiers allocates nothing). Grid extents are
-# either small, beyond what any tile table can hold (2**40: MemoryError at once; 2**62 and up: ValueError),
-# never in between (2**31 tiles would try to build a 50 GB tile table).
+# Tile extents may be huge (a tile of 2**32 slots with empty tiers allocates nothing when its footprint is
+# few runs). Grid extents are either small or beyond the tile table limits (2**40 tiles: ValueError before
+# anything is allocated; 2**62 and up: ValueError for the extent).
 tile_entries = st.one_of(st.integers(1, 3), st.integers(1, 3), st.integers(-1, 0),
                          st.sampled_from([2**31, 2**32, 2**62, 2**63] + BAD_EXTENTS))
 grid_entries = st.one_of(st.integers(1, 3), st.integers(1, 3), st.integers(-1, 0),
@@ -1240,6 +1240,29 @@ grid_entries = st.one_of(st.integers(1, 3), st.integers(1, 3), st.integers(-1, 0
 class _GoodPolicy:
     def plan(self, required, purpose):
         return ResidencyPlan()
+
+
+MAX_TILES, MAX_RUNS = 2**24, 2**26  # TiledEvictable tile table limits (Note [Tile table limits])
+
+
+def tile_table_too_big(grid, tile):
+    """Whether a valid geometry exceeds the tile table limits: more than 2**24 tiles, or more than 2**26
+    footprint runs in all (each tile has tile_size / run_length runs; the run is the footprint's first
+    coalesced leaf when its stride is 1: the leading tile axes whose grid axes before them are all 1)."""
+    if math.prod(grid) > MAX_TILES:
+        return True
+    logical = [g * t for g, t in zip(grid, tile)]
+    stride, ext, strides = 1, [], []
+    for t, extent in zip(tile, logical):
+        if t != 1:
+            if ext and stride == ext[-1] * strides[-1]:
+                ext[-1] *= t
+            else:
+                ext.append(t)
+                strides.append(stride)
+        stride *= extent
+    run = ext[0] if ext and strides[0] == 1 else 1
+    return math.prod(logical) // run > MAX_RUNS
 
 
 class _NotAPolicy:
@@ -1301,23 +1324,19 @@ def test_fuzz_tiled_evictable_construction(data):
                 faults.add(ValueError)
             elif any(v < 1 for v in vals) or any(v > 2**62 for v in vals) or math.prod(vals) > 2**62:
                 faults.add(ValueError)
+            elif tile_table_too_big([int(v) for v in gl], [int(v) for v in tile]):
+                faults.add(ValueError)  # the tile table limits
     if policy is not None and not isinstance(policy, _GoodPolicy):
         faults.add(TypeError)
     if not faults:
         for k, c in ((pk, primary), (sk, secondary)):
             if c.size() not in (0, n):
                 faults.add(ValueError)
-    # A tile table of more than 2**32 tiles cannot be allocated: MemoryError (bad_alloc) or ValueError
-    # (length_error) are the extra outcomes allowed.
-    huge = bool(n) and math.prod(int(v) for v in gl) > 2**32
     before = [facts(c) for c in carriers if isinstance(c, sw.Carrier)]
-    te_, err = attempt("TiledEvictable", lambda: TiledEvictable(primary, secondary, grid, tile, residency_policy=policy),
-                       extra=(MemoryError,) if huge else ())
+    te_, err = attempt("TiledEvictable", lambda: TiledEvictable(primary, secondary, grid, tile, residency_policy=policy))
     if faults or err is not None:
         if not faults and isinstance(err, ValueError) and "cannot grow" in str(err):
             return  # an empty tier that cannot hold evicted tiles: documented ValueError
-        if not faults and isinstance(err, (MemoryError, ValueError)) and huge:  # the tile table does not fit
-            return
         assert faults, f"valid construction raised {type(err).__name__}: {err}"
         assert isinstance(err, tuple(faults)), (faults, err)
         assert [facts(c) for c in carriers if isinstance(c, sw.Carrier)] == before  # nothing claimed
@@ -1902,6 +1921,51 @@ def test_regression_tiled_extent_overflow(grid, tile):
     p, s = sw.CPU(0), sw.CPU(0)
     with pytest.raises(ValueError, match="2\\*\\*62"):
         TiledEvictable(p, s, grid, tile)
+    assert not p.is_owned() and not s.is_owned()
+
+
+@pytest.mark.parametrize("grid,tile,fragment", [
+    ((10**7, 10**7), (1, 1), "has 100000000000000 tiles; at most 2**24 (16777216) tiles are supported"),
+    ((2**40,), (1,), "has 1099511627776 tiles; at most 2**24"),
+    ((2**24 + 1,), (1,), "has 16777217 tiles; at most 2**24"),
+    ((4096, 4097), (1, 1), "has 16781312 tiles"),
+    ((2, 1), (1, 2**40), "need 2199023255552 contiguous runs; at most 2**26 (67108864) are supported"),
+    ((2, 1), (3, 2**25 + 1), "need 67108866 contiguous runs"),
+])
+def test_regression_tile_table_limits(grid, tile, fragment):
+    """A geometry within the 2**62 extent whose tile table would be too big: ValueError up front, no giant
+    allocation (Note [Tile table limits]), and nothing claimed or changed: the tiers build a sane carrier."""
+    import resource
+
+    p, s = sw.CPU(0), sw.FileBacked()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(ValueError) as info:
+        TiledEvictable(p, s, grid, tile)
+    assert fragment in str(info.value) and "TiledEvictable" in str(info.value)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 64 * 1024  # KiB: nothing was built
+    assert not p.is_owned() and not s.is_owned() and p.size() == 0 and s.size() == 0
+    assert not p.is_released() and not s.is_released() and p.is_mutable() and s.is_mutable()
+    c = TiledEvictable(p, s, (2,), (2,))
+    assert c.size() == 4 and p.is_owned() and s.is_owned()
+    c.release()
+
+
+@pytest.mark.parametrize("grid,tile", [((1, 4), (2**30, 2**27)), ((1, 1, 3), (2**20, 2**20, 2**10)), ((4,), (2**40,))])
+def test_tile_table_limits_count_coalesced_runs(grid, tile):
+    """Huge tiles with few runs are fine: a footprint's axes coalesce into one run while the grid axes
+    before them are 1 (4 tiles of 2**57 slots are 4 runs, not 2**29)."""
+    assert not tile_table_too_big(grid, tile)
+    c = TiledEvictable(sw.CPU(0), sw.FileBacked(), grid, tile)
+    assert c.grid_shape == grid and c.tile_shape == tile and c.size() == math.prod(grid) * math.prod(tile)
+    assert c.tile_state(tuple(g - 1 for g in grid)).location == "invalid"
+    c.release()
+
+
+@pytest.mark.parametrize("grid", [(10**30,), (2**63,), (1, 2**64)])
+def test_regression_grid_extent_beyond_int64(grid):
+    p, s = sw.CPU(0), sw.FileBacked()
+    with pytest.raises(ValueError, match="grid_shape .* is out of range"):
+        TiledEvictable(p, s, grid, (1,) * len(grid))
     assert not p.is_owned() and not s.is_owned()
 
 

@@ -556,6 +556,22 @@ TEST_F(TiledTest, ConstructionValidatesAndRollsBackClaims) {
     expect_untouched(p);
     expect_untouched(s);
   }
+  {  // tile table limits (Note [Tile table limits]): refused before anything is allocated or claimed
+    auto p = cpu(0);
+    auto s = file(0);
+    EXPECT_SW_THROW(ValueError, "2**62", build(p, s, {int64_t{1} << 32, int64_t{1} << 32}, {1, 1}));
+    EXPECT_SW_THROW(ValueError, "has 100000000000000 tiles; at most 2**24", build(p, s, {10000000, 10000000}, {1, 1}));
+    EXPECT_SW_THROW(ValueError, "has 16777217 tiles", build(p, s, {TiledEvictable::kMaxTiles + 1}, {1}));
+    EXPECT_SW_THROW(ValueError, "need 2199023255552 contiguous runs; at most 2**26",
+                    build(p, s, {2, 1}, {1, int64_t{1} << 40}));
+    EXPECT_SW_THROW(ValueError, "need 67108866 contiguous runs", build(p, s, {2, 1}, {3, (int64_t{1} << 25) + 1}));
+    expect_untouched(p);
+    expect_untouched(s);
+    // Runs merge along leading grid axes of extent 1: 4 tiles of 2**57 slots are 4 runs.
+    Tiled big = build(p, s, {1, 4}, {int64_t{1} << 30, int64_t{1} << 27});
+    EXPECT_EQ(big->tile_count(), 4);
+    EXPECT_EQ(big->footprint_runs(3).size(), 1u);
+  }
   {  // tier sizes: 0 or the full extent
     auto p = cpu(5);
     auto s = file(8);

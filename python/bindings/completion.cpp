@@ -45,8 +45,39 @@ nb::object AwaitHandle::wait_py() {
   return cached_result;
 }
 
+namespace {
+
+// Note [Handle reference cycles]. A handle caches the exception its wait() raises, and raising it
+// again appends the waiting frames to the exception's traceback; a frame that holds the handle (a
+// local `h = c.promote_async(...)`) closes the cycle handle -> exception -> traceback -> frame ->
+// handle through the C++ member cached_error, which the garbage collector cannot see without these
+// slots. The handle owns both cached objects outright (C++ code never holds an AwaitHandle; its
+// completion holds C++ values only), so they are always visited. tp_clear only drops the caches (slot
+// emptied first: dropping may run any code): a cleared handle that is waited on again recomputes its
+// result or error from the completion. AwaitMove, AwaitResidency and AwaitProjection inherit the slots.
+int await_traverse(PyObject* self, visitproc visit, void* arg) {
+  Py_VISIT(Py_TYPE(self));  // instances of heap types own a reference to their type
+  if (!nb::inst_ready(self)) return 0;
+  // Every handle class derives from AwaitHandle alone, so the instance pointer is an AwaitHandle*.
+  auto* h = nb::inst_ptr<AwaitHandle>(self);
+  Py_VISIT(h->cached_result.ptr());
+  Py_VISIT(h->cached_error.ptr());
+  return 0;
+}
+
+int await_clear(PyObject* self) {
+  if (!nb::inst_ready(self)) return 0;
+  auto* h = nb::inst_ptr<AwaitHandle>(self);
+  nb::object result = std::move(h->cached_result), error = std::move(h->cached_error);
+  return 0;
+}
+
+PyType_Slot await_slots[] = {{Py_tp_traverse, (void*)await_traverse}, {Py_tp_clear, (void*)await_clear}, {0, nullptr}};
+
+}  // namespace
+
 void bind_completion(nb::module_& m) {
-  nb::class_<AwaitHandle>(m, "AwaitResult",
+  nb::class_<AwaitHandle>(m, "AwaitResult", nb::type_slots(await_slots),
                           "A one-shot completion created by the framework: `done` and `wait()`. wait() returns the "
                           "same object (or raises the same exception) every time; handles never cancel work.")
       .def("__init__", [](AwaitHandle*, nb::args, nb::kwargs) {

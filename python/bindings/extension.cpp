@@ -8,6 +8,7 @@
 #include <mutex>
 
 #include "common.hpp"
+#include "completion_py.hpp"
 #include "extension.hpp"
 #include "strideweave/carriers/native.hpp"
 #include "strideweave/carriers/storage.hpp"
@@ -246,6 +247,15 @@ void bind_extension(nb::module_& m) {
     sw::io::unhold();
   });
   m.def("_io_held_waiting", [op_of](const std::string& op) { return sw::io::held_waiting(op_of(op)); }, nb::arg("op"));
+
+  // Test-only: what the garbage collector does to an object of a cycle it breaks (its tp_clear), so a
+  // test can observe a cleared TiledEvictable or handle deterministically, even while its work runs.
+  m.def("_gc_clear", [](nb::handle obj) {
+    if (!nb::isinstance<sw::TiledEvictable>(obj) && !nb::isinstance<AwaitHandle>(obj))
+      sw::raise<sw::TypeError>("_gc_clear takes a TiledEvictable or an AwaitResult, got ", nb::type_name(obj.type()).c_str());
+    auto clear = reinterpret_cast<inquiry>(PyType_GetSlot(reinterpret_cast<PyTypeObject*>(obj.type().ptr()), Py_tp_clear));
+    if (clear) clear(obj.ptr());
+  }, nb::arg("obj"));
 
   m.def("_definition_of", [](nb::handle cls) -> nb::object { return definition_object(cls); });
   m.def("_install_shipped_definition", [](nb::handle cls, nb::handle definition) {

@@ -42,14 +42,39 @@ std::vector<TileCoord> coords_of(nb::handle tile_set) {
   return out;
 }
 
+// Note [Policy reference cycles]. A policy that refers back to its carrier (policy.carrier = c) makes
+// a cycle whose C++ edge, carrier -> PyPolicy -> policy object, the garbage collector cannot see
+// without help: TiledEvictable has tp_traverse / tp_clear slots (tiled_traverse / tiled_clear below)
+// that report and break that edge. A visit must stand for a reference the visiting object owns, once
+// per reference, or the collector frees (clears) objects that are still reachable. So the edge is
+// reported only when the Python object is the policy reference's sole owner:
+//  * it owns its C++ carrier: it constructed it (an object of TiledEvictable(...): the carrier lives
+//    inside it, and every C++ shared_ptr to it holds a reference to the Python object, visible to the
+//    collector as an outside reference), or it wraps a carrier made in C++ (allocate_like, scatter)
+//    whose only shared_ptr is the wrapper's own; and
+//  * no other carrier shares the PyPolicy: allocate_like (new_like, gradients, scatter results) hands
+//    the same one to the carriers it makes, and while one of them lives the policy stays reachable
+//    through it, so a cycle through a shared policy is collected once the sharers are gone.
+// Otherwise the edge is left out and the cycle is kept: a leak, never a wrong collection. The conditions
+// change with the GIL held, or by a library thread that holds the carrier (so its Python object is
+// reachable anyway) and runs allocate_like on it. One window remains: should that copy land between the
+// collector's two passes over a collection, the policy object can be judged unreachable, its weak
+// references cleared and its finalizer run; CPython (3.9+) then finds it resurrected and neither clears
+// nor frees it. tp_clear drops the policy object but not the PyPolicy: the carrier's shared_ptr is read
+// without the GIL by library threads (begin_work, allocate_like), while the object inside is only read
+// and dropped with the GIL. A carrier whose policy was cleared (seen only by code that runs while the
+// collector breaks a cycle) plans like a carrier without a policy, and its residency_policy is None;
+// a plan() call in flight holds its own reference to the policy object and finishes normally.
 class PyPolicy final : public sw::ResidencyPolicyIface {
  public:
   explicit PyPolicy(nb::object policy) : policy_(std::move(policy)) {}
   sw::ResidencyPlanC plan(const std::vector<TileCoord>& required, const char* purpose) override {
     GilAcquire gil;
     sw::GradModeGuard off(false);
+    nb::object policy = policy_.obj;  // our own reference for the call: Note [Policy reference cycles]
+    if (!policy.is_valid()) return {};  // cleared by the garbage collector: no policy
     nb::module_ mod = tiled_module();
-    nb::object result = policy_.obj.attr("plan")(tile_set_of(required), purpose);
+    nb::object result = policy.attr("plan")(tile_set_of(required), purpose);
     if (!nb::isinstance(result, mod.attr("ResidencyPlan")))
       sw::raise<sw::TypeError>("ResidencyPolicy.plan must return a ResidencyPlan, got ",
                                nb::cast<std::string>(result.type().attr("__name__")));
@@ -59,11 +84,39 @@ class PyPolicy final : public sw::ResidencyPolicyIface {
     plan.evict = coords_of(result.attr("evict"));
     return plan;
   }
+  // With the GIL held. Null once cleared.
   nb::handle object() const { return policy_.obj; }
+  // With the GIL held: the slot is emptied before the reference is dropped (that may run any code).
+  void clear() { nb::object dropped = std::move(policy_.obj); }
 
  private:
   GilObject policy_;
 };
+
+// The PyPolicy whose object reference `self` (a ready TiledEvictable) solely owns, or nullptr:
+// Note [Policy reference cycles]. Called by the collector with the GIL held; allocates nothing.
+PyPolicy* owned_policy(PyObject* self) {
+  if (!nb::inst_ready(self)) return nullptr;
+  auto* c = nb::inst_ptr<TiledEvictable>(self);
+  const bool constructed_here = nb::inst_state(self).second;  // destroys its carrier: owns it
+  if (!constructed_here && c->weak_from_this().use_count() != 1) return nullptr;
+  const std::shared_ptr<sw::ResidencyPolicyIface>& p = c->policy();
+  if (!p || p.use_count() != 1) return nullptr;
+  return dynamic_cast<PyPolicy*>(p.get());
+}
+
+int tiled_traverse(PyObject* self, visitproc visit, void* arg) {
+  Py_VISIT(Py_TYPE(self));  // instances of heap types own a reference to their type
+  if (PyPolicy* p = owned_policy(self)) Py_VISIT(p->object().ptr());
+  return 0;
+}
+
+int tiled_clear(PyObject* self) {
+  if (PyPolicy* p = owned_policy(self)) p->clear();
+  return 0;
+}
+
+PyType_Slot tiled_slots[] = {{Py_tp_traverse, (void*)tiled_traverse}, {Py_tp_clear, (void*)tiled_clear}, {0, nullptr}};
 
 std::vector<int64_t> shape_arg(nb::handle h, const char* what) {
   if (nb::isinstance<sw::Shape>(h)) return nb::cast<const sw::Shape&>(h).extents();
@@ -144,7 +197,7 @@ void bind_tiled(nb::module_& m) {
         sw::raise<sw::TypeError>("AwaitProjection handles are created by the framework, not constructed directly");
       });
 
-  nb::class_<TiledEvictable, sw::DependentCarrier>(m, "TiledEvictable", nb::is_final(),
+  nb::class_<TiledEvictable, sw::DependentCarrier>(m, "TiledEvictable", nb::is_final(), nb::type_slots(tiled_slots),
                                                    "TiledEvictable(primary, secondary, grid_shape, tile_shape, *, "
                                                    "residency_policy=None): one logical extent, tiled and tiered.")
       .def("__init__", [](TiledEvictable* self, nb::handle primary, nb::handle secondary, nb::handle grid,
@@ -169,7 +222,7 @@ void bind_tiled(nb::module_& m) {
       .def_prop_ro("logical_shape", [](const TiledEvictable& c) { return nb::tuple(nb::cast(c.logical_shape())); })
       .def_prop_ro("residency_policy", [](const TiledEvictable& c) -> nb::object {
         auto p = std::dynamic_pointer_cast<PyPolicy>(c.policy());
-        return p ? nb::borrow(p->object()) : nb::none();
+        return p && p->object().is_valid() ? nb::borrow(p->object()) : nb::none();
       })
       .def_prop_ro("primary_tiles", [](const TiledEvictable& c) {
         return tile_set_of(c.tiles_where([](const sw::TileState& s) { return s.location == sw::TileLocation::Primary; }));

@@ -99,17 +99,19 @@ TiledEvictable::TiledEvictable(CarrierPtr primary, CarrierPtr secondary, std::ve
     tile_size_ = checked(tile_size_, tile_[i]);
   }
   total_ = checked(tile_count_, tile_size_);
-  const int64_t p = primary->size(), s = secondary->size();
-  if (p != 0 && p != total_) raise<ValueError>("TiledEvictable primary must have 0 or ", total_, " slots, got ", p);
-  if (s != 0 && s != total_) raise<ValueError>("TiledEvictable secondary must have 0 or ", total_, " slots, got ", s);
-  if (s == 0 && !secondary->can_grow())
-    raise<ValueError>("TiledEvictable secondary ", secondary->kind_name(), " is empty and cannot grow to hold evicted tiles");
-  // Geometry: dense strides of the logical shape and each tile's footprint runs.
+  // Geometry: dense strides of the logical shape (each tile's footprint runs are built below).
   int64_t run = 1;
   for (int64_t l : logical_) {
     slot_stride_.push_back(run);
     run *= l;
   }
+  check_table_size();
+  const int64_t p = primary->size(), s = secondary->size();
+  if (p != 0 && p != total_) raise<ValueError>("TiledEvictable primary must have 0 or ", total_, " slots, got ", p);
+  if (s != 0 && s != total_) raise<ValueError>("TiledEvictable secondary must have 0 or ", total_, " slots, got ", s);
+  if (s == 0 && !secondary->can_grow())
+    raise<ValueError>("TiledEvictable secondary ", secondary->kind_name(), " is empty and cannot grow to hold evicted tiles");
+  // Each tile's footprint runs.
   runs_.resize(static_cast<size_t>(tile_count_));
   for (int64_t t = 0; t < tile_count_; ++t) {
     TileCoord tc = tile_coord(t);
@@ -147,6 +149,37 @@ TiledEvictable::TiledEvictable(CarrierPtr primary, CarrierPtr secondary, std::ve
 }
 
 TiledEvictable::~TiledEvictable() = default;
+
+// Note [Tile table limits]. The constructor builds its tile table eagerly: one entry and one list of
+// footprint runs per tile (10**7 one-run tiles take about 0.8 GB and 5 s), 24 bytes a run. An extent
+// within 2**62 may still ask for 10**14 tiles (grid (10**7, 10**7), tile (1, 1)) or 2**40 runs (tile
+// (1, 2**40) under a grid whose first axis is not 1), which would take terabytes or fail deep inside
+// std::vector. So the table is bounded up front, before any allocation or claim: at most kMaxTiles
+// tiles and kMaxRuns runs in all (every tile has tile_size / run_length runs, run_length being the
+// first coalesced leaf of its footprint when that leaf has stride 1, as Layout::runs() coalesces).
+// Beyond either, ValueError. The bounds allow realistic tilings (a 65536 x 65536 matrix in 256 x 256
+// tiles has 2**16 tiles and 2**24 runs) and keep the largest table to a few GB and seconds.
+void TiledEvictable::check_table_size() const {
+  if (tile_count_ > kMaxTiles)
+    raise<ValueError>("TiledEvictable grid_shape ", coord_str(grid_), " has ", tile_count_,
+                      " tiles; at most 2**24 (", kMaxTiles, ") tiles are supported");
+  std::vector<int64_t> ext, str;  // the footprint's leaves, coalesced like Layout::runs()
+  for (size_t i = 0; i < rank(); ++i) {
+    if (tile_[i] == 1) continue;
+    if (!ext.empty() && slot_stride_[i] == ext.back() * str.back()) {
+      ext.back() *= tile_[i];
+      continue;
+    }
+    ext.push_back(tile_[i]);
+    str.push_back(slot_stride_[i]);
+  }
+  const int64_t run_length = !ext.empty() && str[0] == 1 ? ext[0] : 1;
+  const int64_t runs = total_ / run_length;  // tile_count * (tile_size / run_length)
+  if (runs > kMaxRuns)
+    raise<ValueError>("TiledEvictable tile footprints of tile_shape ", coord_str(tile_), " in logical_shape ",
+                      coord_str(logical_), " need ", runs, " contiguous runs; at most 2**26 (", kMaxRuns,
+                      ") are supported");
+}
 
 int64_t TiledEvictable::tile_index(const TileCoord& t) const {
   if (t.size() != rank())

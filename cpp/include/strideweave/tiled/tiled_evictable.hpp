@@ -73,11 +73,16 @@ class TiledEvictable final : public DependentCarrier {
  public:
   // Validation order (substrate §10): tiers are distinct, live, unowned,
   // definition-free carriers of one dtype; grid and tile shapes have one rank
-  // and positive extents; each tier has 0 slots or the full extent. Claims
-  // taken here are rolled back on failure.
+  // and positive extents; the extent is at most 2**62, the tile table at most
+  // kMaxTiles tiles and kMaxRuns footprint runs (ValueError, before anything
+  // is allocated: Note [Tile table limits]); each tier has 0 slots or the full
+  // extent. Claims taken here are rolled back on failure.
   TiledEvictable(CarrierPtr primary, CarrierPtr secondary, std::vector<int64_t> grid, std::vector<int64_t> tile,
                  std::shared_ptr<ResidencyPolicyIface> policy, bool is_mutable = true);
   ~TiledEvictable() override;
+
+  static constexpr int64_t kMaxTiles = int64_t{1} << 24;
+  static constexpr int64_t kMaxRuns = int64_t{1} << 26;
 
   // -------- geometry
   const std::vector<int64_t>& grid_shape() const noexcept { return grid_; }
@@ -186,6 +191,7 @@ class TiledEvictable final : public DependentCarrier {
   // Blocking promotion of one tile for slot access (lock held by caller is released inside).
   const Tile& readable_tile(int64_t index, std::unique_lock<std::mutex>& lock) const;
   void ensure_secondary_storage();
+  void check_table_size() const;  // Note [Tile table limits]
   [[noreturn]] void pending_conflict(int64_t index, const char* what) const;
 
   std::vector<int64_t> grid_, tile_, logical_;
