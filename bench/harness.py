@@ -14,10 +14,18 @@ A benchmark script uses this module like so::
 `emit` prints the record as the last line of output: one JSON object with the
 keys of benchmarks.md (bench, ratio, ratio_min, ratio_max, target, better,
 ours_s, reference_s, bytes, detail) plus `cases` (one object per case with the
-same numbers) and `quick` (whether --quick was given). With several cases,
-"ratio" is the worst case's median (highest for better=lower, lowest for
-better=higher), and ratio_min/ratio_max/ours_s/reference_s/bytes are that
-case's.
+same numbers), `meets_target` (whether "ratio" meets the target, compared in
+the direction of `better`) and `quick` (whether --quick was given). With
+several cases, "ratio" is the worst case's median (highest for better=lower,
+lowest for better=higher), and ratio_min/ratio_max/ours_s/reference_s/bytes
+are that case's.
+
+Benchmarks whose ratio is not a pair of calls timed by `compare` (overlap: a
+wall against the larger of two separately measured walls; moe_layer and
+moe_naive: runs in fresh processes, ratio = throughput or speed-up) build
+their `Case` objects themselves, and may add keys to the record before
+`emit`: "ratio_label" (what the ratio divides, for charts) and, for
+moe_layer, a second target on memory ("memory_ratio", "memory_target", ...).
 
 The harness never touches OPENBLAS_* (or any other) environment variables.
 """
@@ -189,6 +197,10 @@ def _round(x: float, digits: int = 4) -> float:
     return float(f"{x:.{digits}g}")
 
 
+def _meets(ratio: float, target: float, better: str) -> bool:
+    return ratio <= target if better == "lower" else ratio >= target
+
+
 def record(bench: str, cases: list[Case], *, target: float, better: str, quick: bool, note: str = "") -> dict:
     """The JSON record of benchmarks.md for a list of cases (worst case leads)."""
     if better not in ("lower", "higher"):
@@ -212,6 +224,7 @@ def record(bench: str, cases: list[Case], *, target: float, better: str, quick: 
         "reference_s": _round(worst.reference_s),
         "bytes": int(worst.bytes),
         "detail": detail,
+        "meets_target": _meets(worst.ratio, target, better),
         "quick": quick,
         "python": platform.python_version(),
         "cases": [
@@ -225,7 +238,7 @@ def record(bench: str, cases: list[Case], *, target: float, better: str, quick: 
                 "bytes": int(c.bytes),
                 "reps": c.reps,
                 "inner": c.inner,
-                "meets_target": (c.ratio <= target) if better == "lower" else (c.ratio >= target),
+                "meets_target": _meets(c.ratio, target, better),
             }
             for c in cases
         ],

@@ -5,7 +5,9 @@ process, with --quick unless --full is given. The last line each prints is its
 JSON record (benchmarks.md); run_all writes them all to
 bench/results/latest.json and draws one PNG chart per benchmark in
 bench/results/<name>.png: the measured ratio of each case (median, with a
-min-max error bar) against the target line.
+min-max error bar) against the target line, in the record's direction
+("better": lower or higher); a record with a memory ratio (moe_layer) gets a
+second panel for it, and counts as meeting its targets only when both are met.
 
 Exit status: 0 when every benchmark produced a record (missing a target is a
 result, not a failure), 1 when one crashed, timed out or printed no record.
@@ -75,13 +77,23 @@ def run_one(name: str, full: bool, timeout: float) -> dict:
     return rec
 
 
+def _meets(ratio: float, target: float, better: str) -> bool:
+    return ratio <= target if better == "lower" else ratio >= target
+
+
 def meets(rec: dict) -> bool | None:
+    """Whether a record meets its target(s): the ratio's, and the memory ratio's where it has one (moe_layer)."""
     if "ratio" not in rec or "target" not in rec:
         return None
-    return rec["ratio"] <= rec["target"] if rec.get("better", "lower") == "lower" else rec["ratio"] >= rec["target"]
+    ok = _meets(rec["ratio"], rec["target"], rec.get("better", "lower"))
+    if "memory_ratio" in rec and "memory_target" in rec:
+        ok = ok and _meets(rec["memory_ratio"], rec["memory_target"], rec.get("memory_better", "lower"))
+    return ok
 
 
 def chart(rec: dict, path: str) -> None:
+    """One PNG per record: each case's median ratio (bar, green when it meets the target) with its min-max
+    range against the target line. A record with a memory ratio (moe_layer) gets a second panel for it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -91,33 +103,48 @@ def chart(rec: dict, path: str) -> None:
         {"name": rec["bench"], "ratio": rec["ratio"], "ratio_min": rec.get("ratio_min", rec["ratio"]),
          "ratio_max": rec.get("ratio_max", rec["ratio"])}
     ]
+    panels = [(cases, rec["target"], rec.get("better", "lower"),
+               rec.get("ratio_label", "ratio StrideWeave / reference"))]
+    if "memory_ratio" in rec and "memory_target" in rec:
+        memory = {"name": "peak RSS", "ratio": rec["memory_ratio"],
+                  "ratio_min": rec.get("memory_ratio_min", rec["memory_ratio"]),
+                  "ratio_max": rec.get("memory_ratio_max", rec["memory_ratio"])}
+        panels.append(([memory], rec["memory_target"], rec.get("memory_better", "lower"),
+                       "peak RSS StrideWeave / reference"))
+    width = sum(max(5.0, 1.6 * len(p[0]) + 2.5) for p in panels)
+    fig, axes = plt.subplots(1, len(panels), figsize=(width, 4.2), squeeze=False,
+                             gridspec_kw={"width_ratios": [max(1, len(p[0])) for p in panels]})
+    for ax, (cases, target, better, label) in zip(axes[0], panels):
+        _chart_panel(ax, cases, target, better, label)
+    mode = "quick" if rec.get("quick") else "full"
+    title = f"{rec['bench']} ({mode}): ratio {rec['ratio']:.3g}, target {rec['target']:g}"
+    if len(panels) > 1:
+        title += f"; memory ratio {rec['memory_ratio']:.3g}, target {rec['memory_target']:g}"
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _chart_panel(ax, cases: list, target: float, better: str, label: str) -> None:
     names = [c["name"] for c in cases]
     med = [c["ratio"] for c in cases]
     lo = [max(0.0, c["ratio"] - c.get("ratio_min", c["ratio"])) for c in cases]
     hi = [max(0.0, c.get("ratio_max", c["ratio"]) - c["ratio"]) for c in cases]
-    target = rec["target"]
-    lower = rec.get("better", "lower") == "lower"
-    ok = [(m <= target) if lower else (m >= target) for m in med]
-
-    fig, ax = plt.subplots(figsize=(max(5.0, 1.6 * len(cases) + 2.5), 4.2))
+    ok = [_meets(m, target, better) for m in med]
     xs = list(range(len(cases)))
     ax.bar(xs, med, color=["#4c9a5b" if g else "#c8553d" for g in ok], width=0.55, zorder=2)
     ax.errorbar(xs, med, yerr=[lo, hi], fmt="none", ecolor="black", capsize=6, lw=1.2, zorder=3)
-    ax.axhline(target, color="#333333", ls="--", lw=1.2, zorder=1, label=f"target {target:g} ({rec.get('better', 'lower')} is better)")
+    ax.axhline(target, color="#333333", ls="--", lw=1.2, zorder=1, label=f"target {target:g} ({better} is better)")
     for x, m in zip(xs, med):
         ax.annotate(f"{m:.3g}", (x, m), textcoords="offset points", xytext=(10, 3), fontsize=9)
     ax.set_xticks(xs)
     ax.set_xticklabels(names, rotation=15 if len(cases) > 2 else 0, ha="right" if len(cases) > 2 else "center", fontsize=8)
-    ax.set_ylabel("ratio StrideWeave / reference (median, min-max)")
+    ax.set_ylabel(f"{label}\n(median, min-max)", fontsize=9)
     top = max([m + h for m, h in zip(med, hi)] + [target]) * 1.15
     ax.set_ylim(0, top)
-    mode = "quick" if rec.get("quick") else "full"
-    ax.set_title(f"{rec['bench']} ({mode}): ratio {rec['ratio']:.3g}, target {target:g}", fontsize=11)
     ax.legend(loc="upper right", fontsize=8)
     ax.grid(axis="y", alpha=0.3, zorder=0)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def main(argv=None) -> int:
@@ -169,7 +196,8 @@ def main(argv=None) -> int:
         json.dump(summary, fh, indent=2)
         fh.write("\n")
 
-    print("\n== summary (ratio = StrideWeave / reference, median of interleaved pairs [min, max])")
+    print("\n== summary (ratio = StrideWeave / reference unless the record says otherwise, median of interleaved "
+          "pairs [min, max])")
     failed = False
     for rec in records:
         if "error" in rec:
@@ -179,6 +207,10 @@ def main(argv=None) -> int:
         verdict = {True: "meets target", False: "MISSES target", None: "?"}[meets(rec)]
         print(f"  {rec['bench']:<14} {rec['ratio']:.3f} [{rec.get('ratio_min', float('nan')):.3f}, "
               f"{rec.get('ratio_max', float('nan')):.3f}]  target {rec['target']:g} ({rec.get('better')} is better): {verdict}")
+        if "memory_ratio" in rec:
+            print(f"  {'':<14} memory {rec['memory_ratio']:.3f} [{rec.get('memory_ratio_min', float('nan')):.3f}, "
+                  f"{rec.get('memory_ratio_max', float('nan')):.3f}]  target {rec['memory_target']:g} "
+                  f"({rec.get('memory_better', 'lower')} is better)")
         for c in rec.get("cases", []):
             print(f"      {c['name']:<38} {c['ratio']:.3f} [{c['ratio_min']:.3f}, {c['ratio_max']:.3f}]")
     print(f"  written: {os.path.relpath(os.path.join(RESULTS, 'latest.json'), ROOT)} and one PNG per benchmark")
