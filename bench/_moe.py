@@ -1,0 +1,110 @@
+"""Shared by bench/moe_layer.py and bench/moe_naive.py: the examples/moe_offload.py workload, side by side.
+
+Not a benchmark itself (run_all skips names starting with "_"). The workload
+is the example's own code, imported, not copied: its ``Config`` (defaults: 64
+experts of 1024 x 1024 Float32 per matrix, budget 16, top-2, Zipf 3.0, 256
+tokens a batch, forward + backward), ``write_checkpoint``, ``run_strideweave``
+and ``torch_worker``. Every run is a fresh process, so its peak resident
+memory (``ru_maxrss``) is its own:
+
+* StrideWeave: this file as a script, ``python bench/_moe.py JOB``, which runs
+  ``run_strideweave`` on the checkpoint the benchmark wrote (the example's
+  ``main`` would write a checkpoint of its own every run; the correctness
+  check is ``main``'s and is skipped here: tests/test_moe_example.py covers it)
+  and prints one JSON line. It never imports torch.
+* PyTorch: the example's own worker entry point, ``python
+  examples/moe_offload.py --_torch-worker JOB`` (what ``--compare`` runs),
+  mode "ram" (every expert read into RAM first, not timed) or "naive" (each
+  batch reads its experts from the file synchronously).
+
+Both sides time the same loop of ``cfg.batches`` batches (batch generation
+included on both sides); tokens/s = batches * tokens / wall.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+EXAMPLE = os.path.join(ROOT, "examples", "moe_offload.py")
+
+
+def load_example():
+    """examples/moe_offload.py as the module `moe_offload` (imports strideweave, never torch)."""
+    examples = os.path.dirname(EXAMPLE)
+    if examples not in sys.path:
+        sys.path.insert(0, examples)
+    import moe_offload
+
+    return moe_offload
+
+
+def config(batches: int):
+    """The example's workload at its defaults (benchmarks.md), `batches` long, quiet and unchecked."""
+    moe = load_example()
+    return moe.Config(batches=batches, check=False, progress=False)
+
+
+def write_checkpoint(cfg, directory: str) -> dict:
+    """The example's checkpoint (one raw file per matrix), written once per benchmark run."""
+    return load_example().write_checkpoint(cfg, directory)
+
+
+def _job(cfg, paths: dict, mode: str) -> str:
+    return json.dumps({"mode": mode, "cfg": dataclasses.asdict(cfg), "paths": paths})
+
+
+def _run(cmd: list, what: str) -> dict:
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"the {what} run failed (exit status {proc.returncode}):\n{proc.stderr[-4000:]}")
+    lines = proc.stdout.strip().splitlines()
+    if not lines:
+        raise SystemExit(f"the {what} run printed nothing:\n{proc.stderr[-4000:]}")
+    return json.loads(lines[-1])
+
+
+def run_strideweave(cfg, paths: dict) -> dict:
+    """One StrideWeave run in a fresh process: {"wall", "tokens_per_s", "peak_rss", ...}."""
+    return _run([sys.executable, os.path.abspath(__file__), _job(cfg, paths, "strideweave")], "StrideWeave")
+
+
+def run_torch(cfg, paths: dict, mode: str) -> dict:
+    """One PyTorch run ("ram" or "naive") in a fresh process, through the example's own worker entry point."""
+    return _run([sys.executable, EXAMPLE, "--_torch-worker", _job(cfg, paths, mode)], f"PyTorch {mode}")
+
+
+def _strideweave_worker(job: dict) -> dict:
+    import numpy as np
+
+    moe = load_example()
+    cfg = moe.Config(**job["cfg"])
+    paths = job["paths"]
+    p = moe.popularity(cfg)
+    log_p = np.log(p)
+    G = moe.cotangent(cfg)
+    r = moe.run_strideweave(cfg, paths, lambda b: moe.make_batch(cfg, b, log_p), G, p)
+    out = {
+        "mode": "strideweave", "wall": r["wall"], "tokens_per_s": cfg.batches * cfg.tokens / r["wall"],
+        "peak_rss": r["peak_rss"], "prefetch_wait": r["prefetch_wait"], "project": r["project"],
+        "compute": r["compute"], "hit_rate": r["hits"] / r["requests"] if r["requests"] else 0.0,
+        "bytes_promoted": r["bytes_promoted"], "peak_resident_experts": r["peak_resident_experts"],
+    }
+    # Release the tiled carriers (and their gradients) before exiting, as the example's main does.
+    for name in moe.MATRICES:
+        full = r["fulls"][name]
+        if full.grad is not None:
+            full.grad.carrier.release()
+        r["carriers"][name].release()
+    return out
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        raise SystemExit("usage: python bench/_moe.py JOB_JSON (started by bench/moe_layer.py, bench/moe_naive.py)")
+    print(json.dumps(_strideweave_worker(json.loads(sys.argv[1]))), flush=True)
