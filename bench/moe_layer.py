@@ -73,7 +73,7 @@ def main(argv=None) -> None:
             ours.append(a)
             ref.append(b)
             harness.log(args, f"pair {i + 1}: StrideWeave {a['tokens_per_s']:.0f} tokens/s, peak RSS "
-                              f"{a['peak_rss'] / MiB:.0f} MiB (prefetch wait {a['prefetch_wait']:.2f} s, project "
+                              f"{a['peak_rss'] / MiB:.0f} MiB, up to {a['peak_resident_experts']} experts resident a matrix (prefetch wait {a['prefetch_wait']:.2f} s, project "
                               f"{a['project']:.2f} s, compute {a['compute']:.2f} s); PyTorch in RAM "
                               f"{b['tokens_per_s']:.0f} tokens/s, peak RSS {b['peak_rss'] / MiB:.0f} MiB "
                               f"-> throughput {a['tokens_per_s'] / b['tokens_per_s']:.3f}, "

@@ -37,7 +37,9 @@ Cold reads: before every repetition that reads (overlapped and I/O alone) all
 tiles are evicted (clean: dropped without writing) and the file's pages are
 dropped from the page cache with ``os.posix_fadvise(fd, 0, 0,
 POSIX_FADV_DONTNEED)`` (the file was fsynced after writing, so its pages are
-clean and droppable). Grad mode is off (forward matmuls only); each timed
+clean and droppable). Each sample also records the process's CPU time (user +
+system, all threads): buffered cold reads cost kernel CPU (page cache fill and
+copy), which the compute has to share the cores with. Grad mode is off (forward matmuls only); each timed
 sample starts after an untimed settle pause so BLAS workers left spinning by
 the previous sample are idle (see bench/matmul.py).
 
@@ -47,6 +49,7 @@ Usage: python bench/overlap.py [--quick] [--reps N] [--quiet]
 from __future__ import annotations
 
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -66,6 +69,11 @@ BATCHES, PER_BATCH = 16, 8
 EXPERTS = BATCHES * PER_BATCH
 TOKENS = 64  # tokens an expert (256 tokens, top-2, over 8 experts)
 SETTLE_S = 0.2
+
+
+def cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def main(argv=None) -> None:
@@ -125,10 +133,13 @@ def main(argv=None) -> None:
         def resident() -> None:  # untimed: every tile resident (read from the page cache)
             carrier.promote(everything)
 
-        def timed(prepare, fn) -> float:
+        def timed(prepare, fn) -> tuple[float, float]:
+            """(wall seconds, CPU seconds of this process, user + system, all threads) of one call."""
             prepare()
             time.sleep(SETTLE_S)
-            return harness.time_call(fn, 1)
+            cpu0 = cpu_s()
+            wall = harness.time_call(fn, 1)
+            return wall, cpu_s() - cpu0
 
         # Same values, checked once before timing: one projected expert against the file, one product against NumPy.
         cold()
@@ -149,19 +160,22 @@ def main(argv=None) -> None:
         timed(resident, compute_alone)
         before = carrier.stats()
         wall_t, io_t, comp_t, ratios, floors = [], [], [], [], []
+        cpu = {"overlapped": [], "io": [], "compute": []}
         started = time.perf_counter()
         for r in range(reps):
-            w = timed(cold, overlapped)
-            io = timed(cold, io_alone)
-            c = timed(resident, compute_alone)
+            w, cw = timed(cold, overlapped)
+            io, cio = timed(cold, io_alone)
+            c, cc = timed(resident, compute_alone)
             wall_t.append(w)
             io_t.append(io)
             comp_t.append(c)
+            for key, v in (("overlapped", cw), ("io", cio), ("compute", cc)):
+                cpu[key].append(v)
             ratios.append(w / max(io, c))
             floors.append((max(io, c) + min(io, c) / BATCHES) / max(io, c))
             harness.log(args, f"rep {r + 1}: overlapped {harness.fmt_s(w)}, I/O alone {harness.fmt_s(io)} "
                               f"({nbytes / io / 1e9:.2f} GB/s cold), compute alone {harness.fmt_s(c)} "
-                              f"-> ratio {ratios[-1]:.3f}")
+                              f"-> ratio {ratios[-1]:.3f} | CPU s (user+sys) {cw:.2f}, {cio:.2f}, {cc:.2f}")
             if budget_s is not None and len(ratios) >= 3 and time.perf_counter() - started > budget_s:
                 break
         after = carrier.stats()
@@ -182,6 +196,7 @@ def main(argv=None) -> None:
             pass
 
     io_s, comp_s = statistics.median(io_t), statistics.median(comp_t)
+    cpu_med = {k: statistics.median(v) for k, v in cpu.items()}
     case = harness.Case(
         name=f"{BATCHES} batches x {PER_BATCH} cold 4 MiB experts",
         ratio=statistics.median(ratios), ratio_min=min(ratios), ratio_max=max(ratios),
@@ -191,16 +206,20 @@ def main(argv=None) -> None:
     flops = 2 * TOKENS * OUT * IN * EXPERTS
     harness.log(args, case.summary(), f"| I/O alone {harness.fmt_s(io_s)} ({nbytes / io_s / 1e9:.2f} GB/s), "
                 f"compute alone {harness.fmt_s(comp_s)} ({flops / comp_s / 1e9:.1f} GFLOP/s incl. gathers), "
-                f"pipeline floor {statistics.median(floors):.3f}, {case.reps} repetitions")
+                f"pipeline floor {statistics.median(floors):.3f}, {case.reps} repetitions; CPU s (user+sys) "
+                f"overlapped {cpu_med['overlapped']:.2f}, I/O alone {cpu_med['io']:.2f}, "
+                f"compute alone {cpu_med['compute']:.2f}")
     rec = harness.record(
         "overlap", [case], target=TARGET, better="lower", quick=args.quick,
         note=(f"ratio = overlapped wall / max(I/O alone, compute alone); I/O alone {harness.fmt_s(io_s)} "
               f"({nbytes / io_s / 1e9:.2f} GB/s cold), compute alone {harness.fmt_s(comp_s)}; "
-              f"pipeline floor {statistics.median(floors):.3f}"),
+              f"pipeline floor {statistics.median(floors):.3f}; CPU s (user+sys) overlapped "
+              f"{cpu_med['overlapped']:.2f}, I/O alone {cpu_med['io']:.2f}, compute alone {cpu_med['compute']:.2f}"),
     )
     rec["io_s"] = float(f"{io_s:.4g}")
     rec["compute_s"] = float(f"{comp_s:.4g}")
     rec["pipeline_floor"] = float(f"{statistics.median(floors):.4g}")
+    rec["cpu_s"] = {k: float(f"{v:.4g}") for k, v in cpu_med.items()}
     rec["ratio_label"] = "overlapped wall / max(I/O alone, compute alone)"
     harness.emit(rec)
 
