@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <mutex>
 
 #include "kernels.hpp"
 #include "skinny_gemm.hpp"
@@ -280,6 +281,43 @@ bool blas_view(const TensorImpl& t, const float*& ptr, bool& transposed, int& ld
   return false;
 }
 
+// Note [BLAS threads]: OpenBLAS runs its calls on its own worker threads, and
+// after each call those workers spin (yielding) for a while waiting for the
+// next one. Between BLAS calls the kernels here run on the compute pool, and
+// I/O on the executors; on a 2-core machine a spinning BLAS worker takes one
+// of the two cores from them (a quarter of all CPU samples of the MoE
+// example went to that spinning). So OpenBLAS is asked for one thread, and a
+// large product is split here into column (or row) blocks of C, one
+// single-threaded BLAS call per compute thread: the same split OpenBLAS makes
+// itself, with threads that sleep when idle.
+void blas_single_threaded() {
+  static std::once_flag once;
+  std::call_once(once, [] { openblas_set_num_threads(1); });
+}
+
+template <class T, class Gemm>
+void gemm_split(Gemm gemm, bool a_trans, bool b_no_trans, int64_t m, int64_t n, int64_t k, const T* A, int lda,
+                const T* B, int ldb, T* C) {
+  blas_single_threaded();
+  const auto ta = a_trans ? CblasTrans : CblasNoTrans;
+  const auto tb = b_no_trans ? CblasNoTrans : CblasTrans;
+  constexpr int64_t kFlopsPerPart = int64_t{1} << 23;
+  const int64_t parts = std::min<int64_t>(compute_threads(), std::max<int64_t>(1, 2 * m * n * k / kFlopsPerPart));
+  const bool by_columns = n >= m;
+  const int64_t extent = by_columns ? n : m;
+  parallel_for(extent, std::max<int64_t>(1, extent / std::max<int64_t>(parts, 1)), [&](int64_t b, int64_t e) {
+    if (by_columns) {  // C[:, b:e] = op(A) op(B)[:, b:e]; op(B) column j is B row j (Trans) or column j (NoTrans)
+      const T* Bb = b_no_trans ? B + b * ldb : B + b;
+      gemm(CblasColMajor, ta, tb, static_cast<int>(m), static_cast<int>(e - b), static_cast<int>(k), T(1), A, lda, Bb,
+           ldb, T(0), C + b * m, static_cast<int>(m));
+    } else {  // C[b:e, :] = op(A)[b:e, :] op(B)
+      const T* Ab = a_trans ? A + b * lda : A + b;
+      gemm(CblasColMajor, ta, tb, static_cast<int>(e - b), static_cast<int>(n), static_cast<int>(k), T(1), Ab, lda, B,
+           ldb, T(0), C + b, static_cast<int>(m));
+    }
+  });
+}
+
 }  // namespace
 
 void cpu_matmul(const TensorImpl& lhs, const TensorImpl& rhs, int64_t m, int64_t n, int64_t k, bool f64,
@@ -327,17 +365,15 @@ void cpu_matmul(const TensorImpl& lhs, const TensorImpl& rhs, int64_t m, int64_t
                              reinterpret_cast<float*>(dst)))
       return;
     // C (m x n) = A (m x k) * B^T, B stored (n x k): op(B) = B^T.
-    cblas_sgemm(CblasColMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasNoTrans : CblasTrans, static_cast<int>(m),
-                static_cast<int>(n), static_cast<int>(k), 1.0f, A, lda, B, ldb, 0.0f, reinterpret_cast<float*>(dst),
-                static_cast<int>(m));
+    gemm_split<float>(cblas_sgemm, ta, tb, m, n, k, A, lda, B, ldb, reinterpret_cast<float*>(dst));
     return;
   }
   // Mixed dtypes or a Float64 accumulator: exact inputs in double, one rounding.
   auto a = pack<double>(lhs, m, k);
   auto b = pack<double>(rhs, n, k);
   std::vector<double> c(static_cast<size_t>(m * n));
-  cblas_dgemm(CblasColMajor, CblasNoTrans, CblasTrans, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
-              1.0, a.data(), static_cast<int>(m), b.data(), static_cast<int>(n), 0.0, c.data(), static_cast<int>(m));
+  gemm_split<double>(cblas_dgemm, false, false, m, n, k, a.data(), static_cast<int>(m), b.data(), static_cast<int>(n),
+                     c.data());
   float* o = reinterpret_cast<float*>(dst);
   for (int64_t i = 0; i < m * n; ++i) o[i] = static_cast<float>(c[i]);
 }

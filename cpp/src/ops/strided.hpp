@@ -10,9 +10,10 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
-#include <thread>
+#include <type_traits>
 #include <vector>
 
+#include "compute_pool.hpp"
 #include "strideweave/layout.hpp"
 
 namespace sw::detail {
@@ -94,27 +95,29 @@ struct StridedPlan {
   }
 };
 
-// Splits [0, n) over the hardware threads when the work is large.
+// Splits [0, n) over the compute threads when the work is large (see Note
+// [Compute pool]); f(begin, end) is called once per part.
 template <class F>
 void parallel_for(int64_t n, int64_t grain, F&& f) {
   if (n < 2 * grain) {
     f(int64_t{0}, n);
     return;
   }
-  static const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
-  int64_t parts = std::min<int64_t>(hw, n / std::max<int64_t>(grain, 1));
+  const int64_t parts = std::min<int64_t>(compute_threads(), n / std::max<int64_t>(grain, 1));
   if (parts <= 1) {
     f(int64_t{0}, n);
     return;
   }
-  std::vector<std::thread> threads;
-  int64_t chunk = (n + parts - 1) / parts;
-  for (int64_t p = 1; p < parts; ++p) {
-    int64_t b = p * chunk, e = std::min(n, b + chunk);
-    if (b < e) threads.emplace_back([&f, b, e] { f(b, e); });
-  }
-  f(int64_t{0}, std::min(n, chunk));
-  for (auto& t : threads) t.join();
+  using Fn = std::remove_reference_t<F>;
+  struct Ctx {
+    Fn* f;
+    int64_t n, chunk;
+  } ctx{&f, n, (n + parts - 1) / parts};
+  run_parts(parts, [](void* c, int64_t i) {
+    auto* x = static_cast<Ctx*>(c);
+    const int64_t b = i * x->chunk, e = std::min(x->n, b + x->chunk);
+    if (b < e) (*x->f)(b, e);
+  }, &ctx);
 }
 
 }  // namespace sw::detail
