@@ -1,4 +1,5 @@
 // TiledEvictable and AwaitResidency.
+#include <algorithm>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
@@ -23,10 +24,18 @@ struct AwaitProjection : AwaitHandle {};
 
 nb::module_ tiled_module() { return nb::module_::import_("strideweave.carriers.tiled_evictable"); }
 
+// The core's coordinates are valid, of one rank and distinct: sorted into TileSet's order (first axis fastest)
+// they skip the constructor's per-coordinate checks.
 nb::object tile_set_of(const std::vector<TileCoord>& coords) {
+  std::vector<const TileCoord*> order;
+  order.reserve(coords.size());
+  for (const auto& c : coords) order.push_back(&c);
+  std::sort(order.begin(), order.end(), [](const TileCoord* a, const TileCoord* b) {
+    return std::lexicographical_compare(a->rbegin(), a->rend(), b->rbegin(), b->rend());
+  });
   nb::list items;
-  for (const auto& c : coords) items.append(nb::tuple(nb::cast(c)));
-  return tiled_module().attr("TileSet")(nb::arg("coordinates") = items);
+  for (const TileCoord* c : order) items.append(nb::tuple(nb::cast(*c)));
+  return tiled_module().attr("TileSet").attr("_from_canonical")(nb::tuple(items));
 }
 
 // Components beyond int64 are out of every grid: ValueError, as for any out-of-range coordinate.

@@ -61,6 +61,17 @@ class TileSet:
         coords.sort(key=lambda c: tuple(reversed(c)))
         object.__setattr__(self, "coordinates", tuple(coords))
 
+    @classmethod
+    def _from_canonical(cls, coordinates: tuple) -> "TileSet":
+        """The TileSet of coordinates the core produced: tuples of ints, one rank, distinct, already sorted.
+
+        Skips the per-coordinate checks of the constructor (the residency properties build one of these on every
+        call, and a Mixture-of-Experts step asks for them per expert).
+        """
+        obj = object.__new__(cls)
+        object.__setattr__(obj, "coordinates", coordinates)
+        return obj
+
     def __len__(self) -> int:
         return len(self.coordinates)
 
