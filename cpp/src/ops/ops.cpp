@@ -187,6 +187,14 @@ std::vector<double> read_doubles(const TensorImpl& t) {
   return out;
 }
 
+// The Float32 values of `t` as one native array in ordinal order (a dense
+// column-major tensor in host memory), or null.
+const float* dense_floats(const TensorImpl& t) {
+  if (t.dtype().id() != DTypeId::Float32 || !t.layout.is_column_major()) return nullptr;
+  const std::byte* base = t.carrier->native_data();
+  return base ? reinterpret_cast<const float*>(base) + t.offset : nullptr;
+}
+
 // A dense Float32 tensor of `shape` on `prototype`'s kind holding `values`.
 TensorPtr write_floats(const Carrier& prototype, const Shape& shape, const std::vector<double>& values) {
   TensorPtr out = dense_result(prototype, shape, DType::Float32());
@@ -220,14 +228,38 @@ TensorPtr unbroadcast(const TensorPtr& grad, const Shape& target) {
     tstride[j] = te[j] == ge[j] ? run : 0;
     run *= te[j];
   }
-  std::vector<double> g = read_doubles(*grad), out(static_cast<size_t>(target.size()), 0.0);
-  for (int64_t i = 0; i < static_cast<int64_t>(g.size()); ++i) {
-    int64_t rest = i, o = 0;
-    for (size_t j = 0; j < ge.size(); ++j) {
-      o += (rest % ge[j]) * tstride[j];
-      rest /= ge[j];
+  std::vector<double> out(static_cast<size_t>(target.size()), 0.0);
+  if (const float* gf = dense_floats(*grad)) {
+    // Hot path (a gradient of a broadcast operand): one pass over the dense
+    // gradient with an odometer over its leaves, no per-element division.
+    const int64_t n = grad->size(), inner = ge.empty() ? 1 : ge[0], s0 = ge.empty() ? 0 : tstride[0];
+    std::vector<int64_t> idx(ge.size(), 0);
+    int64_t o = 0;
+    for (int64_t i = 0; i < n; i += inner) {
+      if (s0 == 1) {
+        for (int64_t r = 0; r < inner; ++r) out[o + r] += gf[i + r];
+      } else {
+        double acc = 0;
+        for (int64_t r = 0; r < inner; ++r) acc += gf[i + r];
+        out[o] += acc;
+      }
+      for (size_t j = 1; j < ge.size(); ++j) {  // advance leaves 1.. (leaf 0 is the inner run)
+        o += tstride[j];
+        if (++idx[j] < ge[j]) break;
+        o -= tstride[j] * ge[j];
+        idx[j] = 0;
+      }
     }
-    out[o] += g[i];
+  } else {
+    std::vector<double> g = read_doubles(*grad);
+    for (int64_t i = 0; i < static_cast<int64_t>(g.size()); ++i) {
+      int64_t rest = i, o = 0;
+      for (size_t j = 0; j < ge.size(); ++j) {
+        o += (rest % ge[j]) * tstride[j];
+        rest /= ge[j];
+      }
+      out[o] += g[i];
+    }
   }
   return write_floats(*grad->carrier, target, out);
 }
@@ -404,6 +436,18 @@ TensorPtr transpose(const TensorPtr& t) { return permute_modes(t, {1, 0}); }
 
 // g where a > 0, else 0.
 TensorPtr relu_grad(const TensorPtr& g, const TensorPtr& a) {
+  const float* gf = dense_floats(*g);
+  const float* af = dense_floats(*a);
+  if (gf && af && g->layout.shape() == a->layout.shape()) {  // dense operands: one vectorisable pass
+    TensorPtr out = dense_result(*g->carrier, g->layout.shape(), DType::Float32());
+    float* o = reinterpret_cast<float*>(out->carrier->native_data());
+    if (o) {
+      detail::parallel_for(g->size(), int64_t{1} << 16, [&](int64_t b, int64_t e) {
+        for (int64_t i = b; i < e; ++i) o[i] = af[i] > 0 ? gf[i] : 0.f;
+      });
+      return out;
+    }
+  }
   std::vector<double> gv = read_doubles(*g), av = read_doubles(*a);
   for (size_t i = 0; i < gv.size(); ++i)
     if (!(av[i] > 0)) gv[i] = 0;
