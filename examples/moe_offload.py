@@ -280,6 +280,23 @@ def gradient_stats(full) -> dict:
     return dict(full.grad.carrier.stats()) if full.grad is not None else {}
 
 
+def make_room(carriers: dict, budget: int, resident: set, ahead: list, needed: set, recent: OrderedDict) -> None:
+    """Before prefetching `ahead`, evicts the least recently projected experts that neither this batch nor the next
+    needs, so that the prefetch does not take residency past the budget (as far as the two batches allow).
+
+    LRUPolicy evicts only when a projection asks it, so without this the prefetched experts would come on top of
+    the budget's worth it keeps. The victims are clean weight tiles: evicting them drops them, nothing is written.
+    """
+    incoming = [e for e in ahead if e not in resident]
+    excess = len(resident) + len(incoming) - budget
+    if excess <= 0:
+        return
+    victims = [e for e in recent if e in resident and e not in needed][:excess]
+    if victims:
+        for carrier in carriers.values():
+            carrier.evict(expert_tiles(victims))
+
+
 def processing_order(used: list, recent: OrderedDict) -> list:
     """The order in which a batch's experts are projected, so that LRU evictions never hit one still to come.
 
@@ -346,6 +363,8 @@ def run_strideweave(cfg: Config, paths: dict, batches_fn, G: np.ndarray, p: np.n
         if nxt is not None:
             was_resident = resident_experts(carriers["w1"])
             ahead = [e for e in nxt.used if e not in set(batch.used)]
+            if cfg.policy == "lru":
+                make_room(carriers, cfg.budget, was_resident, ahead, set(batch.used) | set(nxt.used), recent)
             prefetch = [carriers[name].promote_async(expert_tiles(ahead)) for name in MATRICES]
         # 3. Expert by expert: project (one compact (rows, cols) matrix per weight), forward, backward.
         y = np.zeros((cfg.tokens, cfg.d_model), dtype=np.float32)
@@ -365,7 +384,8 @@ def run_strideweave(cfg: Config, paths: dict, batches_fn, G: np.ndarray, p: np.n
             expert_forward_backward(batch, e, w1, w2, G, y, before_backward=finish_grad_evictions)
             project_time += t2 - t1
             compute += time.perf_counter() - t2
-        outputs.append(y)
+        if cfg.check:  # kept for the correctness check only (1 MiB a batch)
+            outputs.append(y)
         # 4. Residency housekeeping. Pinned mode evicts the experts outside its pinned set after the batch (the
         #    next batch's tiles are under its prefetch request and needed next: they stay). Gradient tiles follow
         #    the weights' resident set; evicting them writes the dirty tiles to the gradient's own file.
