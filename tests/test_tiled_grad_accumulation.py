@@ -132,3 +132,69 @@ def test_two_consumers_of_a_scatter_result_sum_tile_wise(rng):
     want = np.ones((OUT, 2 * IN), np.float32)
     want[:, :IN] = 2.0  # expert 1 is read by both projections
     np.testing.assert_array_equal(np.asarray(compact.grad), want)
+
+
+# ---- Note [Gradient sinks]: a matmul's weight gradient added straight into the resident .grad tile
+
+
+def matmul_step(c, full, e, x, seed):
+    """y = x @ W_e^T (tokens x out) for expert e, backpropagating `seed`; returns the projected W_e."""
+    compact = c.project(full, TileSelection([[0], [e]])).wait()
+    y = sw.matmul(friendly.tensor(x), compact)
+    y.backward(friendly.tensor(seed))
+    return compact
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 40], ids=["one-token", "few-tokens", "many-tokens"])
+def test_matmul_gradient_adds_into_the_resident_gradient_tile(rng, tokens):
+    w, c, full = expert_weight(rng)
+    xs = [rng.standard_normal((tokens, IN)).astype(np.float32) for _ in range(4)]
+    gs = [rng.standard_normal((tokens, OUT)).astype(np.float32) for _ in range(4)]
+    matmul_step(c, full, 2, xs[0], gs[0])  # creates .grad: expert 2's tile holds the first gradient
+    # (Holding the gradient or its carrier would make the next sums fresh: only versions are kept here.)
+    assert full.grad.carrier.version == 1
+    assert full.grad.carrier.tile_state((0, 2)).location == "primary"
+    matmul_step(c, full, 2, xs[1], gs[1])  # resident .grad tile, nothing else holds .grad: added in place
+    matmul_step(c, full, 4, xs[2], gs[2])  # an implicit tile: takes the fresh gradient
+    matmul_step(c, full, 2, xs[3], gs[3])
+    assert full.grad.carrier.version == 4  # the same carrier, advanced once per step (a fresh sum restarts at 1)
+    grad_carrier = full.grad.carrier
+    expected = np.zeros((OUT, IN * E), np.float32)
+    for (e, x, g) in [(2, xs[0], gs[0]), (2, xs[1], gs[1]), (4, xs[2], gs[2]), (2, xs[3], gs[3])]:
+        expected[:, IN * e:IN * (e + 1)] += g.T.astype(np.float64) @ x.astype(np.float64)
+    np.testing.assert_allclose(grad_values(full), expected, rtol=1e-5, atol=1e-5)
+    assert locations(full) == ["implicit", "implicit", "primary", "implicit", "primary", "implicit"]
+    state = grad_carrier.tile_state((0, 2))
+    assert state.valid and state.dirty
+    # The in-place update marked the tile dirty: evicting writes it, promoting reads it back unchanged.
+    grad_carrier.evict(TileSet([(0, 2)]))
+    assert grad_carrier.tile_state((0, 2)).location == "secondary"
+    np.testing.assert_allclose(grad_values(full), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_matmul_gradient_leaves_a_held_gradient_alone(rng):
+    w, c, full = expert_weight(rng)
+    x = rng.standard_normal((3, IN)).astype(np.float32)
+    g = rng.standard_normal((3, OUT)).astype(np.float32)
+    matmul_step(c, full, 1, x, g)
+    held = full.grad
+    before = grad_values(full)
+    matmul_step(c, full, 1, x, g)  # .grad is held from Python: a new gradient, the held one unchanged
+    assert full.grad is not held and full.grad.carrier is not held.carrier
+    with sw.no_grad():
+        held_now = np.asarray(held.carrier.project(held, TileSelection([[0], list(range(E))])).wait())
+    np.testing.assert_array_equal(held_now, before)
+    np.testing.assert_allclose(grad_values(full), 2 * before, rtol=1e-6, atol=1e-6)
+
+
+def test_matmul_gradient_through_a_retained_projection_is_not_sunk(rng):
+    w, c, full = expert_weight(rng)
+    x = rng.standard_normal((3, IN)).astype(np.float32)
+    g = rng.standard_normal((3, OUT)).astype(np.float32)
+    matmul_step(c, full, 0, x, g)
+    compact = c.project(full, TileSelection([[0], [0]])).wait()
+    compact.retain_grad()  # the projection's output keeps its own gradient: it must see the contribution
+    sw.matmul(friendly.tensor(x), compact).backward(friendly.tensor(g))
+    one = g.T.astype(np.float64) @ x.astype(np.float64)
+    np.testing.assert_allclose(np.asarray(compact.grad), one, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(grad_values(full)[:, :IN], 2 * one, rtol=1e-5, atol=1e-5)

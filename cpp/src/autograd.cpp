@@ -184,7 +184,35 @@ void backward(const TensorPtr& root, const TensorPtr& gradient, bool retain_grap
       if (keep && g) accumulate_into(*out, g, /*owned=*/false);  // g also flows on
     }
     std::vector<TensorPtr> in_grads;
-    if (g) in_grads = n->apply(g);  // a node whose output received no gradient does no work
+    // Sinks offered by the nodes of this node's inputs (Note [Gradient sinks]).
+    std::vector<std::optional<GradientSink>> offered;
+    if (g) {
+      offered.resize(n->inputs.size());
+      n->sinks.assign(n->inputs.size(), nullptr);
+      for (size_t i = 0; i < n->inputs.size(); ++i) {
+        const TensorPtr& in = n->inputs[i];
+        std::shared_ptr<Node> child;
+        bool keep;
+        {
+          std::lock_guard lock(in->mutex);
+          child = in->node;
+          keep = in->retains_grad;
+        }
+        if (!child || keep || deps[child.get()] != 1 || grads.count(child.get())) continue;
+        bool repeated = false;  // an input passed twice gets two contributions
+        for (size_t j = 0; j < n->inputs.size(); ++j) repeated |= j != i && n->inputs[j] == in;
+        if (repeated) continue;
+        offered[i] = child->gradient_sink();
+        if (offered[i]) n->sinks[i] = &*offered[i];
+      }
+      in_grads = n->apply(g);  // a node whose output received no gradient does no work
+      n->sinks.clear();
+      for (size_t i = 0; i < offered.size(); ++i)
+        if (offered[i] && offered[i]->used) {
+          SW_ASSERT(i >= in_grads.size() || !in_grads[i], n->name, " both filled a gradient sink and returned a gradient");
+          offered[i]->commit();
+        }
+    }
     for (size_t i = 0; i < n->inputs.size(); ++i) {
       const TensorPtr& in = n->inputs[i];
       TensorPtr gi = i < in_grads.size() ? in_grads[i] : nullptr;

@@ -16,7 +16,9 @@
 // `apply`; the engine needs no change to run them.
 #pragma once
 
+#include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -27,6 +29,26 @@ namespace sw {
 struct SavedTensor {
   TensorPtr tensor;
   uint64_t version = 0;
+};
+
+// Note [Gradient sinks]: a node may offer a place where its output's gradient
+// is *added* directly — dense column-major Float32 memory of the output's
+// shape (`rows` x `cols`, a two-mode output). The projection of one resident
+// tile offers its leaf's .grad tile when that gradient accumulates in place:
+// the node producing the gradient (a matmul's VJP) then computes it into the
+// tile with "C += ..." instead of writing a fresh tensor that the projection
+// scatters and the leaf adds (two fewer passes over an expert's 4 MiB, per
+// matrix and per step). The engine asks only when the consuming node is the
+// output's last consumer and nothing else has contributed or retains it; a
+// producer that cannot use the sink ignores it and returns the gradient as
+// usual. After a producer has written into a sink (set `used`), the engine
+// calls `commit` and passes no gradient to the offering node.
+struct GradientSink {
+  float* data = nullptr;
+  int64_t rows = 0, cols = 0;
+  std::shared_ptr<void> keep_alive;  // the memory behind `data`
+  std::function<void()> commit;      // after the write: dirty state, versions
+  bool used = false;
 };
 
 struct Node : std::enable_shared_from_this<Node> {
@@ -42,6 +64,10 @@ struct Node : std::enable_shared_from_this<Node> {
   void save(const TensorPtr& t) { saved.push_back({t, t->version()}); }
   // Gradients for `inputs` (nullptr where none flows), given the output's gradient.
   virtual std::vector<TensorPtr> apply(const TensorPtr& grad_output) = 0;
+  // See Note [Gradient sinks]: where this node's output gradient may be added directly, or none.
+  virtual std::optional<GradientSink> gradient_sink() { return std::nullopt; }
+  // Set by the engine around apply(): per input, a sink offered by the input's own node, or null.
+  std::vector<GradientSink*> sinks;
   // Drops what backward needed.
   virtual void release_saved() { saved.clear(); }
 };

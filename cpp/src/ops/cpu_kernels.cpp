@@ -297,7 +297,7 @@ void blas_single_threaded() {
 
 template <class T, class Gemm>
 void gemm_split(Gemm gemm, bool a_trans, bool b_no_trans, int64_t m, int64_t n, int64_t k, const T* A, int lda,
-                const T* B, int ldb, T* C) {
+                const T* B, int ldb, T* C, T beta = T(0)) {
   blas_single_threaded();
   const auto ta = a_trans ? CblasTrans : CblasNoTrans;
   const auto tb = b_no_trans ? CblasNoTrans : CblasTrans;
@@ -309,16 +309,53 @@ void gemm_split(Gemm gemm, bool a_trans, bool b_no_trans, int64_t m, int64_t n, 
     if (by_columns) {  // C[:, b:e] = op(A) op(B)[:, b:e]; op(B) column j is B row j (Trans) or column j (NoTrans)
       const T* Bb = b_no_trans ? B + b * ldb : B + b;
       gemm(CblasColMajor, ta, tb, static_cast<int>(m), static_cast<int>(e - b), static_cast<int>(k), T(1), A, lda, Bb,
-           ldb, T(0), C + b * m, static_cast<int>(m));
+           ldb, beta, C + b * m, static_cast<int>(m));
     } else {  // C[b:e, :] = op(A)[b:e, :] op(B)
       const T* Ab = a_trans ? A + b * lda : A + b;
       gemm(CblasColMajor, ta, tb, static_cast<int>(e - b), static_cast<int>(n), static_cast<int>(k), T(1), Ab, lda, B,
-           ldb, T(0), C + b, static_cast<int>(m));
+           ldb, beta, C + b, static_cast<int>(m));
     }
   });
 }
 
+// C (m x n) = lhs rhs^T (or C += ... with `accumulate`) for Float32 operands:
+// BLAS views of the operands where their layouts allow (packed copies
+// otherwise), the skinny kernels where they apply, split BLAS calls for the rest.
+void sgemm_views(const TensorImpl& lhs, const TensorImpl& rhs, int64_t m, int64_t n, int64_t k, float* C,
+                 bool accumulate) {
+  const float *A, *B;
+  bool ta, tb;
+  int lda, ldb;
+  std::vector<float> pa, pb;
+  if (!blas_view(lhs, A, ta, lda)) {
+    pa = pack<float>(lhs, m, k);
+    A = pa.data();
+    ta = false;
+    lda = static_cast<int>(m);
+  }
+  if (!blas_view(rhs, B, tb, ldb)) {
+    pb = pack<float>(rhs, n, k);
+    B = pb.data();
+    tb = false;
+    ldb = static_cast<int>(n);
+  }
+  // Few rows or a short inner dimension: see Note [Skinny products].
+  if (detail::skinny_sgemm(m, n, k, A, ta ? lda : 1, ta ? 1 : lda, B, tb ? ldb : 1, tb ? 1 : ldb, C, accumulate))
+    return;
+  // C (m x n) = A (m x k) * B^T, B stored (n x k): op(B) = B^T.
+  gemm_split<float>(cblas_sgemm, ta, tb, m, n, k, A, lda, B, ldb, C, accumulate ? 1.0f : 0.0f);
+}
+
 }  // namespace
+
+bool cpu_matmul_accumulate(const TensorImpl& lhs, const TensorImpl& rhs, int64_t m, int64_t n, int64_t k, float* out) {
+  if (lhs.dtype().id() != DTypeId::Float32 || rhs.dtype().id() != DTypeId::Float32 || !lhs.carrier->native_data() ||
+      !rhs.carrier->native_data() || m < 1 || n < 1)
+    return false;
+  if (k == 0) return true;  // adds nothing
+  sgemm_views(lhs, rhs, m, n, k, out, true);
+  return true;
+}
 
 void cpu_matmul(const TensorImpl& lhs, const TensorImpl& rhs, int64_t m, int64_t n, int64_t k, bool f64,
                 Carrier& out) {
@@ -344,28 +381,7 @@ void cpu_matmul(const TensorImpl& lhs, const TensorImpl& rhs, int64_t m, int64_t
     return;
   }
   if (ld == DTypeId::Float32 && rd == DTypeId::Float32 && !f64) {
-    const float *A, *B;
-    bool ta, tb;
-    int lda, ldb;
-    std::vector<float> pa, pb;
-    if (!blas_view(lhs, A, ta, lda)) {
-      pa = pack<float>(lhs, m, k);
-      A = pa.data();
-      ta = false;
-      lda = static_cast<int>(m);
-    }
-    if (!blas_view(rhs, B, tb, ldb)) {
-      pb = pack<float>(rhs, n, k);
-      B = pb.data();
-      tb = false;
-      ldb = static_cast<int>(n);
-    }
-    // Few rows or a short inner dimension: see Note [Skinny products].
-    if (detail::skinny_sgemm(m, n, k, A, ta ? lda : 1, ta ? 1 : lda, B, tb ? ldb : 1, tb ? 1 : ldb,
-                             reinterpret_cast<float*>(dst)))
-      return;
-    // C (m x n) = A (m x k) * B^T, B stored (n x k): op(B) = B^T.
-    gemm_split<float>(cblas_sgemm, ta, tb, m, n, k, A, lda, B, ldb, reinterpret_cast<float*>(dst));
+    sgemm_views(lhs, rhs, m, n, k, reinterpret_cast<float*>(dst), false);
     return;
   }
   // Mixed dtypes or a Float64 accumulator: exact inputs in double, one rounding.

@@ -32,6 +32,9 @@ void generic_reduce_sum(const TensorImpl& in, const Layout& permuted, int64_t ke
 // matmul: lhs (m, k), rhs (n, k) -> out (m, n) dense column-major.
 void cpu_matmul(const TensorImpl& lhs, const TensorImpl& rhs, int64_t m, int64_t n, int64_t k, bool f64,
                 Carrier& out);
+// out += lhs rhs^T into dense column-major Float32 memory (m x n), for Float32
+// operands in host memory; false (out untouched) for anything else.
+bool cpu_matmul_accumulate(const TensorImpl& lhs, const TensorImpl& rhs, int64_t m, int64_t n, int64_t k, float* out);
 void generic_matmul(const TensorImpl& lhs, const TensorImpl& rhs, int64_t m, int64_t n, int64_t k, bool f64,
                     Carrier& out);
 

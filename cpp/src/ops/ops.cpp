@@ -434,6 +434,17 @@ TensorPtr op(OpId id, const TensorPtr& a, const TensorPtr& b = nullptr) {
 
 TensorPtr transpose(const TensorPtr& t) { return permute_modes(t, {1, 0}); }
 
+// sink += lhs rhs^T (matmul's contraction) when both are CPU Float32 tensors of
+// the sink's result shape; false (nothing written) otherwise.
+bool add_product_into(GradientSink& sink, const TensorImpl& lhs, const TensorImpl& rhs) {
+  if (&lhs.carrier->kind() != &cpu_kind() || &rhs.carrier->kind() != &cpu_kind()) return false;
+  if (lhs.layout.rank() != 2 || rhs.layout.rank() != 2) return false;
+  const int64_t m = lhs.layout.shape().extents()[0], k = lhs.layout.shape().extents()[1];
+  const int64_t n = rhs.layout.shape().extents()[0];
+  if (m != sink.rows || n != sink.cols || rhs.layout.shape().extents()[1] != k) return false;
+  return detail::cpu_matmul_accumulate(lhs, rhs, m, n, k, sink.data);
+}
+
 // g where a > 0, else 0.
 TensorPtr relu_grad(const TensorPtr& g, const TensorPtr& a) {
   const float* gf = dense_floats(*g);
@@ -461,7 +472,7 @@ struct OpNode final : Node {
 
   std::vector<TensorPtr> apply(const TensorPtr& g) override {
     OpBackend* backend = backend_for(*dispatch_kind);
-    if (!backend || !backend->materializes()) return vjp(inputs, g);
+    if (!backend || !backend->materializes()) return vjp(inputs, g, sinks);
     std::vector<TensorPtr> dense;
     for (const auto& in : inputs) dense.push_back(backend->materialize_for_backward(in));
     std::vector<TensorPtr> grads = vjp(dense, g);
@@ -470,8 +481,10 @@ struct OpNode final : Node {
     return grads;
   }
 
-  // Gradients for `inputs` (the operands, or dense copies of them) given the output's gradient.
-  std::vector<TensorPtr> vjp(const std::vector<TensorPtr>& inputs, const TensorPtr& g) {
+  // Gradients for `inputs` (the operands, or dense copies of them) given the output's gradient; a gradient
+  // added into one of `sinks` (Note [Gradient sinks]) is returned as nullptr.
+  std::vector<TensorPtr> vjp(const std::vector<TensorPtr>& inputs, const TensorPtr& g,
+                             const std::vector<GradientSink*>& sinks = {}) {
     std::vector<TensorPtr> grads(inputs.size());
     auto want = [&](size_t i) { return inputs[i]->is_differentiable(); };
     // Position of each operand among the tensor inputs.
@@ -542,10 +555,21 @@ struct OpNode final : Node {
         grads[0] = write_floats(*g->carrier, in.layout.shape(), read_doubles(*view));
         break;
       }
-      case OpId::Matmul:
-        if (want(0)) grads[0] = op(OpId::Matmul, g, transpose(inputs[1]));
-        if (want(1)) grads[1] = op(OpId::Matmul, transpose(g), transpose(inputs[0]));
+      case OpId::Matmul: {
+        // d lhs = g rhs, d rhs = g^T lhs: each a matmul of views, or added straight into a sink.
+        const TensorPtr a[2] = {g, transpose(g)};
+        const TensorPtr b[2] = {transpose(inputs[1]), transpose(inputs[0])};
+        for (size_t i = 0; i < 2; ++i) {
+          if (!want(i)) continue;
+          GradientSink* sink = i < sinks.size() ? sinks[i] : nullptr;
+          if (sink && !options.accumulate_f64 && add_product_into(*sink, *a[i], *b[i])) {
+            sink->used = true;
+            continue;
+          }
+          grads[i] = op(OpId::Matmul, a[i], b[i]);
+        }
         break;
+      }
     }
     return grads;
   }

@@ -64,7 +64,7 @@ SW_AVX512 void rows_step(int64_t m, const float* Ap, const float* Bp, int64_t ld
 }
 
 SW_AVX512 void small_m_j(int64_t m, int64_t k, const float* Ap, const float* B, int64_t ldb, float* C, int64_t jb,
-                         int64_t je) {
+                         int64_t je, bool accumulate) {
   const int64_t nj = je - jb, ts = (nj + 15) / 16 * 16;
   std::vector<float> T(static_cast<size_t>(m * ts), 0.f);
   int64_t p = 0;
@@ -72,7 +72,11 @@ SW_AVX512 void small_m_j(int64_t m, int64_t k, const float* Ap, const float* B, 
   for (; p < k; ++p) rows_step<1>(m, Ap + p * m, B + p * ldb + jb, ldb, nj, T.data(), ts);
   for (int64_t j = 0; j < nj; ++j) {
     float* c = C + (jb + j) * m;
-    for (int64_t i = 0; i < m; ++i) c[i] = T[i * ts + j];
+    if (accumulate) {
+      for (int64_t i = 0; i < m; ++i) c[i] += T[i * ts + j];
+    } else {
+      for (int64_t i = 0; i < m; ++i) c[i] = T[i * ts + j];
+    }
   }
 }
 
@@ -80,7 +84,7 @@ SW_AVX512 void small_m_j(int64_t m, int64_t k, const float* Ap, const float* B, 
 // Ar: A packed row-major (Ar[i * k + p]). Dot products of MI rows with NJ columns (B column j at Bc + j * ldb),
 // vectorised along p; writes C(i0 + ii, j0 + jj) at C[jj * m + ii].
 template <int MI, int NJ>
-SW_AVX512 void mp_block(int64_t k, const float* Ai, const float* Bc, int64_t ldb, float* C, int64_t m) {
+SW_AVX512 void mp_block(int64_t k, const float* Ai, const float* Bc, int64_t ldb, float* C, int64_t m, bool accumulate) {
   __m512 acc[MI][NJ];
 #pragma GCC unroll 8
   for (int ii = 0; ii < MI; ++ii)
@@ -101,10 +105,11 @@ SW_AVX512 void mp_block(int64_t k, const float* Ai, const float* Bc, int64_t ldb
 #pragma GCC unroll 8
   for (int ii = 0; ii < MI; ++ii)
 #pragma GCC unroll 8
-    for (int jj = 0; jj < NJ; ++jj) C[jj * m + ii] = _mm512_reduce_add_ps(acc[ii][jj]);
+    for (int jj = 0; jj < NJ; ++jj)
+      C[jj * m + ii] = (accumulate ? C[jj * m + ii] : 0.f) + _mm512_reduce_add_ps(acc[ii][jj]);
 }
 
-using MpFn = void (*)(int64_t, const float*, const float*, int64_t, float*, int64_t);
+using MpFn = void (*)(int64_t, const float*, const float*, int64_t, float*, int64_t, bool);
 constexpr int kMpRows = 3, kMpCols = 8;  // 24 accumulators + 8 column loads
 
 template <int MI, int... J>
@@ -113,7 +118,7 @@ constexpr auto mp_row(std::integer_sequence<int, J...>) {
 }
 
 SW_AVX512 void small_m_p(int64_t m, int64_t k, const float* Ar, const float* B, int64_t ldb, float* C, int64_t jb,
-                         int64_t je) {
+                         int64_t je, bool accumulate) {
   static constexpr std::array<std::array<MpFn, kMpCols>, kMpRows> table{
       mp_row<1>(std::make_integer_sequence<int, kMpCols>{}), mp_row<2>(std::make_integer_sequence<int, kMpCols>{}),
       mp_row<3>(std::make_integer_sequence<int, kMpCols>{})};
@@ -121,7 +126,7 @@ SW_AVX512 void small_m_p(int64_t m, int64_t k, const float* Ar, const float* B, 
     const int64_t nj = std::min<int64_t>(kMpCols, je - j0);
     for (int64_t i0 = 0; i0 < m; i0 += kMpRows) {
       const int64_t mi = std::min<int64_t>(kMpRows, m - i0);
-      table[mi - 1][nj - 1](k, Ar + i0 * k, B + j0 * ldb, ldb, C + j0 * m + i0, m);
+      table[mi - 1][nj - 1](k, Ar + i0 * k, B + j0 * ldb, ldb, C + j0 * m + i0, m, accumulate);
     }
   }
 }
@@ -131,7 +136,7 @@ SW_AVX512 void small_m_p(int64_t m, int64_t k, const float* Ar, const float* B, 
 // (masked) by NJ-column block of C at Ci (column jj at Ci + jj * m).
 template <int NJ>
 SW_AVX512 void sk_block(int64_t k, int64_t m, const float* Ai, const float* Bj, __mmask16 mask0, __mmask16 mask1,
-                        float* Ci) {
+                        float* Ci, bool accumulate) {
   __m512 acc0[NJ], acc1[NJ];
 #pragma GCC unroll 16
   for (int jj = 0; jj < NJ; ++jj) acc0[jj] = acc1[jj] = _mm512_setzero_ps();
@@ -147,12 +152,16 @@ SW_AVX512 void sk_block(int64_t k, int64_t m, const float* Ai, const float* Bj, 
   }
 #pragma GCC unroll 16
   for (int jj = 0; jj < NJ; ++jj) {
+    if (accumulate) {
+      acc0[jj] = _mm512_add_ps(acc0[jj], _mm512_maskz_loadu_ps(mask0, Ci + jj * m));
+      acc1[jj] = _mm512_add_ps(acc1[jj], _mm512_maskz_loadu_ps(mask1, Ci + jj * m + 16));
+    }
     _mm512_mask_storeu_ps(Ci + jj * m, mask0, acc0[jj]);
     _mm512_mask_storeu_ps(Ci + jj * m + 16, mask1, acc1[jj]);
   }
 }
 
-using SkFn = void (*)(int64_t, int64_t, const float*, const float*, __mmask16, __mmask16, float*);
+using SkFn = void (*)(int64_t, int64_t, const float*, const float*, __mmask16, __mmask16, float*, bool);
 constexpr int kSkCols = 12;  // 24 accumulators + 2 loads + 1 broadcast
 
 template <int... J>
@@ -160,13 +169,14 @@ constexpr auto sk_table(std::integer_sequence<int, J...>) {
   return std::array<SkFn, sizeof...(J)>{&sk_block<J + 1>...};
 }
 
-SW_AVX512 void small_k(int64_t m, int64_t k, const float* Ap, const float* Bp, float* C, int64_t jb, int64_t je) {
+SW_AVX512 void small_k(int64_t m, int64_t k, const float* Ap, const float* Bp, float* C, int64_t jb, int64_t je,
+                       bool accumulate) {
   static constexpr auto table = sk_table(std::make_integer_sequence<int, kSkCols>{});
   for (int64_t j0 = jb; j0 < je; j0 += kSkCols) {
     const int64_t nj = std::min<int64_t>(kSkCols, je - j0);
     for (int64_t i0 = 0; i0 < m; i0 += 32) {
       const int64_t mi = std::min<int64_t>(32, m - i0);
-      table[nj - 1](k, m, Ap + i0, Bp + j0 * k, lanes(mi), lanes(mi - 16), C + j0 * m + i0);
+      table[nj - 1](k, m, Ap + i0, Bp + j0 * k, lanes(mi), lanes(mi - 16), C + j0 * m + i0, accumulate);
     }
   }
 }
@@ -212,7 +222,7 @@ const char* skinny_sgemm_path(int64_t m, int64_t n, int64_t k, int64_t b_sj, int
 }
 
 bool skinny_sgemm(int64_t m, int64_t n, int64_t k, const float* A, int64_t a_si, int64_t a_sp, const float* B,
-                  int64_t b_sj, int64_t b_sp, float* C) {
+                  int64_t b_sj, int64_t b_sp, float* C, bool accumulate) {
   const Path path = path_of(m, n, k, b_sj, b_sp);
   if (path == Path::None) return false;
   std::vector<float> abuf, bbuf;
@@ -221,20 +231,20 @@ bool skinny_sgemm(int64_t m, int64_t n, int64_t k, const float* A, int64_t a_si,
     const float* Ap = pack(A, m, k, a_si, a_sp, 1, m, abuf);
     const int64_t blocks = (n + 15) / 16;
     over_columns(blocks, work, [&](int64_t b, int64_t e) {
-      small_m_j(m, k, Ap, B, b_sp, C, b * 16, std::min(n, e * 16));
+      small_m_j(m, k, Ap, B, b_sp, C, b * 16, std::min(n, e * 16), accumulate);
     });
   } else if (path == Path::SmallMP) {
     const float* Ar = pack(A, m, k, a_si, a_sp, k, 1, abuf);
     const int64_t blocks = (n + kMpCols - 1) / kMpCols;
     over_columns(blocks, work, [&](int64_t b, int64_t e) {
-      small_m_p(m, k, Ar, B, b_sj, C, b * kMpCols, std::min(n, e * kMpCols));
+      small_m_p(m, k, Ar, B, b_sj, C, b * kMpCols, std::min(n, e * kMpCols), accumulate);
     });
   } else {
     const float* Ap = pack(A, m, k, a_si, a_sp, 1, m, abuf);
     const float* Bp = pack(B, n, k, b_sj, b_sp, k, 1, bbuf);
     const int64_t blocks = (n + kSkCols - 1) / kSkCols;
     over_columns(blocks, work, [&](int64_t b, int64_t e) {
-      small_k(m, k, Ap, Bp, C, b * kSkCols, std::min(n, e * kSkCols));
+      small_k(m, k, Ap, Bp, C, b * kSkCols, std::min(n, e * kSkCols), accumulate);
     });
   }
   return true;

@@ -34,10 +34,11 @@ inline constexpr int64_t kInner = 32;
 inline constexpr int64_t kWide = 256;
 
 // C (m x n, column-major, ld m) = sum over p of A(i, p) * B(j, p), where
-// A(i, p) = A[i * a_si + p * a_sp] and B(j, p) = B[j * b_sj + p * b_sp].
-// Returns false, leaving C untouched, when no kernel here covers the case.
+// A(i, p) = A[i * a_si + p * a_sp] and B(j, p) = B[j * b_sj + p * b_sp]; with
+// `accumulate`, C += that sum instead. Returns false, leaving C untouched,
+// when no kernel here covers the case.
 bool skinny_sgemm(int64_t m, int64_t n, int64_t k, const float* A, int64_t a_si, int64_t a_sp, const float* B,
-                  int64_t b_sj, int64_t b_sp, float* C);
+                  int64_t b_sj, int64_t b_sp, float* C, bool accumulate = false);
 
 // The kernel skinny_sgemm would use: "small-m/j", "small-m/p", "small-k", or "" for none (tests, benchmarks).
 const char* skinny_sgemm_path(int64_t m, int64_t n, int64_t k, int64_t b_sj, int64_t b_sp);

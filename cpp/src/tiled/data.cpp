@@ -215,6 +215,43 @@ struct ProjectionNode final : Node {
   std::vector<TensorPtr> apply(const TensorPtr& g) override {
     return {scatter_add_gradient(carrier, inputs[0], selection, g)};
   }
+
+  // Note [Gradient sinks]: a one-tile projection of a leaf whose tiled .grad
+  // accumulates in place (what accumulate_into would do with this node's
+  // gradient: the same conditions) offers that gradient's resident tile, in
+  // canonical within-tile order, so the tile's values are the compact
+  // gradient's in column-major order.
+  std::optional<GradientSink> gradient_sink() override {
+    const TensorPtr& leaf = inputs[0];
+    if (selection.per_axis.size() != 2 || selection.per_axis[0].size() != 1 || selection.per_axis[1].size() != 1)
+      return std::nullopt;
+    TensorPtr current;
+    {
+      std::lock_guard lock(leaf->mutex);
+      if (leaf->node) return std::nullopt;
+      current = leaf->grad;
+    }
+    if (!current || current.use_count() != 2 || current->carrier.use_count() != 1 || !current->carrier->is_mutable() ||
+        current->carrier->is_owned() || current->carrier.get() == carrier.get())
+      return std::nullopt;
+    if (current->offset != 0 || !current->layout.is_column_major() || !(current->layout == leaf->layout) ||
+        current->offset != leaf->offset)
+      return std::nullopt;
+    auto acc = std::dynamic_pointer_cast<TiledEvictable>(current->carrier);
+    if (!acc || acc->is_released() || acc->dtype().id() != DTypeId::Float32 || acc->grid_shape() != carrier->grid_shape() ||
+        acc->tile_shape() != carrier->tile_shape() || acc->has_incomplete_work())
+      return std::nullopt;
+    const int64_t index = acc->tile_index({selection.per_axis[0][0], selection.per_axis[1][0]});
+    CarrierPtr buf = acc->resident_tile_for_update(index);
+    if (!buf) return std::nullopt;
+    GradientSink sink;
+    sink.data = reinterpret_cast<float*>(buf->native_data());
+    sink.rows = acc->tile_shape()[0];
+    sink.cols = acc->tile_shape()[1];
+    sink.keep_alive = buf;
+    sink.commit = [acc, index] { acc->mark_tile_written(index); };
+    return sink;
+  }
 };
 
 }  // namespace

@@ -753,6 +753,24 @@ CarrierPtr TiledEvictable::tile_value(int64_t index) const {
   return buf;
 }
 
+CarrierPtr TiledEvictable::resident_tile_for_update(int64_t index) const {
+  std::lock_guard lock(mutex_);
+  const Tile& t = tiles_[index];
+  if (t.loc != TileLocation::Primary || t.pending || t.pins > 0 || !t.buffer || !t.buffer->native_data())
+    return nullptr;
+  return t.buffer;
+}
+
+void TiledEvictable::mark_tile_written(int64_t index) {
+  {
+    std::lock_guard lock(mutex_);
+    Tile& t = tiles_[index];
+    t.dirty = true;
+    t.secondary_valid = false;
+  }
+  bump_version();
+}
+
 bool TiledEvictable::accumulate_tiles(const TiledEvictable& other, bool share_other) {
   SW_ASSERT(&other != this && other.grid_ == grid_ && other.tile_ == tile_ && other.dtype() == dtype(),
             "accumulate_tiles over a different geometry");

@@ -167,6 +167,13 @@ class TiledEvictable final : public DependentCarrier {
   // changing nothing, when a tile is invalid, pinned or under an incomplete
   // request; otherwise advances the version once when anything was added.
   bool accumulate_tiles(const TiledEvictable& other, bool share_other);
+  // For a gradient sink (Note [Gradient sinks]): the primary buffer of tile
+  // `index` when it is resident, native, unpinned and under no request, else
+  // nullptr; the caller adds into it in place (it holds the only reference to
+  // this carrier) and then calls mark_tile_written.
+  CarrierPtr resident_tile_for_update(int64_t index) const;
+  // Tile `index` was changed in place: dirty, its secondary copy stale, the version advanced.
+  void mark_tile_written(int64_t index);
 
  protected:
   void do_release() override;
