@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import struct
+import threading
 import zlib
 
 import numpy as np
@@ -1423,3 +1425,27 @@ def test_evictable_with_a_storage_only_primary_executes_nothing():
         with pytest.raises(NotImplementedError):
             t.carrier.dispatch_op(name)
     snap.check()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+def test_large_kernels_work_in_a_forked_child():
+    """The compute pool's workers do not exist in a child after fork(): its kernels run on the calling thread."""
+    n = 1 << 20  # large enough to be split over the compute threads
+    a = np.arange(n, dtype=np.float32)
+    ta, tb = friendly.tensor(a), friendly.tensor(a)
+    assert np.array_equal(np.asarray(sw.add(ta, tb)), a + a)  # the pool has run in the parent
+    w = np.ones((16, 512), np.float32)
+    pid = os.fork()
+    if pid == 0:  # child: any failure or hang shows up as a non-zero status / the timeout below
+        ok = np.array_equal(np.asarray(sw.add(ta, tb)), a + a)
+        ok &= np.allclose(np.asarray(sw.matmul(friendly.tensor(w), friendly.tensor(np.ones((300, 512), np.float32)))),
+                          512.0)
+        os._exit(0 if ok else 1)
+    waited = []
+    waiter = threading.Thread(target=lambda: waited.append(os.waitpid(pid, 0)[1]), daemon=True)
+    waiter.start()
+    waiter.join(60)
+    if not waited:
+        os.kill(pid, 9)
+        pytest.fail("the forked child hung in a kernel")
+    assert os.WIFEXITED(waited[0]) and os.WEXITSTATUS(waited[0]) == 0
