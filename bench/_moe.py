@@ -28,6 +28,8 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -77,6 +79,31 @@ def run_strideweave(cfg, paths: dict) -> dict:
 def run_torch(cfg, paths: dict, mode: str) -> dict:
     """One PyTorch run ("ram" or "naive") in a fresh process, through the example's own worker entry point."""
     return _run([sys.executable, EXAMPLE, "--_torch-worker", _job(cfg, paths, mode)], f"PyTorch {mode}")
+
+
+def interleaved_pairs(args, bench: str, cfg, pairs: int, budget_s, mode: str, describe) -> tuple:
+    """Writes the checkpoint once, then runs StrideWeave and PyTorch (`mode`: "ram" or "naive") alternately,
+    each in a fresh process, `pairs` times (with `budget_s`, no third pair once two took that long: --quick stays
+    under a minute). Logs `describe(ours, ref)` after each pair. Returns (ours, ref, checkpoint bytes)."""
+    import harness  # bench/ is on sys.path when a benchmark imports this module
+
+    ours, ref = [], []
+    with tempfile.TemporaryDirectory(prefix=f"sw-bench-{bench.replace('_', '-')}-") as directory:
+        t0 = time.perf_counter()
+        paths = write_checkpoint(cfg, directory)
+        nbytes = sum(os.path.getsize(p) for p in paths.values())
+        harness.log(args, f"checkpoint: {nbytes / (1 << 20):.0f} MiB written once in {time.perf_counter() - t0:.1f} s; "
+                          f"{cfg.batches} batches x {cfg.tokens} tokens, {pairs} pairs")
+        started = time.perf_counter()
+        for i in range(pairs):
+            if budget_s is not None and i >= 2 and time.perf_counter() - started > budget_s:
+                break
+            a = run_strideweave(cfg, paths)
+            b = run_torch(cfg, paths, mode)
+            ours.append(a)
+            ref.append(b)
+            harness.log(args, f"pair {i + 1}: {describe(a, b)}")
+    return ours, ref, nbytes
 
 
 def _strideweave_worker(job: dict) -> dict:

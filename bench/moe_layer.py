@@ -40,8 +40,6 @@ from __future__ import annotations
 import os
 import statistics
 import sys
-import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _moe  # noqa: E402
@@ -57,27 +55,15 @@ def main(argv=None) -> None:
     pairs = args.reps or (3 if args.quick else 5)
     budget_s = 25.0 if args.quick else None  # no third pair once two took this long
     cfg = _moe.config(batches=20 if args.quick else 120)
-    ours, ref = [], []
-    with tempfile.TemporaryDirectory(prefix="sw-bench-moe-layer-") as directory:
-        t0 = time.perf_counter()
-        paths = _moe.write_checkpoint(cfg, directory)
-        nbytes = sum(os.path.getsize(p) for p in paths.values())
-        harness.log(args, f"checkpoint: {nbytes / MiB:.0f} MiB written once in {time.perf_counter() - t0:.1f} s; "
-                          f"{cfg.batches} batches x {cfg.tokens} tokens, {pairs} pairs")
-        started = time.perf_counter()
-        for i in range(pairs):
-            if budget_s is not None and i >= 2 and time.perf_counter() - started > budget_s:
-                break  # --quick stays under a minute on a loaded machine: at least 2 pairs
-            a = _moe.run_strideweave(cfg, paths)
-            b = _moe.run_torch(cfg, paths, "ram")
-            ours.append(a)
-            ref.append(b)
-            harness.log(args, f"pair {i + 1}: StrideWeave {a['tokens_per_s']:.0f} tokens/s, peak RSS "
-                              f"{a['peak_rss'] / MiB:.0f} MiB, up to {a['peak_resident_experts']} experts resident a matrix (prefetch wait {a['prefetch_wait']:.2f} s, project "
-                              f"{a['project']:.2f} s, compute {a['compute']:.2f} s); PyTorch in RAM "
-                              f"{b['tokens_per_s']:.0f} tokens/s, peak RSS {b['peak_rss'] / MiB:.0f} MiB "
-                              f"-> throughput {a['tokens_per_s'] / b['tokens_per_s']:.3f}, "
-                              f"memory {a['peak_rss'] / b['peak_rss']:.3f}")
+
+    def describe(a, b):
+        return (f"StrideWeave {a['tokens_per_s']:.0f} tokens/s, peak RSS {a['peak_rss'] / MiB:.0f} MiB, up to "
+                f"{a['peak_resident_experts']} experts resident a matrix (prefetch wait {a['prefetch_wait']:.2f} s, "
+                f"project {a['project']:.2f} s, compute {a['compute']:.2f} s); PyTorch in RAM "
+                f"{b['tokens_per_s']:.0f} tokens/s, peak RSS {b['peak_rss'] / MiB:.0f} MiB "
+                f"-> throughput {a['tokens_per_s'] / b['tokens_per_s']:.3f}, memory {a['peak_rss'] / b['peak_rss']:.3f}")
+
+    ours, ref, nbytes = _moe.interleaved_pairs(args, "moe_layer", cfg, pairs, budget_s, "ram", describe)
 
     ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(ours, ref)]
     mem = [a["peak_rss"] / b["peak_rss"] for a, b in zip(ours, ref)]

@@ -32,8 +32,6 @@ from __future__ import annotations
 import os
 import statistics
 import sys
-import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _moe  # noqa: E402
@@ -48,25 +46,13 @@ def main(argv=None) -> None:
     pairs = args.reps or (3 if args.quick else 4)
     budget_s = 25.0 if args.quick else None  # no third pair once two took this long
     cfg = _moe.config(batches=10 if args.quick else 120)
-    ours, ref = [], []
-    with tempfile.TemporaryDirectory(prefix="sw-bench-moe-naive-") as directory:
-        t0 = time.perf_counter()
-        paths = _moe.write_checkpoint(cfg, directory)
-        nbytes = sum(os.path.getsize(p) for p in paths.values())
-        harness.log(args, f"checkpoint: {nbytes / MiB:.0f} MiB written once in {time.perf_counter() - t0:.1f} s; "
-                          f"{cfg.batches} batches x {cfg.tokens} tokens, {pairs} pairs")
-        started = time.perf_counter()
-        for i in range(pairs):
-            if budget_s is not None and i >= 2 and time.perf_counter() - started > budget_s:
-                break  # --quick stays under a minute on a loaded machine: at least 2 pairs
-            a = _moe.run_strideweave(cfg, paths)
-            b = _moe.run_torch(cfg, paths, "naive")
-            ours.append(a)
-            ref.append(b)
-            harness.log(args, f"pair {i + 1}: StrideWeave {a['wall']:.2f} s ({a['tokens_per_s']:.0f} tokens/s, "
-                              f"prefetch wait {a['prefetch_wait']:.2f} s); PyTorch naive {b['wall']:.2f} s "
-                              f"({b['tokens_per_s']:.0f} tokens/s, synchronous reads {b['io']:.2f} s) "
-                              f"-> speed-up {b['wall'] / a['wall']:.3f}")
+
+    def describe(a, b):
+        return (f"StrideWeave {a['wall']:.2f} s ({a['tokens_per_s']:.0f} tokens/s, prefetch wait "
+                f"{a['prefetch_wait']:.2f} s); PyTorch naive {b['wall']:.2f} s ({b['tokens_per_s']:.0f} tokens/s, "
+                f"synchronous reads {b['io']:.2f} s) -> speed-up {b['wall'] / a['wall']:.3f}")
+
+    ours, ref, nbytes = _moe.interleaved_pairs(args, "moe_naive", cfg, pairs, budget_s, "naive", describe)
 
     ratios = [b["wall"] / a["wall"] for a, b in zip(ours, ref)]
     case = harness.Case(
