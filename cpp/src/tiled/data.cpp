@@ -249,7 +249,7 @@ struct ProjectionNode final : Node {
     sink.rows = acc->tile_shape()[0];
     sink.cols = acc->tile_shape()[1];
     sink.keep_alive = buf;
-    sink.commit = [acc, index] { acc->mark_tile_written(index); };
+    sink.commit = [acc, index, buf] { acc->mark_tile_written(index, buf); };
     return sink;
   }
 };

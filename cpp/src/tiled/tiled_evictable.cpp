@@ -761,10 +761,11 @@ CarrierPtr TiledEvictable::resident_tile_for_update(int64_t index) const {
   return t.buffer;
 }
 
-void TiledEvictable::mark_tile_written(int64_t index) {
+void TiledEvictable::mark_tile_written(int64_t index, const CarrierPtr& buffer) {
   {
     std::lock_guard lock(mutex_);
     Tile& t = tiles_[index];
+    if (t.loc != TileLocation::Primary || t.buffer != buffer) return;
     t.dirty = true;
     t.secondary_valid = false;
   }

@@ -172,8 +172,10 @@ class TiledEvictable final : public DependentCarrier {
   // nullptr; the caller adds into it in place (it holds the only reference to
   // this carrier) and then calls mark_tile_written.
   CarrierPtr resident_tile_for_update(int64_t index) const;
-  // Tile `index` was changed in place: dirty, its secondary copy stale, the version advanced.
-  void mark_tile_written(int64_t index);
+  // Tile `index`, whose primary buffer is `buffer`, was changed in place: dirty, its secondary copy stale, the
+  // version advanced. A tile that no longer holds `buffer` (something evicted it meanwhile, which the caller's
+  // sole ownership rules out) is left as it is.
+  void mark_tile_written(int64_t index, const CarrierPtr& buffer);
 
  protected:
   void do_release() override;
