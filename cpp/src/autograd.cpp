@@ -27,6 +27,21 @@ bool should_record(std::span<const TensorPtr> inputs, const TensorPtr& result) {
 
 namespace {
 
+thread_local std::span<GradientSink* const> t_offered;  // Note [Gradient sinks]
+
+// Publishes `sinks` to offered_sinks() for the duration of one apply() on this thread.
+struct OfferedSinks {
+  explicit OfferedSinks(std::span<GradientSink* const> sinks) : saved(t_offered) { t_offered = sinks; }
+  ~OfferedSinks() { t_offered = saved; }
+  std::span<GradientSink* const> saved;
+};
+
+}  // namespace
+
+std::span<GradientSink* const> offered_sinks() { return t_offered; }
+
+namespace {
+
 // The backend of a kind that computes on dense copies (TiledEvictable), or null.
 OpBackend* materializing_backend(const Carrier& c) {
   OpBackend* b = backend_for(c.kind());
@@ -188,7 +203,7 @@ void backward(const TensorPtr& root, const TensorPtr& gradient, bool retain_grap
     std::vector<std::optional<GradientSink>> offered;
     if (g) {
       offered.resize(n->inputs.size());
-      n->sinks.assign(n->inputs.size(), nullptr);
+      std::vector<GradientSink*> sinks(n->inputs.size(), nullptr);
       for (size_t i = 0; i < n->inputs.size(); ++i) {
         const TensorPtr& in = n->inputs[i];
         std::shared_ptr<Node> child;
@@ -203,10 +218,12 @@ void backward(const TensorPtr& root, const TensorPtr& gradient, bool retain_grap
         for (size_t j = 0; j < n->inputs.size(); ++j) repeated |= j != i && n->inputs[j] == in;
         if (repeated) continue;
         offered[i] = child->gradient_sink();
-        if (offered[i]) n->sinks[i] = &*offered[i];
+        if (offered[i]) sinks[i] = &*offered[i];
       }
-      in_grads = n->apply(g);  // a node whose output received no gradient does no work
-      n->sinks.clear();
+      {
+        OfferedSinks scope(sinks);
+        in_grads = n->apply(g);  // a node whose output received no gradient does no work
+      }
       for (size_t i = 0; i < offered.size(); ++i)
         if (offered[i] && offered[i]->used) {
           SW_ASSERT(i >= in_grads.size() || !in_grads[i], n->name, " both filled a gradient sink and returned a gradient");

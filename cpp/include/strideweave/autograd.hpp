@@ -19,6 +19,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -66,11 +67,14 @@ struct Node : std::enable_shared_from_this<Node> {
   virtual std::vector<TensorPtr> apply(const TensorPtr& grad_output) = 0;
   // See Note [Gradient sinks]: where this node's output gradient may be added directly, or none.
   virtual std::optional<GradientSink> gradient_sink() { return std::nullopt; }
-  // Set by the engine around apply(): per input, a sink offered by the input's own node, or null.
-  std::vector<GradientSink*> sinks;
   // Drops what backward needed.
   virtual void release_saved() { saved.clear(); }
 };
+
+// Inside Node::apply, on the thread running backward: per input of that node,
+// the sink its input's own node offers (Note [Gradient sinks]), or null;
+// empty outside apply.
+std::span<GradientSink* const> offered_sinks();
 
 // Attaches `node` to `result` (sets result->node and node->output).
 void attach_node(const std::shared_ptr<Node>& node, const TensorPtr& result);

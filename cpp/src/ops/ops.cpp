@@ -472,7 +472,7 @@ struct OpNode final : Node {
 
   std::vector<TensorPtr> apply(const TensorPtr& g) override {
     OpBackend* backend = backend_for(*dispatch_kind);
-    if (!backend || !backend->materializes()) return vjp(inputs, g, sinks);
+    if (!backend || !backend->materializes()) return vjp(inputs, g, offered_sinks());
     std::vector<TensorPtr> dense;
     for (const auto& in : inputs) dense.push_back(backend->materialize_for_backward(in));
     std::vector<TensorPtr> grads = vjp(dense, g);
@@ -484,7 +484,7 @@ struct OpNode final : Node {
   // Gradients for `inputs` (the operands, or dense copies of them) given the output's gradient; a gradient
   // added into one of `sinks` (Note [Gradient sinks]) is returned as nullptr.
   std::vector<TensorPtr> vjp(const std::vector<TensorPtr>& inputs, const TensorPtr& g,
-                             const std::vector<GradientSink*>& sinks = {}) {
+                             std::span<GradientSink* const> sinks = {}) {
     std::vector<TensorPtr> grads(inputs.size());
     auto want = [&](size_t i) { return inputs[i]->is_differentiable(); };
     // Position of each operand among the tensor inputs.
