@@ -706,6 +706,22 @@ class CyclePolicy:
         return ResidencyPlan()
 
 
+def blocking_policy(result):
+    """A CyclePolicy class whose plan() signals `entered`, blocks until `go` is set (failing after DEADLINE_S)
+    and then returns result(required). Returns (the class, entered, go)."""
+    entered, go = threading.Event(), threading.Event()
+
+    class BlockingPolicy(CyclePolicy):
+        def plan(self, required, purpose):
+            self.calls += 1
+            entered.set()
+            if not go.wait(DEADLINE_S):
+                raise RuntimeError("the test never released the plan")
+            return result(required)
+
+    return BlockingPolicy, entered, go
+
+
 def collected(ref, path=None):
     """Collects garbage; true once `ref` is dead (and `path`, an anonymous file, removed)."""
     gc.collect()
@@ -774,16 +790,11 @@ def test_policy_plans_run_while_garbage_is_collected(arena):
     the main thread collects garbage repeatedly: carrier A's dropped cycle is collected (its policy
     cleared and its tiles and file freed) during B's plan, B's own cycle is kept alive by the running
     request, and its plan also collects garbage itself. Nothing crashes; every result is right."""
-    entered, go = threading.Event(), threading.Event()
+    def collect_then_promote(required):
+        gc.collect()  # a collection inside the plan of a carrier whose cycle is otherwise garbage
+        return ResidencyPlan(promote=required)
 
-    class BlockingPolicy(CyclePolicy):
-        def plan(self, required, purpose):
-            self.calls += 1
-            entered.set()
-            if not go.wait(DEADLINE_S):
-                raise RuntimeError("the test never released the plan")
-            gc.collect()  # a collection inside the plan of a carrier whose cycle is otherwise garbage
-            return ResidencyPlan(promote=required)
+    BlockingPolicy, entered, go = blocking_policy(collect_then_promote)
 
     pa = CyclePolicy()
     a, _, _ = tiled(arena, policy=pa)
@@ -851,15 +862,7 @@ def test_cleared_policy_mid_plan_behaves_like_no_policy(arena):
     flight. Deterministic: the plan blocks on a second thread while the main thread clears the carrier.
     The running plan finishes with its own reference (its plan applies), later requests plan like a
     carrier without a policy, and nothing crashes."""
-    entered, go = threading.Event(), threading.Event()
-
-    class BlockingPolicy(CyclePolicy):
-        def plan(self, required, purpose):
-            self.calls += 1
-            entered.set()
-            if not go.wait(DEADLINE_S):
-                raise RuntimeError("the test never released the plan")
-            return ResidencyPlan(promote=TileSet([(0,)]))
+    BlockingPolicy, entered, go = blocking_policy(lambda required: ResidencyPlan(promote=TileSet([(0,)])))
 
     policy = BlockingPolicy()
     c, full, values = tiled(arena, policy=policy)
