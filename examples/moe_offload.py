@@ -18,8 +18,11 @@ default). Every batch:
    handles are waited before that batch projects them: a projection over tiles
    of an incomplete residency request raises ``RuntimeError`` ("wait");
 3. expert by expert, ``carrier.project(W_full, TileSelection([[0], [e]]))``
-   gathers expert ``e`` into a compact dense ``(out, in)`` tensor (into one
-   reused destination buffer per matrix); each projection asks the policy,
+   yields expert ``e`` as a compact dense ``(out, in)`` tensor. The resident
+   tile already holds exactly those values in that order, so without a
+   ``destination`` the projection shares the tile's memory copy-on-write
+   instead of copying 4 MiB (nothing here writes either side); each
+   projection asks the policy,
    which evicts the least recently used experts beyond the budget once the
    projection no longer needs them;
 4. forward and backward run on the compact tensors, and each projection's
@@ -321,10 +324,6 @@ def run_strideweave(cfg: Config, paths: dict, batches_fn, G: np.ndarray, p: np.n
     prefetch_wait = project_time = compute = 0.0
     recent: OrderedDict = OrderedDict()  # projected experts, least recent first (mirrors LRUPolicy)
     peak_resident = 0
-    # One reusable destination per matrix: each expert is projected into the same compact buffer (its
-    # previous contents are dead once the previous expert's backward has run), sparing an allocation and
-    # its page faults per projection.
-    destinations = {name: sw.CPU(int(np.prod(matrix_shape(cfg, name))), empty=True) for name in MATRICES}
     grad_evictions = []  # the previous batch's gradient evictions, waited before this batch's first backward
 
     def finish_grad_evictions() -> None:
@@ -372,7 +371,8 @@ def run_strideweave(cfg: Config, paths: dict, batches_fn, G: np.ndarray, p: np.n
         for e in processing_order(batch.used, recent):
             t1 = time.perf_counter()
             selection = sw.TileSelection([[0], [e]])
-            pending = [carriers[name].project(fulls[name], selection, destinations[name]) for name in MATRICES]
+            # No destination: each one-expert projection shares the resident tile (copy-on-write), no copy.
+            pending = [carriers[name].project(fulls[name], selection) for name in MATRICES]
             w1, w2 = (h.wait() for h in pending)
             t2 = time.perf_counter()
             resident_now |= resident_experts(carriers["w1"])

@@ -313,6 +313,46 @@ def test_keep_the_full_tensor_unchanged(rng):
     assert not c.is_owned() and not compact.carrier.is_owned()
 
 
+def test_one_tile_projection_is_a_snapshot_isolated_from_writes_on_either_side(rng):
+    """Projecting one resident expert without a destination shares the tile's memory copy-on-write
+    (Note [Shared snapshots]): neither a later write to the tile nor one to the projection reaches the other."""
+    w = expert_weight(rng)
+    c = w.carrier
+    c.promote(te.TileSet([(0, 0, 2)]))
+    sel = TileSelection([[0], [0], [2]])
+    expected = w.values[:, :, 2:3].copy()
+
+    def slot(o, i, e):  # canonical column-major slot of logical (o, i, e) over (3, 4, 6)
+        return o + 3 * i + 12 * e
+
+    def compact_values(t):  # read through the carrier, without exporting it
+        return np.array([t.carrier[k] for k in range(t.size())], np.float32).reshape(expected.shape, order="F")
+
+    p = c.project(w.full, sel).wait()
+    np.testing.assert_array_equal(compact_values(p), expected)
+    version = c.version
+    c[slot(1, 2, 2)] = 123.0  # the tile is written
+    assert c.version == version + 1
+    np.testing.assert_array_equal(compact_values(p), expected)  # the projection kept its values
+    assert c[slot(1, 2, 2)] == 123.0
+
+    q = c.project(w.full, sel).wait()
+    arr = np.asarray(q)  # a writable view: the projection's memory becomes its own first
+    assert arr.flags.writeable
+    arr[0, 0, 0] = -9.0
+    assert q.carrier[0] == -9.0
+    assert c[slot(0, 0, 2)] == expected[0, 0, 0]  # the tile did not see the write
+    q.carrier[1] = -8.0
+    assert c[slot(1, 0, 2)] == expected[1, 0, 0]
+
+    # Evicting the (dirty) tile writes it back; the projections live on with their own values.
+    c.evict(te.TileSet([(0, 0, 2)]))
+    assert c.tile_state((0, 0, 2)).location == "secondary"
+    np.testing.assert_array_equal(compact_values(p), expected)
+    assert arr[0, 0, 0] == -9.0
+    assert c[slot(1, 2, 2)] == 123.0
+
+
 # ================================================================ Projection is an autograd-visible gather
 
 

@@ -172,6 +172,25 @@ def test_matmul_gradient_adds_into_the_resident_gradient_tile(rng, tokens):
     np.testing.assert_allclose(grad_values(full), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_a_projection_of_the_gradient_keeps_its_values_when_a_sink_adds_into_the_tile(rng):
+    """A one-tile projection of .grad shares the tile (Note [Shared snapshots]); the next matmul's sink adds into
+    the tile in place, which first gives the tile memory of its own."""
+    w, c, full = expert_weight(rng)
+    x0, x1 = (rng.standard_normal((5, IN)).astype(np.float32) for _ in range(2))
+    g0, g1 = (rng.standard_normal((5, OUT)).astype(np.float32) for _ in range(2))
+    matmul_step(c, full, 2, x0, g0)
+    with sw.no_grad():
+        snap = full.grad.carrier.project(full.grad, TileSelection([[0], [2]])).wait()
+    first = g0.T.astype(np.float64) @ x0.astype(np.float64)
+    values = lambda t: np.array([t.carrier[k] for k in range(t.size())]).reshape(OUT, IN, order="F")  # noqa: E731
+    np.testing.assert_allclose(values(snap), first, rtol=1e-5, atol=1e-5)
+    matmul_step(c, full, 2, x1, g1)
+    assert full.grad.carrier.version == 2  # added in place (a fresh sum would restart at 1)
+    np.testing.assert_allclose(values(snap), first, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(expert_of(grad_values(full), 2), first + g1.T.astype(np.float64) @ x1,
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_matmul_gradient_leaves_a_held_gradient_alone(rng):
     w, c, full = expert_weight(rng)
     x = rng.standard_normal((3, IN)).astype(np.float32)

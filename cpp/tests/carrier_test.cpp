@@ -965,5 +965,115 @@ TEST(Evictable, ConstructionErrors) {
   EXPECT_SW_THROW(TypeError, "must not be dependent", EvictableCarrier(inner, cpu(0)));
 }
 
+// ---------------------------------------------------------------- shared snapshots (Note [Shared snapshots])
+
+std::shared_ptr<CPUCarrier> counting_cpu(int64_t n) {
+  auto c = std::make_shared<CPUCarrier>(n, F32(), true, true);
+  for (int64_t i = 0; i < n; ++i) c->set(i, F(double(i)));
+  return c;
+}
+
+TEST(SharedSnapshot, SharesTheMemoryUntilTheSnapshotWrites) {
+  for (int64_t n : {int64_t{100}, int64_t{1} << 20}) {  // a heap buffer and a mapped one
+    auto src = counting_cpu(n);
+    const std::byte* memory = src->native_data();
+    auto snap = src->share_snapshot();
+    ASSERT_NE(snap, nullptr);
+    EXPECT_EQ(snap->native_data(), memory);  // no copy
+    EXPECT_TRUE(src->shares_memory());
+    EXPECT_TRUE(snap->shares_memory());
+    EXPECT_TRUE(snap->is_mutable());
+    EXPECT_EQ(snap->size(), n);
+    EXPECT_EQ(snap->get(n - 1), F(double(n - 1)));
+    snap->set(7, F(-1.0));  // the writer copies first
+    EXPECT_NE(snap->native_data(), memory);
+    EXPECT_EQ(src->native_data(), memory);
+    EXPECT_FALSE(src->shares_memory());
+    EXPECT_FALSE(snap->shares_memory());
+    EXPECT_EQ(snap->get(7), F(-1.0));
+    EXPECT_EQ(src->get(7), F(7.0));
+    EXPECT_EQ(snap->get(n - 1), F(double(n - 1)));  // the rest was copied
+    const std::byte* own = snap->native_data();
+    snap->set(8, F(-2.0));  // alone now: in place
+    EXPECT_EQ(snap->native_data(), own);
+  }
+}
+
+TEST(SharedSnapshot, EveryWritePathOfTheSourceCopiesFirst) {
+  const std::vector<std::function<void(CPUCarrier&)>> writes = {
+      [](CPUCarrier& c) { c.set(3, F(-5.0)); },
+      [](CPUCarrier& c) { c.write_value(3, F(-5.0)); },
+      [](CPUCarrier& c) {
+        float v = -5.f;
+        c.write_slots(3, 1, &v);
+      },
+      [](CPUCarrier& c) { reinterpret_cast<float*>(c.mutable_native_data())[3] = -5.f; },
+      [](CPUCarrier& c) {  // a bulk copy into it
+        auto other = counting_cpu(16);
+        other->set(3, F(-5.0));
+        copy_slots(*other, 0, c, 0, 16);
+      },
+  };
+  for (size_t w = 0; w < writes.size(); ++w) {
+    auto src = counting_cpu(16);
+    auto snap = src->share_snapshot();
+    writes[w](*src);
+    EXPECT_EQ(src->get(3), F(-5.0)) << w;
+    EXPECT_EQ(snap->get(3), F(3.0)) << w;  // the snapshot kept the old values
+    EXPECT_FALSE(snap->shares_memory()) << w;
+  }
+}
+
+TEST(SharedSnapshot, TheLastHolderKeepsTheMemoryAndWritesInPlace) {
+  auto src = counting_cpu(64);
+  auto snap = src->share_snapshot();
+  auto snap2 = src->share_snapshot();
+  const std::byte* memory = src->native_data();
+  src.reset();  // the tile evicted, say
+  EXPECT_TRUE(snap->shares_memory());  // still with snap2
+  snap2->release();
+  EXPECT_FALSE(snap->shares_memory());
+  snap->set(0, F(42.0));
+  EXPECT_EQ(snap->native_data(), memory);
+  EXPECT_EQ(snap->get(1), F(1.0));
+}
+
+TEST(SharedSnapshot, RefusedForExportedReleasedOrEmptyMemory) {
+  auto src = counting_cpu(16);
+  {
+    std::shared_ptr<const void> exported = src->native_owner();  // a NumPy view could write it
+    EXPECT_EQ(src->share_snapshot(), nullptr);
+    EXPECT_FALSE(src->shares_memory());
+  }
+  EXPECT_NE(src->share_snapshot(), nullptr);  // the export is gone
+  auto empty = std::make_shared<CPUCarrier>(0, F32(), true, true);
+  EXPECT_EQ(empty->share_snapshot(), nullptr);
+  src->release();
+  EXPECT_EQ(src->share_snapshot(), nullptr);
+}
+
+TEST(SharedSnapshot, ConcurrentWritersOfBothSidesNeverSeeEachOther) {
+  // Each side writes its own marker everywhere from its own thread; neither may observe the other's.
+  for (int round = 0; round < 20; ++round) {
+    auto src = counting_cpu(1 << 12);
+    auto snap = src->share_snapshot();
+    auto fill = [](CPUCarrier& c, float v) {
+      float* d = reinterpret_cast<float*>(c.mutable_native_data());
+      for (int64_t i = 0; i < c.size(); ++i) d[i] = v;
+    };
+    std::thread a([&] { fill(*src, 1.f); });
+    std::thread b([&] { fill(*snap, 2.f); });
+    a.join();
+    b.join();
+    const float* x = reinterpret_cast<const float*>(src->native_data());
+    const float* y = reinterpret_cast<const float*>(snap->native_data());
+    EXPECT_NE(x, y);
+    for (int64_t i = 0; i < src->size(); ++i) {
+      ASSERT_EQ(x[i], 1.f) << i;
+      ASSERT_EQ(y[i], 2.f) << i;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace sw

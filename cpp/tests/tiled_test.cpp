@@ -18,7 +18,10 @@
 #include <set>
 #include <thread>
 
+#include "strideweave/carriers/native.hpp"
+#include "strideweave/grad_mode.hpp"
 #include "strideweave/io.hpp"
+#include "strideweave/tiled/data.hpp"
 #include "strideweave/tiled/tiled_evictable.hpp"
 #include "test_support.hpp"
 
@@ -1365,6 +1368,60 @@ TEST_F(TiledTest, StressReleaseRacesWithRequests) {
   std::cout << "[ INFO     ] release race: " << accepted << " accepted, " << refused_released
             << " refused as released" << std::endl;
   EXPECT_EQ(unexpected.load(), 0);
+}
+
+// ---------------------------------------------------------------- projection shares one tile (Note [Shared snapshots])
+
+// A canonical full tensor over `te`: column-major over its logical shape, offset 0.
+TensorPtr canonical_full(const Tiled& te) { return make_tensor(te, 0, column_major(Shape::flat(te->logical_shape()))); }
+
+TEST_F(TiledTest, ProjectingOneResidentTileSharesItsBufferCopyOnWrite) {
+  GradModeGuard no_grad(false);
+  Tiled te = make_tiled({2, 3}, {4, 5});
+  TensorPtr full = canonical_full(te);
+  const int64_t tile = te->tile_index({1, 2});
+  te->promote_async({tile})->value();
+  TensorPtr p = project(te, full, {{{1}, {2}}}, nullptr)->value();
+  ASSERT_EQ(p->size(), 20);
+  EXPECT_EQ(p->carrier->native_data(), te->tile_buffer(tile)->native_data());  // no copy
+  auto value_at = [&](int64_t w) {  // the full tensor's value at within-tile ordinal w of tile (1, 2)
+    const int64_t r = 4 + w % 4, col = 10 + w / 4;
+    return te->read_value(r + 8 * col);
+  };
+  for (int64_t w = 0; w < 20; ++w) EXPECT_EQ(p->carrier->read_value(w), value_at(w)) << w;
+  // The tile is written: the projection keeps the values it was given.
+  const Value before = p->carrier->read_value(0);
+  te->write_value(4 + 8 * 10, F(-7.0));
+  EXPECT_EQ(p->carrier->read_value(0), before);
+  EXPECT_EQ(value_at(0), F(-7.0));
+  // The projection is written: the tile keeps its values.
+  TensorPtr q = project(te, full, {{{1}, {2}}}, nullptr)->value();
+  EXPECT_EQ(q->carrier->native_data(), te->tile_buffer(tile)->native_data());
+  q->carrier->set(1, F(99.0));
+  EXPECT_NE(value_at(1), F(99.0));
+  EXPECT_EQ(q->carrier->read_value(1), F(99.0));
+  // The tile is evicted (written back: it is dirty): the projection lives on.
+  te->evict_async({tile})->value();
+  EXPECT_EQ(state(*te, tile).location, TileLocation::Secondary);
+  EXPECT_EQ(p->carrier->read_value(0), before);
+  EXPECT_EQ(value_at(0), F(-7.0));
+}
+
+TEST_F(TiledTest, ProjectionCopiesIntoADestinationSeveralTilesOrAnImplicitZero) {
+  GradModeGuard no_grad(false);
+  Tiled te = make_tiled({2, 3}, {4, 5});
+  TensorPtr full = canonical_full(te);
+  te->promote_async(all_tiles(*te))->value();
+  auto dest = std::make_shared<CPUCarrier>(20, F32(), true, true);
+  TensorPtr into = project(te, full, {{{0}, {1}}}, dest)->value();
+  EXPECT_EQ(into->carrier.get(), dest.get());  // the destination given, written
+  EXPECT_NE(into->carrier->native_data(), te->tile_buffer(te->tile_index({0, 1}))->native_data());
+  TensorPtr two = project(te, full, {{{0}, {1, 2}}}, nullptr)->value();
+  EXPECT_EQ(two->size(), 40);
+  EXPECT_NE(two->carrier->native_data(), te->tile_buffer(te->tile_index({0, 1}))->native_data());
+  Tiled zeros = std::static_pointer_cast<TiledEvictable>(te->allocate_like(te->size(), true, F32(), false));
+  TensorPtr z = project(zeros, canonical_full(zeros), {{{1}, {1}}}, nullptr)->value();
+  for (int64_t w = 0; w < 20; ++w) EXPECT_EQ(z->carrier->read_value(w), F(0.0)) << w;
 }
 
 }  // namespace

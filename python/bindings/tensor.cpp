@@ -43,10 +43,13 @@ nb::object to_numpy(nb::handle self) {
   std::vector<size_t> shape;
   std::vector<int64_t> strides;
   bool representable = mode_strides(t.layout, shape, strides);
-  std::byte* base = t.carrier->native_data();
+  const std::byte* base = t.carrier->native_data();
   const size_t w = sw::slot_bytes(t.dtype());
   nb::object arr;
   if (base && representable) {
+    // A writable view may write at any time: memory shared copy-on-write with another carrier is
+    // first made private to this one (Note [Shared snapshots]).
+    if (t.is_mutable()) base = t.carrier->mutable_native_data();
     // Zero-copy view. The view owns a share of the memory itself (not only the tensor, whose
     // carrier may be released or moved away while the view lives): Note [Exports outlive release].
     nb::handle owner = self;
@@ -56,7 +59,7 @@ nb::object to_numpy(nb::handle self) {
       keep = nb::capsule(held, [](void* p) noexcept { delete static_cast<std::shared_ptr<const void>*>(p); });
       owner = keep;
     }
-    arr = nb::cast(nb::ndarray<nb::numpy>(base + static_cast<size_t>(t.offset) * w, shape.size(), shape.data(), owner,
+    arr = nb::cast(nb::ndarray<nb::numpy>(const_cast<std::byte*>(base) + static_cast<size_t>(t.offset) * w, shape.size(), shape.data(), owner,
                                           strides.data(), dl_dtype(t.dtype())));
     if (!t.is_mutable()) arr.attr("flags").attr("writeable") = false;
     return arr;

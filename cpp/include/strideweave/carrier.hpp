@@ -16,7 +16,8 @@
 //
 // Data access. Public element access (`get`, `set`) checks state and converts
 // values; engine code uses the bulk, unchecked `read_slots`/`write_slots`
-// (a run of slots in one call) and, for native memory, `native_data()`, so no
+// (a run of slots in one call) and, for native memory, `native_data()` /
+// `mutable_native_data()`, so no
 // hot path pays a per-slot virtual call.
 //
 // Thread-safety. State queries and claims are atomic / internally locked.
@@ -137,8 +138,13 @@ class Carrier : public std::enable_shared_from_this<Carrier> {
   // -------- unchecked bulk access (engine code; caller validated state and range)
   virtual void read_slots(int64_t start, int64_t count, void* out) const;
   virtual void write_slots(int64_t start, int64_t count, const void* in);
-  // Raw pointer to slot 0 for native host memory, else nullptr.
-  virtual std::byte* native_data() const noexcept { return nullptr; }
+  // Raw pointer to slot 0 for native host memory, else nullptr: for reading.
+  virtual const std::byte* native_data() const noexcept { return nullptr; }
+  // The same memory for writing. A carrier that shares its memory copy-on-write
+  // with another (Note [Shared snapshots] in native.cpp) first takes a private
+  // copy, so engine code writes only through this pointer, never through
+  // native_data(). Obtain it before reading for an in-place update.
+  virtual std::byte* mutable_native_data() { return nullptr; }
   // Shares ownership of the memory behind native_data(): a zero-copy export holds it so that
   // release() (or a move consuming the carrier) cannot free memory under the export.
   // See Note [Exports outlive release].

@@ -252,6 +252,55 @@ CPUCarrier::CPUCarrier(int64_t slots, const DType& dtype, bool is_mutable, bool 
   buffer_ = std::make_shared<AlignedBuffer>(static_cast<size_t>(slots) * slot_bytes(dtype), !empty);
 }
 
+CPUCarrier::CPUCarrier(ShareTag, const CPUCarrier& source, std::shared_ptr<AlignedBuffer> buffer)
+    : Carrier(&cpu_kind(), source.dtype(), /*is_mutable=*/true), slots_(source.slots_), buffer_(std::move(buffer)) {}
+
+CPUCarrier::~CPUCarrier() { buffer_->holders.fetch_sub(1, std::memory_order_acq_rel); }
+
+// Note [Shared snapshots]: a projection of one resident tile whose buffer
+// already holds the compact tensor's values in its dense order (one expert of
+// an expert-last MoE weight) need not copy them: share_snapshot() returns a new
+// CPU carrier over the same AlignedBuffer, and the buffer counts the carriers
+// holding it (`holders`). Reads go through native_data() and read_slots as
+// usual. Every write goes through write_slots, write_value or
+// mutable_native_data(), and each first calls unshare(): while another carrier
+// holds the buffer, the writer copies it into a private one and gives up its
+// hold, so the other side never sees the write. Whichever side writes first
+// pays the copy the projection saved; a side that is alone again writes in
+// place. The tile may be evicted meanwhile: the buffer then lives on in the
+// snapshot alone, as a copy would have.
+//
+// Exports break the bookkeeping: a NumPy view holds native_owner() and writes
+// without asking. So share_snapshot() refuses a buffer that anything but
+// carriers holds (its shared_ptr use count exceeds `holders`), and exporting a
+// shared carrier as a writable view unshares it first (mutable_native_data()).
+// A writer unshares before it reads the values it will overwrite, so the old
+// buffer is never read after its last other holder has let go of it.
+std::shared_ptr<CPUCarrier> CPUCarrier::share_snapshot() const {
+  if (is_released() || slots_ == 0) return nullptr;
+  std::shared_ptr<AlignedBuffer> b = buffer_;  // one more use: ours
+  if (b.use_count() != static_cast<long>(b->holders.load(std::memory_order_acquire)) + 1) return nullptr;
+  b->holders.fetch_add(1, std::memory_order_acq_rel);
+  return std::shared_ptr<CPUCarrier>(new CPUCarrier(ShareTag{}, *this, std::move(b)));
+}
+
+void CPUCarrier::set_buffer(std::shared_ptr<AlignedBuffer> buffer) noexcept {
+  std::shared_ptr<AlignedBuffer> old = std::exchange(buffer_, std::move(buffer));
+  old->holders.fetch_sub(1, std::memory_order_acq_rel);
+}
+
+void CPUCarrier::unshare() {
+  if (buffer_->holders.load(std::memory_order_acquire) <= 1) return;
+  auto fresh = std::make_shared<AlignedBuffer>(buffer_->bytes(), false);
+  if (buffer_->bytes()) std::memcpy(fresh->data(), buffer_->data(), buffer_->bytes());
+  set_buffer(std::move(fresh));
+}
+
+std::byte* CPUCarrier::mutable_native_data() {
+  unshare();
+  return buffer_->data();
+}
+
 void CPUCarrier::read_slots(int64_t start, int64_t count, void* out) const {
   if (count <= 0) return;  // an empty carrier's buffer is null: memcpy must not see it
   std::memcpy(out, buffer_->data() + static_cast<size_t>(start) * slot_bytes(dtype()),
@@ -260,7 +309,7 @@ void CPUCarrier::read_slots(int64_t start, int64_t count, void* out) const {
 
 void CPUCarrier::write_slots(int64_t start, int64_t count, const void* in) {
   if (count <= 0) return;
-  std::memcpy(buffer_->data() + static_cast<size_t>(start) * slot_bytes(dtype()), in,
+  std::memcpy(mutable_native_data() + static_cast<size_t>(start) * slot_bytes(dtype()), in,
               static_cast<size_t>(count) * slot_bytes(dtype()));
 }
 
@@ -269,13 +318,13 @@ Value CPUCarrier::read_value(int64_t slot) const {
 }
 
 void CPUCarrier::write_value(int64_t slot, const Value& v) {
-  store_value(dtype(), buffer_->data() + static_cast<size_t>(slot) * slot_bytes(dtype()), v);
+  store_value(dtype(), mutable_native_data() + static_cast<size_t>(slot) * slot_bytes(dtype()), v);
 }
 
 void CPUCarrier::grow(int64_t slots, bool zero) {
   check_slots("CPU", slots);
   if (slots_ != 0) raise<ValueError>("CPU carrier is not allocatable (size ", slots_, " != 0)");
-  buffer_ = std::make_shared<AlignedBuffer>(static_cast<size_t>(slots) * slot_bytes(dtype()), zero);
+  set_buffer(std::make_shared<AlignedBuffer>(static_cast<size_t>(slots) * slot_bytes(dtype()), zero));
   slots_ = slots;
 }
 
@@ -285,6 +334,6 @@ CarrierPtr CPUCarrier::allocate_like(int64_t slots, bool is_mutable, const DType
 
 // Drops the carrier's share of the memory; an export still holding native_owner() keeps it
 // until the export is gone (see Note [Exports outlive release]).
-void CPUCarrier::do_release() { buffer_ = std::make_shared<AlignedBuffer>(); }
+void CPUCarrier::do_release() { set_buffer(std::make_shared<AlignedBuffer>()); }
 
 }  // namespace sw

@@ -45,11 +45,11 @@ std::string temp_dir() {
 void copy_slots(const Carrier& src, int64_t src_start, Carrier& dst, int64_t dst_start, int64_t count) {
   if (count <= 0) return;
   const size_t w = slot_bytes(src.dtype());
-  if (std::byte* s = src.native_data()) {
+  if (const std::byte* s = src.native_data()) {
     dst.write_slots(dst_start, count, s + static_cast<size_t>(src_start) * w);
     return;
   }
-  if (std::byte* d = dst.native_data()) {
+  if (std::byte* d = dst.mutable_native_data()) {
     src.read_slots(src_start, count, d + static_cast<size_t>(dst_start) * w);
     return;
   }

@@ -145,12 +145,12 @@ void dispatch_binary(const std::vector<KernelInput>& in, const std::vector<int64
       using TB = decltype(tb);
       if constexpr (!std::is_same_v<TA, double> && !std::is_same_v<TB, double>) {
         if (od == DTypeId::Int32) {
-          binary<int64_t, int32_t, TA, TB>(in[0], in[1], reinterpret_cast<int32_t*>(out.native_data()), ext, f,
+          binary<int64_t, int32_t, TA, TB>(in[0], in[1], reinterpret_cast<int32_t*>(out.mutable_native_data()), ext, f,
                                            overflow);
         } else if (any_int) {  // exact: compute in double as the reference does
-          binary<double, float, TA, TB>(in[0], in[1], reinterpret_cast<float*>(out.native_data()), ext, f, overflow);
+          binary<double, float, TA, TB>(in[0], in[1], reinterpret_cast<float*>(out.mutable_native_data()), ext, f, overflow);
         } else {
-          binary<float, float, TA, TB>(in[0], in[1], reinterpret_cast<float*>(out.native_data()), ext, f, overflow);
+          binary<float, float, TA, TB>(in[0], in[1], reinterpret_cast<float*>(out.mutable_native_data()), ext, f, overflow);
         }
       }
     });
@@ -166,14 +166,14 @@ void dispatch_unary(const KernelInput& a, const std::vector<int64_t>& ext, Carri
     if constexpr (!std::is_same_v<TA, double>) {
       if (od == DTypeId::Int32) {
         if constexpr (!std::is_same_v<F, ExpF>)
-          unary<int64_t, int32_t, TA>(a, reinterpret_cast<int32_t*>(out.native_data()), ext, f, overflow);
+          unary<int64_t, int32_t, TA>(a, reinterpret_cast<int32_t*>(out.mutable_native_data()), ext, f, overflow);
       } else if (od == DTypeId::Bool) {
         if constexpr (std::is_same_v<F, ReluF>)
-          unary<int32_t, bool, TA>(a, reinterpret_cast<bool*>(out.native_data()), ext, f, overflow);
+          unary<int32_t, bool, TA>(a, reinterpret_cast<bool*>(out.mutable_native_data()), ext, f, overflow);
       } else if (a.dtype == DTypeId::Int32) {
-        unary<double, float, TA>(a, reinterpret_cast<float*>(out.native_data()), ext, f, overflow);
+        unary<double, float, TA>(a, reinterpret_cast<float*>(out.mutable_native_data()), ext, f, overflow);
       } else {
-        unary<float, float, TA>(a, reinterpret_cast<float*>(out.native_data()), ext, f, overflow);
+        unary<float, float, TA>(a, reinterpret_cast<float*>(out.mutable_native_data()), ext, f, overflow);
       }
     }
   });
@@ -222,7 +222,7 @@ void cpu_reduce_sum(const TensorImpl& in, const Layout& permuted, int64_t kept, 
           if (++o == kept) o = 0;
         }
       });
-      std::byte* dst = out.native_data();
+      std::byte* dst = out.mutable_native_data();
       const DTypeId od = out.dtype().id();
       bool ok = true;
       for (int64_t i = 0; i < kept; ++i) {
@@ -360,7 +360,7 @@ bool cpu_matmul_accumulate(const TensorImpl& lhs, const TensorImpl& rhs, int64_t
 void cpu_matmul(const TensorImpl& lhs, const TensorImpl& rhs, int64_t m, int64_t n, int64_t k, bool f64,
                 Carrier& out) {
   const DTypeId ld = lhs.dtype().id(), rd = rhs.dtype().id();
-  std::byte* dst = out.native_data();
+  std::byte* dst = out.mutable_native_data();
   if (ld == DTypeId::Int32 && rd == DTypeId::Int32 && !f64) {
     auto a = pack<int64_t>(lhs, m, k);
     auto b = pack<int64_t>(rhs, n, k);

@@ -451,7 +451,7 @@ TensorPtr relu_grad(const TensorPtr& g, const TensorPtr& a) {
   const float* af = dense_floats(*a);
   if (gf && af && g->layout.shape() == a->layout.shape()) {  // dense operands: one vectorisable pass
     TensorPtr out = dense_result(*g->carrier, g->layout.shape(), DType::Float32());
-    float* o = reinterpret_cast<float*>(out->carrier->native_data());
+    float* o = reinterpret_cast<float*>(out->carrier->mutable_native_data());
     if (o) {
       detail::parallel_for(g->size(), int64_t{1} << 16, [&](int64_t b, int64_t e) {
         for (int64_t i = b; i < e; ++i) o[i] = af[i] > 0 ? gf[i] : 0.f;

@@ -101,7 +101,7 @@ CarrierPtr scatter_tile(const TiledEvictable& c, const TileAccess& access, const
     for (const Run& r : region.runs())
       copy_slots(*compact.carrier, compact.offset + base + r.offset, *buf, r.ordinal, r.length);
     if (add && existing) {
-      float* d = reinterpret_cast<float*>(buf->native_data());
+      float* d = reinterpret_cast<float*>(buf->mutable_native_data());
       const float* e = reinterpret_cast<const float*>(existing->native_data());
       if (d) {
         for (int64_t k = 0; k < n; ++k) d[k] = e[k] + d[k];
@@ -245,7 +245,7 @@ struct ProjectionNode final : Node {
     CarrierPtr buf = acc->resident_tile_for_update(index);
     if (!buf) return std::nullopt;
     GradientSink sink;
-    sink.data = reinterpret_cast<float*>(buf->native_data());
+    sink.data = reinterpret_cast<float*>(buf->mutable_native_data());
     sink.rows = acc->tile_shape()[0];
     sink.cols = acc->tile_shape()[1];
     sink.keep_alive = buf;
@@ -326,12 +326,20 @@ CompletionPtr<TensorPtr> project_for(const std::shared_ptr<TiledEvictable>& c, c
   }
   const bool record = is_grad_enabled() && tensor->is_differentiable();
   // Work starts: one request pins the tiles and promotes the missing ones.
+  // Note [Shared snapshots] (native.cpp): without a destination, one tile whose buffer already holds the compact
+  // values in dense order (canonical access: the identity within the tile) is shared, not copied, once readable.
+  const bool may_share = !dest && src.size() == 1 && TileAccess(*c, *tensor).canonical && &proto.kind() == &cpu_kind();
   auto work = c->begin_work(src, purpose);
   Carrier::Claim claim;
   try {
-    if (!dest) dest = proto.allocate_like(need, true, c->dtype(), /*empty=*/true);
-    else if (dest->size() < need) dest->grow(need, false);
-    claim = dest->claim("a projection");
+    if (may_share) {
+      // The destination is decided when the tile is readable.
+    } else if (!dest) {
+      dest = proto.allocate_like(need, true, c->dtype(), /*empty=*/true);
+    } else if (dest->size() < need) {
+      dest->grow(need, false);
+    }
+    if (dest) claim = dest->claim("a projection");
   } catch (...) {
     c->end_work(work);
     throw;
@@ -342,13 +350,15 @@ CompletionPtr<TensorPtr> project_for(const std::shared_ptr<TiledEvictable>& c, c
     std::mutex m;
     std::exception_ptr error;
     Carrier::Claim claim;
+    CarrierPtr dest;  // null until the shared tile is readable (may_share)
   };
   auto st = std::make_shared<State>();
   st->remaining.store(static_cast<int64_t>(src.size()));
   st->claim = std::move(claim);
+  st->dest = dest;
   std::vector<int64_t> counts = counts_of(sel);
   std::vector<int64_t> dstride = dense_strides(cshape);
-  auto finish = [c, tensor, sel, dest, work, done, st, cshape, record]() {
+  auto finish = [c, tensor, sel, work, done, st, cshape, record]() {
     st->claim.end();
     c->end_work(work);
     if (st->error) {
@@ -357,6 +367,7 @@ CompletionPtr<TensorPtr> project_for(const std::shared_ptr<TiledEvictable>& c, c
     }
     TensorPtr result;
     try {
+      const CarrierPtr& dest = st->dest;
       result = make_tensor(dest, 0, column_major(Shape::flat(cshape)));
       dest->bump_version();
       if (record) {
@@ -375,11 +386,19 @@ CompletionPtr<TensorPtr> project_for(const std::shared_ptr<TiledEvictable>& c, c
     }
     done->set_value(std::move(result));
   };
-  auto gather = [c, tensor, dest, st, counts, dstride, finish](int64_t k, int64_t index) {
+  auto gather = [c, tensor, st, counts, dstride, finish, need](int64_t k, int64_t index) {
     try {
-      if (!st->error) {
+      if (!st->error && !st->dest) {  // may_share: the one tile is readable now
+        CarrierPtr buffer = c->tile_buffer(index);
+        if (auto* cpu = dynamic_cast<const CPUCarrier*>(buffer.get())) st->dest = cpu->share_snapshot();
+        if (!st->dest) {  // an implicit zero, or memory that cannot be shared: a fresh copy
+          st->dest = c->primary()->allocate_like(need, true, c->dtype(), /*empty=*/buffer != nullptr);
+          if (buffer) copy_slots(*buffer, 0, *st->dest, 0, need);
+        }
+      } else if (!st->error) {
         TileAccess access(*c, *tensor);
-        gather_tile(*c, access, c->tile_coord(index), c->tile_buffer(index), *dest, decode_compact(k, counts), dstride);
+        gather_tile(*c, access, c->tile_coord(index), c->tile_buffer(index), *st->dest, decode_compact(k, counts),
+                    dstride);
       }
     } catch (...) {
       std::lock_guard lock(st->m);
@@ -409,7 +428,8 @@ CompletionPtr<TensorPtr> project_for(const std::shared_ptr<TiledEvictable>& c, c
     else
       waiting->emplace_back(static_cast<int64_t>(k), src[k]);
   }
-  if (!now->empty()) submit_batch(std::move(now));
+  if (may_share && !now->empty()) gather(now->front().first, now->front().second);  // O(1): no thread hop
+  else if (!now->empty()) submit_batch(std::move(now));
   if (!waiting->empty()) {
     ready->then([ready, waiting, submit_batch, st] {
       if (auto e = ready->error()) {
@@ -457,7 +477,7 @@ TensorPtr add_tiled_gradients(const TensorPtr& a, const TensorPtr& b) {
     const CarrierPtr& first = va ? va : vb;
     copy_slots(*first, 0, *out, 0, n);
     if (va && vb) {
-      float* d = reinterpret_cast<float*>(out->native_data());
+      float* d = reinterpret_cast<float*>(out->mutable_native_data());
       std::vector<float> other(static_cast<size_t>(n)), mine;
       vb->read_slots(0, n, other.data());
       if (!d) {

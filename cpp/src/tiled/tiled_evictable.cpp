@@ -716,7 +716,7 @@ void TiledEvictable::make_all_implicit() {
 namespace {
 // dst[k] += src[k] over one Float32 tile (native host memory when both have it).
 void add_tile_into(Carrier& dst, const Carrier& src, int64_t n) {
-  std::byte* d = dst.native_data();
+  std::byte* d = dst.mutable_native_data();
   const std::byte* s = src.native_data();
   if (d && s) {
     float* df = reinterpret_cast<float*>(d);

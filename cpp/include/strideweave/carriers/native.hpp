@@ -10,6 +10,7 @@
 // Both are allocatable when empty and are final.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <memory>
 
@@ -31,6 +32,10 @@ class AlignedBuffer {
   std::byte* data() const noexcept { return data_; }
   size_t bytes() const noexcept { return bytes_; }
   void reset() noexcept;
+
+  // How many carriers use this buffer as their storage (Note [Shared snapshots]
+  // in native.cpp): more than one means it is shared copy-on-write.
+  std::atomic<int> holders{1};
 
  private:
   std::byte* data_ = nullptr;
@@ -75,10 +80,20 @@ class GenericCarrier final : public Carrier {
 class CPUCarrier final : public Carrier {
  public:
   CPUCarrier(int64_t slots, const DType& dtype, bool is_mutable, bool empty);
+  ~CPUCarrier() override;
+  // A new mutable carrier holding this one's current values without copying
+  // them: both share the memory until either writes, and the writer first takes
+  // a private copy (Note [Shared snapshots] in native.cpp). nullptr when this
+  // carrier's memory is exported (a NumPy or DLPack view could write it
+  // behind the carriers' backs) or released.
+  std::shared_ptr<CPUCarrier> share_snapshot() const;
+  // Whether the memory is currently shared with another carrier.
+  bool shares_memory() const noexcept { return buffer_->holders.load(std::memory_order_acquire) > 1; }
   int64_t size() const override { return is_released() ? 0 : slots_; }
   void read_slots(int64_t start, int64_t count, void* out) const override;
   void write_slots(int64_t start, int64_t count, const void* in) override;
-  std::byte* native_data() const noexcept override { return buffer_->data(); }
+  const std::byte* native_data() const noexcept override { return buffer_->data(); }
+  std::byte* mutable_native_data() override;
   std::shared_ptr<const void> native_owner() const noexcept override { return buffer_; }
   Value read_value(int64_t slot) const override;
   void write_value(int64_t slot, const Value& v) override;
@@ -91,6 +106,13 @@ class CPUCarrier final : public Carrier {
   void do_release() override;
 
  private:
+  struct ShareTag {};
+  CPUCarrier(ShareTag, const CPUCarrier& source, std::shared_ptr<AlignedBuffer> buffer);
+  // Takes a private copy of shared memory (a no-op when nothing shares it).
+  void unshare();
+  // Replaces the storage, giving up this carrier's hold on the old buffer.
+  void set_buffer(std::shared_ptr<AlignedBuffer> buffer) noexcept;
+
   int64_t slots_;
   std::shared_ptr<AlignedBuffer> buffer_ = std::make_shared<AlignedBuffer>();  // never null
 };
