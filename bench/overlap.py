@@ -101,7 +101,7 @@ def main(argv=None) -> None:
         everything = sw.TileSet([(0, e) for e in range(EXPERTS)])
         tiles = [sw.TileSet([(0, e) for e in b]) for b in batches]
         selections = [sw.TileSelection([[0], [e]]) for e in range(EXPERTS)]
-        dest = sw.CPU(tile_elems, empty=True)  # one reused destination, as the example does
+        dest = None  # no destination, as the example does: one-tile projections share the tile
         x_np = rng.standard_normal((TOKENS, IN), dtype=np.float32)
         x = friendly.tensor(x_np)
 

@@ -1373,3 +1373,40 @@ def test_user_carrier_construction_contract():
     unregistered = type("Unregistered", (sw.Carrier,), {})
     with pytest.raises(TypeError, match="has no carrier definition"):
         unregistered(2, dtype=F32)
+
+
+# ---------------------------------------------------------------- the mapping cache (Note [Mapping cache])
+
+
+def test_mapping_cache_limit_round_trips_and_bounds_what_is_kept():
+    previous = sw.set_mapping_cache_limit(8 << 20)
+    try:
+        assert previous == 64 << 20  # the default
+        big = [sw.CPU(1 << 20) for _ in range(4)]  # 4 MiB each: mapped buffers
+        del big  # freed: the cache keeps what fits in 8 MiB
+        assert sw.mapping_cache_bytes() == 8 << 20
+        assert sw.set_mapping_cache_limit(0) == 8 << 20  # 0 turns it off and unmaps what it held
+        assert sw.mapping_cache_bytes() == 0
+        small = sw.CPU(1 << 20)
+        del small
+        assert sw.mapping_cache_bytes() == 0
+    finally:
+        sw.set_mapping_cache_limit(previous)
+    assert sw.set_mapping_cache_limit(previous) == previous
+
+
+@pytest.mark.parametrize("bad, exc, fragment", [
+    (-1, ValueError, "must be >= 0"),
+    (1 << 70, ValueError, "out of range"),
+    (1.5, TypeError, "takes an int"),
+    (True, TypeError, "takes an int"),
+    ("64", TypeError, "takes an int"),
+])
+def test_mapping_cache_limit_rejects_bad_values_and_keeps_the_limit(bad, exc, fragment):
+    before = sw.set_mapping_cache_limit(32 << 20)
+    try:
+        with pytest.raises(exc, match=fragment):
+            sw.set_mapping_cache_limit(bad)
+        assert sw.set_mapping_cache_limit(32 << 20) == 32 << 20  # unchanged by the failed call
+    finally:
+        sw.set_mapping_cache_limit(before)

@@ -1370,6 +1370,25 @@ TEST_F(TiledTest, StressReleaseRacesWithRequests) {
   EXPECT_EQ(unexpected.load(), 0);
 }
 
+// ---------------------------------------------------------------- Note [Letting go before completing]
+
+TEST_F(TiledTest, AWaitedRequestHoldsNoReferenceToTheCarrier) {
+  // A tiled gradient adds in place only when its holder owns the carrier alone; so once a residency request's
+  // handle reports completion, the request's transfers must no longer hold the carrier. Each round waits and
+  // checks at once, with the I/O threads as close behind as they get.
+  Tiled te = make_tiled({8}, {16});
+  int extra_after_promote = 0, extra_after_evict = 0;
+  for (int round = 0; round < 2000; ++round) {
+    const std::vector<int64_t> tiles{round % 8, (round + 3) % 8};
+    te->promote_async(tiles)->value();
+    extra_after_promote += te.use_count() != 1;
+    te->evict_async(tiles)->value();
+    extra_after_evict += te.use_count() != 1;
+  }
+  EXPECT_EQ(extra_after_promote, 0);
+  EXPECT_EQ(extra_after_evict, 0);
+}
+
 // ---------------------------------------------------------------- projection shares one tile (Note [Shared snapshots])
 
 // A canonical full tensor over `te`: column-major over its logical shape, offset 0.

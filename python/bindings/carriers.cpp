@@ -68,6 +68,28 @@ nb::object py_carrier(const sw::Carrier& c) {
 void bind_carriers(nb::module_& m) {
   using sw::Carrier;
 
+  m.def(
+      "set_mapping_cache_limit",
+      [](nb::handle nbytes) {
+        if (!PyLong_Check(nbytes.ptr()) || PyBool_Check(nbytes.ptr()))
+          sw::raise<sw::TypeError>("set_mapping_cache_limit takes an int (bytes)");
+        long long n = PyLong_AsLongLong(nbytes.ptr());
+        if (n == -1 && PyErr_Occurred()) {
+          PyErr_Clear();
+          sw::raise<sw::ValueError>("set_mapping_cache_limit: the byte count is out of range");
+        }
+        if (n < 0) sw::raise<sw::ValueError>("set_mapping_cache_limit: the byte count must be >= 0, got ", n);
+        return static_cast<int64_t>(sw::set_mapping_cache_limit(static_cast<size_t>(n)));
+      },
+      nb::arg("nbytes"),
+      "Sets how many bytes of freed large CPU buffers (1 MiB and up) the process keeps mapped for reuse, and "
+      "returns the previous limit (64 MiB by default). Reusing a mapping spares the page faults that zero a fresh "
+      "one; the cached bytes count toward the process's resident memory. Lowering the limit unmaps the oldest "
+      "cached buffers at once; 0 turns the cache off.");
+  m.def(
+      "mapping_cache_bytes", [] { return static_cast<int64_t>(sw::mapping_cache_bytes()); },
+      "Bytes of freed large CPU buffers currently kept for reuse (see set_mapping_cache_limit).");
+
   nb::class_<Carrier>(m, "Carrier",
                       "A flat, fixed-size array of physical slots of one storage dtype. Subclass it and register a "
                       "CarrierDefinition to add a carrier kind.")

@@ -45,6 +45,9 @@ struct TiledEvictable::Request {
   std::mutex m;
   std::exception_ptr error;
   CompletionPtr<std::monostate> done = std::make_shared<Completion<std::monostate>>();
+  // Keeps the carrier alive while queued transfers run; let go of before `done` is set
+  // (Note [Letting go before completing]).
+  std::shared_ptr<TiledEvictable> owner;
 };
 
 struct TiledEvictable::Work {
@@ -401,10 +404,10 @@ void TiledEvictable::start_request(const std::shared_ptr<Request>& r, bool inlin
   r->staged.resize(n);
   r->wrote.assign(n, 0);
   r->remaining.store(n);
-  // Queued work holds a reference; a carrier no shared_ptr owns yet runs its transfers inline.
-  std::shared_ptr<TiledEvictable> self;
-  if (!inline_) self = std::static_pointer_cast<TiledEvictable>(weak_from_this().lock());
-  if (!self) inline_ = true;
+  // Queued work holds a reference (through the request); a carrier no shared_ptr owns yet runs its transfers
+  // inline.
+  if (!inline_) r->owner = std::static_pointer_cast<TiledEvictable>(weak_from_this().lock());
+  if (!r->owner) inline_ = true;
   for (size_t k = 0; k < n; ++k) {
     const int64_t index = r->tiles[k];
     TileLocation loc;
@@ -417,7 +420,7 @@ void TiledEvictable::start_request(const std::shared_ptr<Request>& r, bool inlin
       needs_write = t.dirty || !t.secondary_valid;
       buffer = t.buffer;
     }
-    auto job = [this, self, r, k, index, loc, needs_write, buffer] {
+    auto job = [this, r, k, index, loc, needs_write, buffer]() mutable {
       TiledEvictable* me = this;
       CarrierPtr staged;
       std::exception_ptr error;
@@ -435,9 +438,10 @@ void TiledEvictable::start_request(const std::shared_ptr<Request>& r, bool inlin
       } catch (...) {
         error = std::current_exception();
       }
+      buffer.reset();  // an evicted tile's memory is not held past the transfer
       me->finish_tile(r, k, std::move(staged), error);
     };
-    // `self` keeps the carrier alive while queued work runs; inline work runs under the caller's reference.
+    // r->owner keeps the carrier alive while queued work runs; inline work runs under the caller's reference.
     if (inline_) job();
     else Executor::io().submit(std::move(job));
   }
@@ -490,8 +494,15 @@ void TiledEvictable::commit(const std::shared_ptr<Request>& r) {
   for (auto& b : discard)
     if (b) b->release();
   discard.clear();
-  if (r->error) r->done->set_error(r->error);
-  else r->done->set_value({});
+  // Note [Letting go before completing]: whoever waits for `done` may next ask whether it holds the only
+  // reference to this carrier (a tiled gradient adds in place only then; otherwise it builds a new one with
+  // every tile read back into memory). So the request drops its reference first. `this` may be destroyed by
+  // that; nothing below touches it.
+  std::shared_ptr<Request> keep = r;  // r may refer to a member of a job that the carrier's destruction frees
+  std::shared_ptr<TiledEvictable> owner = std::move(keep->owner);
+  owner.reset();
+  if (keep->error) keep->done->set_error(keep->error);
+  else keep->done->set_value({});
 }
 
 // ---------------------------------------------------------------- data access
@@ -733,6 +744,26 @@ void add_tile_into(Carrier& dst, const Carrier& src, int64_t n) {
   for (int64_t k = 0; k < n; ++k) a[k] += b[k];
   dst.write_slots(0, n, a.data());
 }
+
+// dst[ordinal] += src[offset] over a tile's footprint runs in `src` (a tier holding the full extent): the
+// secondary copy is read in small pieces that stay in cache and added as they arrive, split over the cores.
+// Note [Adding a secondary tile]: no tile-sized buffer is allocated (and page-faulted) for the read.
+void add_runs_into(Carrier& dst, const Carrier& src, const std::vector<Run>& runs) {
+  float* d = reinterpret_cast<float*>(dst.mutable_native_data());
+  SW_ASSERT(d != nullptr, "add_runs_into needs native memory");
+  constexpr int64_t kPiece = int64_t{1} << 14;  // 64 KiB of Float32 per read
+  for (const Run& run : runs) {
+    detail::parallel_for(run.length, kPiece * 4, [&](int64_t b, int64_t e) {
+      float piece[kPiece];
+      for (int64_t at = b; at < e; at += kPiece) {
+        const int64_t n = std::min(kPiece, e - at);
+        src.read_slots(run.offset + at, n, piece);
+        float* o = d + run.ordinal + at;
+        for (int64_t k = 0; k < n; ++k) o[k] += piece[k];
+      }
+    });
+  }
+}
 }  // namespace
 
 CarrierPtr TiledEvictable::tile_value(int64_t index) const {
@@ -813,6 +844,11 @@ bool TiledEvictable::accumulate_tiles(const TiledEvictable& other, bool share_ot
       }
     } else if (st.here == TileLocation::Primary) {
       add_tile_into(*st.mine, *theirs, tile_size_);
+    } else if (share_other && st.theirs == TileLocation::Primary && theirs->native_data()) {
+      // Secondary here, a fresh gradient there: the secondary values are added into the fresh buffer, which
+      // becomes the promoted tile (Note [Adding a secondary tile]).
+      add_runs_into(*theirs, *secondary_, runs_[st.index]);
+      out = theirs;
     } else {  // secondary: promote, then add
       out = primary_->allocate_like(tile_size_, true, dtype(), true);
       for (const Run& run : runs_[st.index]) copy_slots(*secondary_, run.offset, *out, run.ordinal, run.length);
