@@ -31,8 +31,9 @@ default). Every batch:
    batches tile by tile and in place, experts no batch touched stay implicit
    zeros, and after each batch the gradient tiles of experts the next batch
    does not route to are evicted to the gradient's own (temporary-file)
-   secondary tier, so gradients are bounded like the weights. A later batch
-   that routes to such an expert again adds its gradient to the file's copy.
+   secondary tier, so gradients are bounded like the weights; the tiles of
+   the next batch's experts that were written out earlier are promoted back
+   alongside, so every backward adds into a resident tile in place.
 
 The default Zipf exponent (3.0) routes a batch to about 15 experts, within the
 budget. When a batch needs more experts than the budget, LRU with one expert
@@ -284,6 +285,21 @@ def evict_gradient_tiles(full, keep: set):
     return carrier.evict_async(sw.TileSet(victims)) if victims else None
 
 
+def prefetch_gradient_tiles(full, experts: set):
+    """Starts promoting the gradient tiles of `experts` (the next batch's) that an earlier eviction wrote to the
+    gradient's secondary tier; returns the pending handle, or None when there is nothing to promote.
+
+    The next batch's backward then adds each expert's gradient into a resident tile in place, inside the matmul
+    (no separate gradient buffer, no read of the file on the critical path). Like the evictions, the handle is
+    waited and dropped before that backward.
+    """
+    if full.grad is None:
+        return None
+    carrier = full.grad.carrier
+    wanted = [(0, e) for e in sorted(experts) if carrier.tile_state((0, e)).location == "secondary"]
+    return carrier.promote_async(sw.TileSet(wanted)) if wanted else None
+
+
 def gradient_stats(full) -> dict:
     return dict(full.grad.carrier.stats()) if full.grad is not None else {}
 
@@ -329,15 +345,15 @@ def run_strideweave(cfg: Config, paths: dict, batches_fn, G: np.ndarray, p: np.n
     prefetch_wait = project_time = compute = 0.0
     recent: OrderedDict = OrderedDict()  # projected experts, least recent first (mirrors LRUPolicy)
     peak_resident = 0
-    grad_evictions = []  # the previous batch's gradient evictions, waited before this batch's first backward
+    grad_requests = []  # the previous batch's gradient evictions and prefetches, waited before this batch's first backward
 
-    def finish_grad_evictions() -> None:
+    def finish_grad_requests() -> None:
         nonlocal evict_wait
-        if grad_evictions:
+        if grad_requests:
             t = time.perf_counter()
-            for h in grad_evictions:
+            for h in grad_requests:
                 h.wait()
-            grad_evictions.clear()  # drop the handles: they refer to the gradient carriers
+            grad_requests.clear()  # drop the handles: they refer to the gradient carriers
             evict_wait += time.perf_counter() - t
 
     evict_wait = 0.0
@@ -393,7 +409,7 @@ def run_strideweave(cfg: Config, paths: dict, batches_fn, G: np.ndarray, p: np.n
             recent[e] = None
             while len(recent) > cfg.budget:
                 recent.popitem(last=False)
-            expert_forward_backward(batch, e, w1, w2, G, y, before_backward=finish_grad_evictions)
+            expert_forward_backward(batch, e, w1, w2, G, y, before_backward=finish_grad_requests)
             project_time += t2 - t1
             compute += time.perf_counter() - t2
         if cfg.check:  # kept for the correctness check only (1 MiB a batch)
@@ -401,8 +417,9 @@ def run_strideweave(cfg: Config, paths: dict, batches_fn, G: np.ndarray, p: np.n
         # 4. Residency housekeeping. Pinned mode evicts the experts outside its pinned set after the batch (the
         #    next batch's tiles are under its prefetch request and needed next: they stay). Gradient tiles stay
         #    only for the next batch's experts (its backward adds into them in place); evicting the others writes
-        #    them to the gradient's own file. Keeping the whole weight budget's gradients instead would save some
-        #    of those writes at about 40 MiB more peak memory.
+        #    them to the gradient's own file, and the next batch's experts whose gradient tiles were written out
+        #    earlier are read back meanwhile. Keeping the whole weight budget's gradients instead would save some
+        #    of those transfers at about 40 MiB more peak memory.
         t3 = time.perf_counter()
         upcoming = set(nxt.used) if nxt is not None else set()
         if pinned is not None:
@@ -414,7 +431,10 @@ def run_strideweave(cfg: Config, paths: dict, batches_fn, G: np.ndarray, p: np.n
             for name in MATRICES:
                 h = evict_gradient_tiles(fulls[name], upcoming)
                 if h is not None:
-                    grad_evictions.append(h)
+                    grad_requests.append(h)
+                h = prefetch_gradient_tiles(fulls[name], upcoming)
+                if h is not None:
+                    grad_requests.append(h)
         compute += time.perf_counter() - t3
         per_batch.append({
             "seconds": time.perf_counter() - t0, "tokens": cfg.tokens, "used": list(batch.used),
@@ -425,7 +445,7 @@ def run_strideweave(cfg: Config, paths: dict, batches_fn, G: np.ndarray, p: np.n
     if prefetch is not None:
         for h in prefetch:
             h.wait()
-    finish_grad_evictions()
+    finish_grad_requests()
     wall = time.perf_counter() - start
     sw.set_mapping_cache_limit(cache_limit)
     weight = [carriers[n].stats() for n in MATRICES]
@@ -629,7 +649,7 @@ def summary_rows(cfg: Config, r: dict) -> list:
                                            f"{r['grad_writes_skipped']} writes skipped"),
         ("waiting for prefetch I/O", f"{r['prefetch_wait']:.2f} s (reads not hidden behind compute)"),
         ("projecting (gather + misses)", f"{r['project']:.2f} s"),
-        ("computing (fwd + bwd)", f"{r['compute']:.2f} s (includes {r['grad_evict_wait']:.2f} s waiting for gradient evictions)"),
+        ("computing (fwd + bwd)", f"{r['compute']:.2f} s (includes {r['grad_evict_wait']:.2f} s waiting for gradient evictions and prefetches)"),
         ("peak resident experts", f"{r['peak_resident_experts']} per matrix "
                                   f"({fmt_bytes(2 * r['peak_resident_experts'] * expert_bytes)})"),
         ("peak resident memory", f"{fmt_bytes(r['peak_rss'])} (process RSS, before the check)"),
