@@ -1,6 +1,7 @@
 #include "strideweave/tiled/tiled_evictable.hpp"
 
 #include <algorithm>
+#include <functional>
 #include <sstream>
 
 #include "strideweave/carriers/storage.hpp"
@@ -408,6 +409,11 @@ void TiledEvictable::start_request(const std::shared_ptr<Request>& r, bool inlin
   // inline.
   if (!inline_) r->owner = std::static_pointer_cast<TiledEvictable>(weak_from_this().lock());
   if (!r->owner) inline_ = true;
+  // Note [One writer per file]: buffered writes to one file serialise on its inode lock, and writers waiting
+  // for it spin; so an eviction into a FileBacked tier writes its tiles one after another in one job (the other
+  // I/O threads stay free for promotions). Reads, and writes to other tiers, run one job per tile.
+  const bool one_job = !inline_ && !r->promote && n > 1 && &secondary_->kind() == &file_backed_kind();
+  std::vector<std::function<void()>> chain;
   for (size_t k = 0; k < n; ++k) {
     const int64_t index = r->tiles[k];
     TileLocation loc;
@@ -443,8 +449,16 @@ void TiledEvictable::start_request(const std::shared_ptr<Request>& r, bool inlin
     };
     // r->owner keeps the carrier alive while queued work runs; inline work runs under the caller's reference.
     if (inline_) job();
+    else if (one_job) chain.emplace_back(std::move(job));
     else Executor::io().submit(std::move(job));
   }
+  if (!chain.empty())
+    Executor::io().submit([chain = std::move(chain)]() mutable {
+      for (auto& job : chain) {
+        job();
+        job = nullptr;  // each tile's captures go as soon as it is written
+      }
+    });
 }
 
 void TiledEvictable::finish_tile(const std::shared_ptr<Request>& r, size_t k, CarrierPtr buffer, std::exception_ptr error) {
