@@ -512,11 +512,10 @@ void TiledEvictable::commit(const std::shared_ptr<Request>& r) {
   // reference to this carrier (a tiled gradient adds in place only then; otherwise it builds a new one with
   // every tile read back into memory). So the request drops its reference first. `this` may be destroyed by
   // that; nothing below touches it.
-  std::shared_ptr<Request> keep = r;  // r may refer to a member of a job that the carrier's destruction frees
-  std::shared_ptr<TiledEvictable> owner = std::move(keep->owner);
+  std::shared_ptr<TiledEvictable> owner = std::move(r->owner);
   owner.reset();
-  if (keep->error) keep->done->set_error(keep->error);
-  else keep->done->set_value({});
+  if (r->error) r->done->set_error(r->error);
+  else r->done->set_value({});
 }
 
 // ---------------------------------------------------------------- data access
