@@ -141,10 +141,10 @@ CompletionPtr<TensorPtr> move_async(const TensorPtr& tensor, const CarrierPtr& d
   // same step that releases it, the destination's just before the result is
   // published (so a waiter never sees it still owned).
   using Claims = std::shared_ptr<std::pair<Carrier::Claim, Carrier::Claim>>;
-  auto finish = [tensor, destination, done, record](Claims claims) {
-    TensorPtr result;
+  // The result over the filled destination; the claims are ended on return and on failure alike.
+  auto finish = [record](const TensorPtr& tensor, const CarrierPtr& destination, Claims& claims) {
     try {
-      result = make_tensor(destination, 0, tensor->layout);
+      TensorPtr result = make_tensor(destination, 0, tensor->layout);
       destination->bump_version();
       tensor->carrier->release_claimed(claims->first);
       if (record) {
@@ -155,16 +155,18 @@ CompletionPtr<TensorPtr> move_async(const TensorPtr& tensor, const CarrierPtr& d
         }
         if (hook) hook(tensor, result);
       }
+      claims.reset();
+      return result;
     } catch (...) {
       claims.reset();
-      done->set_error(std::current_exception());
-      return;
+      throw;
     }
-    claims.reset();
-    done->set_value(std::move(result));
   };
-  Executor::moves().submit([tensor, destination, route_kind, waiter = std::move(waiter), grow, need,
-                            claims = std::move(claims), done, finish]() mutable {
+  Executor::moves().submit([tensor = TensorPtr(tensor), destination = CarrierPtr(destination), route_kind,
+                            waiter = std::move(waiter), grow, need, claims = std::move(claims), done,
+                            finish]() mutable {
+    TensorPtr result;
+    std::exception_ptr error;
     try {
       const Carrier& src = *tensor->carrier;
       switch (route_kind) {
@@ -187,12 +189,19 @@ CompletionPtr<TensorPtr> move_async(const TensorPtr& tensor, const CarrierPtr& d
           break;
         }
       }
+      result = finish(tensor, destination, claims);
     } catch (...) {
       claims.reset();
-      done->set_error(std::current_exception());
-      return;
+      error = std::current_exception();
     }
-    finish(std::move(claims));
+    // Note [Letting go before completing] (tiled_evictable.cpp): whoever waits may next count the references to
+    // the source or the destination, or expect a consumed source's storage to be gone; so the job drops its own
+    // before the completion is set, not when the executor destroys it.
+    tensor.reset();
+    destination.reset();
+    waiter = nullptr;
+    if (error) done->set_error(error);
+    else done->set_value(std::move(result));
   });
   return done;
 }

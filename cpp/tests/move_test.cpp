@@ -771,5 +771,23 @@ TEST(FallbackRoute, ElementwiseBetweenFallbackCarriers) {
   EXPECT_TRUE(g->is_released());
 }
 
+// Note [Letting go before completing]: once a move reports completion, its job holds neither the source nor the
+// destination, so whoever waited can count on the references it sees (the result holds the destination).
+TEST(MoveCompletion, AWaitedMoveHoldsNoReferenceToItsCarriers) {
+  GradModeGuard off(false);
+  int extra_source = 0, extra_destination = 0;
+  for (int round = 0; round < 2000; ++round) {
+    auto src = std::make_shared<CPUCarrier>(64, DType::Float32(), true, false);
+    auto dst = std::make_shared<CPUCarrier>(0, DType::Float32(), true, false);
+    TensorPtr t = make_tensor(src, 0, column_major(Shape::flat({64})));
+    TensorPtr moved = move_async(t, dst)->value();
+    extra_destination += dst.use_count() != 2;  // ours and the result's
+    t.reset();
+    extra_source += src.use_count() != 1;
+  }
+  EXPECT_EQ(extra_source, 0);
+  EXPECT_EQ(extra_destination, 0);
+}
+
 }  // namespace
 }  // namespace sw
