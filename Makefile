@@ -68,7 +68,7 @@ sanitize: deps
 	    -DSW_BUILD_PYTHON=OFF -DSW_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSW_SANITIZE=$$kind
 	  $(CMAKE) --build build/sanitize-$$kind -j $(JOBS)
 	  ASAN_OPTIONS=halt_on_error=1:detect_leaks=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
-	  TSAN_OPTIONS=halt_on_error=1 $(VENV)/bin/ctest --test-dir build/sanitize-$$kind --output-on-failure -j $(JOBS)
+	  TSAN_OPTIONS=halt_on_error=1:suppressions=$(abspath cpp/tests/tsan.supp) $(VENV)/bin/ctest --test-dir build/sanitize-$$kind --output-on-failure -j $(JOBS)
 	done
 
 clean:

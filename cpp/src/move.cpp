@@ -200,7 +200,7 @@ CompletionPtr<TensorPtr> move_async(const TensorPtr& tensor, const CarrierPtr& d
     tensor.reset();
     destination.reset();
     waiter = nullptr;
-    if (error) done->set_error(error);
+    if (error) done->set_error(std::move(error));
     else done->set_value(std::move(result));
   });
   return done;

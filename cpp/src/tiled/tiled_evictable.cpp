@@ -445,7 +445,7 @@ void TiledEvictable::start_request(const std::shared_ptr<Request>& r, bool inlin
         error = std::current_exception();
       }
       buffer.reset();  // an evicted tile's memory is not held past the transfer
-      me->finish_tile(r, k, std::move(staged), error);
+      me->finish_tile(r, k, std::move(staged), std::move(error));
     };
     // r->owner keeps the carrier alive while queued work runs; inline work runs under the caller's reference.
     if (inline_) job();
@@ -465,7 +465,7 @@ void TiledEvictable::finish_tile(const std::shared_ptr<Request>& r, size_t k, Ca
   {
     std::lock_guard lock(r->m);
     r->staged[k] = std::move(buffer);
-    if (error && !r->error) r->error = error;
+    if (error && !r->error) r->error = std::move(error);
   }
   if (r->remaining.fetch_sub(1) == 1) commit(r);
 }
@@ -512,9 +512,11 @@ void TiledEvictable::commit(const std::shared_ptr<Request>& r) {
   // reference to this carrier (a tiled gradient adds in place only then; otherwise it builds a new one with
   // every tile read back into memory). So the request drops its reference first. `this` may be destroyed by
   // that; nothing below touches it.
+  // The error moves into the completion: the request keeps no share of it, so the exception is destroyed with
+  // the completion, by whoever drops that last.
   std::shared_ptr<TiledEvictable> owner = std::move(r->owner);
   owner.reset();
-  if (r->error) r->done->set_error(r->error);
+  if (std::exception_ptr error = std::move(r->error)) r->done->set_error(std::move(error));
   else r->done->set_value({});
 }
 
