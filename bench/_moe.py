@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -106,6 +107,19 @@ def interleaved_pairs(args, bench: str, cfg, pairs: int, budget_s, mode: str, de
     return ours, ref, nbytes
 
 
+def pairs_case(cfg, ours: list, ref: list, ratios: list, nbytes: int):
+    """The harness Case of `interleaved_pairs`' runs: the median of the per-pair `ratios` and their range, the
+    median wall times of each side."""
+    import harness  # bench/ is on sys.path when a benchmark imports this module
+
+    return harness.Case(
+        name=f"{cfg.batches} batches, budget {cfg.budget} of {cfg.experts}",
+        ratio=statistics.median(ratios), ratio_min=min(ratios), ratio_max=max(ratios),
+        ours_s=statistics.median(a["wall"] for a in ours), reference_s=statistics.median(b["wall"] for b in ref),
+        reps=len(ratios), inner=1, bytes=nbytes, ratios=ratios,
+    )
+
+
 def _strideweave_worker(job: dict) -> dict:
     import numpy as np
 
@@ -122,12 +136,7 @@ def _strideweave_worker(job: dict) -> dict:
         "compute": r["compute"], "hit_rate": r["hits"] / r["requests"] if r["requests"] else 0.0,
         "bytes_promoted": r["bytes_promoted"], "peak_resident_experts": r["peak_resident_experts"],
     }
-    # Release the tiled carriers (and their gradients) before exiting, as the example's main does.
-    for name in moe.MATRICES:
-        full = r["fulls"][name]
-        if full.grad is not None:
-            full.grad.carrier.release()
-        r["carriers"][name].release()
+    moe.release_run(r)  # before exiting, as the example's main does
     return out
 
 

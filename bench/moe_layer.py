@@ -66,12 +66,7 @@ def main(argv=None) -> None:
 
     ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(ours, ref)]
     mem = [a["peak_rss"] / b["peak_rss"] for a, b in zip(ours, ref)]
-    case = harness.Case(
-        name=f"{cfg.batches} batches, budget {cfg.budget} of {cfg.experts}",
-        ratio=statistics.median(ratios), ratio_min=min(ratios), ratio_max=max(ratios),
-        ours_s=statistics.median(a["wall"] for a in ours), reference_s=statistics.median(b["wall"] for b in ref),
-        reps=len(ratios), inner=1, bytes=nbytes, ratios=ratios,
-    )
+    case = _moe.pairs_case(cfg, ours, ref, ratios, nbytes)
     memory_ratio = statistics.median(mem)
     ours_rss = statistics.median(a["peak_rss"] for a in ours)
     ref_rss = statistics.median(b["peak_rss"] for b in ref)

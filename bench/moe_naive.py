@@ -55,12 +55,7 @@ def main(argv=None) -> None:
     ours, ref, nbytes = _moe.interleaved_pairs(args, "moe_naive", cfg, pairs, budget_s, "naive", describe)
 
     ratios = [b["wall"] / a["wall"] for a, b in zip(ours, ref)]
-    case = harness.Case(
-        name=f"{cfg.batches} batches, budget {cfg.budget} of {cfg.experts}",
-        ratio=statistics.median(ratios), ratio_min=min(ratios), ratio_max=max(ratios),
-        ours_s=statistics.median(a["wall"] for a in ours), reference_s=statistics.median(b["wall"] for b in ref),
-        reps=len(ratios), inner=1, bytes=nbytes, ratios=ratios,
-    )
+    case = _moe.pairs_case(cfg, ours, ref, ratios, nbytes)
     io_s = statistics.median(b["io"] for b in ref)
     harness.log(args, case.summary(), f"| speed-up (higher is better); the reference's synchronous reads "
                 f"{io_s:.2f} s of its {case.reference_s:.2f} s")

@@ -463,6 +463,15 @@ def run_strideweave(cfg: Config, paths: dict, batches_fn, G: np.ndarray, p: np.n
     }
 
 
+def release_run(r: dict) -> None:
+    """Releases a run's tiled carriers and their gradients (their files with them)."""
+    for name in MATRICES:
+        full = r["fulls"][name]
+        if full.grad is not None:
+            full.grad.carrier.release()
+        r["carriers"][name].release()
+
+
 def expert_forward_backward(batch: Batch, e: int, w1, w2, G: np.ndarray, y: np.ndarray, before_backward=None) -> None:
     """Expert e's share of the batch: y[rows] += gate * relu(x W1_e^T) W2_e^T, then backward with G's rows.
 
@@ -775,12 +784,7 @@ def main(argv=None, cfg: Config | None = None) -> dict:
             ram = next(o for o in others if o["mode"] == "ram")
             print(f"(each PyTorch run in a fresh process; the in-RAM run first read every expert in {ram['load']:.1f} s, "
                   f"not counted in its wall time)")
-        # Release the tiled carriers (and their gradients) before the directory goes away.
-        for name in MATRICES:
-            full = r["fulls"][name]
-            if full.grad is not None:
-                full.grad.carrier.release()
-            r["carriers"][name].release()
+        release_run(r)  # before the directory goes away
     return summary
 
 
