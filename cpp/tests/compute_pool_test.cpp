@@ -2,7 +2,9 @@
 // part runs exactly once, regions from several threads at once and regions
 // nested inside a part complete (inline) without deadlock, and a region's
 // writes are visible to its caller when it returns. Run under TSan by
-// `make sanitize`.
+// `make sanitize`. Regions back to back, with workers that spin and with
+// workers that sleep between regions, run every part exactly once and never a
+// part of another region.
 #include <atomic>
 #include <thread>
 #include <vector>
@@ -14,6 +16,8 @@ namespace {
 
 using sw::detail::compute_threads;
 using sw::detail::parallel_for;
+using sw::detail::run_parts;
+using sw::detail::set_compute_spin_us;
 
 TEST(ComputePool, EveryIndexOnceAndWritesVisible) {
   ASSERT_GE(compute_threads(), 1);
@@ -53,6 +57,44 @@ TEST(ComputePool, RegionsFromManyThreadsAtOnce) {
   for (auto& th : threads) th.join();
   const int64_t n = 1 << 12;
   for (int t = 0; t < kThreads; ++t) EXPECT_EQ(sums[t], kRounds * (n * (n - 1) / 2)) << "thread " << t;
+}
+
+// Regions of 1 to 7 parts, back to back: each part of each region runs exactly
+// once, with the index it was given, whatever the workers' spin (0: they sleep
+// after every region and are woken for the next; long: they never sleep).
+TEST(ComputePool, BackToBackRegionsRunEachPartOnce) {
+  struct Ctx {
+    std::vector<std::atomic<int>>* hits;
+    int64_t region, parts;
+    std::atomic<int64_t>* strays;
+  };
+  constexpr int64_t kRegions = 4000, kMaxParts = 7;
+  const int64_t saved = set_compute_spin_us(0);
+  for (int64_t spin : {int64_t{0}, int64_t{200}, int64_t{100000}}) {
+    set_compute_spin_us(spin);
+    std::vector<std::atomic<int>> hits(static_cast<size_t>(kRegions * kMaxParts));
+    std::atomic<int64_t> strays{0};
+    for (int64_t r = 0; r < kRegions; ++r) {
+      Ctx ctx{&hits, r, 1 + r % kMaxParts, &strays};
+      run_parts(ctx.parts, [](void* c, int64_t i) {
+        auto* x = static_cast<Ctx*>(c);
+        if (i < 0 || i >= x->parts) ++*x->strays;
+        else (*x->hits)[static_cast<size_t>(x->region * kMaxParts + i)].fetch_add(1);
+      }, &ctx);
+    }
+    EXPECT_EQ(strays.load(), 0) << "spin " << spin;
+    for (int64_t r = 0; r < kRegions; ++r)
+      for (int64_t i = 0; i < kMaxParts; ++i)
+        ASSERT_EQ(hits[static_cast<size_t>(r * kMaxParts + i)].load(), i < 1 + r % kMaxParts ? 1 : 0)
+            << "spin " << spin << " region " << r << " part " << i;
+  }
+  EXPECT_EQ(set_compute_spin_us(saved), 100000);
+}
+
+TEST(ComputePool, SpinSettingRoundTripsAndClampsAtZero) {
+  const int64_t saved = set_compute_spin_us(-5);
+  EXPECT_EQ(set_compute_spin_us(7), 0);
+  EXPECT_EQ(set_compute_spin_us(saved), 7);
 }
 
 }  // namespace
