@@ -1,12 +1,15 @@
 #include "strideweave/completion.hpp"
 
 #include <pthread.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
 
 namespace sw {
 
-Executor::Executor(std::string name, size_t threads) : name_(std::move(name)), max_threads_(std::max<size_t>(1, threads)) {}
+Executor::Executor(std::string name, size_t threads, int nice)
+    : name_(std::move(name)), max_threads_(std::max<size_t>(1, threads)), nice_(nice) {}
 
 Executor::~Executor() {
   {
@@ -39,6 +42,12 @@ void Executor::submit(std::function<void()> work) {
 }
 
 void Executor::run() {
+  if (nice_ > 0) {
+    // Linux schedules threads individually: this sets the calling thread's niceness only. Raising it needs no
+    // privilege; where it fails the thread keeps the process's priority, which is only slower.
+    const int current = getpriority(PRIO_PROCESS, static_cast<id_t>(gettid()));
+    (void)setpriority(PRIO_PROCESS, static_cast<id_t>(gettid()), std::min(19, std::max(current, nice_)));
+  }
   std::unique_lock lock(mutex_);
   while (true) {
     ++idle_;
@@ -68,9 +77,25 @@ namespace {
 size_t hardware() { return std::max<unsigned>(1, std::thread::hardware_concurrency()); }
 }  // namespace
 
+// Note [Background I/O threads]: tier I/O (promotions, evictions, their
+// reads and writes) and moves run ahead of the computation that needs them,
+// so their latency matters less than that of the compute threads beside them.
+// At equal priority the scheduler lets a woken I/O thread preempt a compute
+// thread in the middle of a parallel region, and the region's caller then
+// waits for the preempted part (on a 2-core machine, 4-5 s of I/O CPU time
+// over a 10-12 s Mixture-of-Experts run). The I/O and move threads therefore
+// run at niceness 19: they take whatever CPU time the computation leaves, and
+// when a caller blocks on them its own core is free for them. Unlike
+// SCHED_IDLE, niceness 19 still gives them a small share on a machine that
+// other processes keep busy, so a wait on them always progresses. Measured on
+// the MoE example (120 batches, 4 pairs against the same build with equal
+// priorities): 4-5% less wall time, although the waits for gradient
+// evictions grow from about 0.3 s to 0.5 s.
+constexpr int kBackgroundNice = 19;
+
 // Intentionally leaked: pools must outlive every static object that may submit work.
 Executor& Executor::io() {
-  static Executor* e = new Executor("sw-io", std::max<size_t>(4, hardware()));
+  static Executor* e = new Executor("sw-io", std::max<size_t>(4, hardware()), kBackgroundNice);
   return *e;
 }
 Executor& Executor::select() {
@@ -78,7 +103,7 @@ Executor& Executor::select() {
   return *e;
 }
 Executor& Executor::moves() {
-  static Executor* e = new Executor("sw-move", std::max<size_t>(4, hardware()));
+  static Executor* e = new Executor("sw-move", std::max<size_t>(4, hardware()), kBackgroundNice);
   return *e;
 }
 

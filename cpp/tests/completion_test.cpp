@@ -3,6 +3,8 @@
 // executors are bounded, lazily started, and run work whose handle was dropped.
 // Synchronisation is by completions, promises and joins: no sleeps.
 #include <gtest/gtest.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -342,6 +344,34 @@ TEST(Executor, ProcessPoolsAreBoundedAndNamed) {
   EXPECT_EQ(Executor::select().max_threads(), hw);
   EXPECT_EQ(Executor::moves().max_threads(), std::max<size_t>(4, hw));
   EXPECT_LE(Executor::moves().started_threads(), Executor::moves().max_threads());
+}
+
+// The niceness a thread of `ex` runs its work at (Linux schedules threads individually).
+int niceness_on(Executor& ex) {
+  std::promise<int> got;
+  auto f = got.get_future();
+  ex.submit([&got] {
+    errno = 0;
+    got.set_value(getpriority(PRIO_PROCESS, static_cast<id_t>(gettid())));
+  });
+  return f.get();
+}
+
+// Note [Background I/O threads]: tier I/O and moves run at niceness 19, other
+// pools (and a pool asking for nothing) at the process's own; a pool never
+// runs above the process's niceness.
+TEST(Executor, BackgroundPoolsRunTheirWorkAtNiceness19) {
+  const int own = getpriority(PRIO_PROCESS, static_cast<id_t>(gettid()));
+  EXPECT_EQ(Executor::io().nice(), 19);
+  EXPECT_EQ(Executor::moves().nice(), 19);
+  EXPECT_EQ(niceness_on(Executor::io()), 19);
+  EXPECT_EQ(niceness_on(Executor::moves()), 19);
+  EXPECT_EQ(niceness_on(Executor::select()), own);
+  Executor plain("sw-test-plain", 1);
+  EXPECT_EQ(niceness_on(plain), own);
+  Executor some("sw-test-nice", 1, 7);
+  EXPECT_EQ(niceness_on(some), std::max(own, 7));
+  EXPECT_EQ(getpriority(PRIO_PROCESS, static_cast<id_t>(gettid())), own) << "the caller's niceness changed";
 }
 
 }  // namespace

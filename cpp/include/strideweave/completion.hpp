@@ -123,9 +123,12 @@ class Completion final : public CompletionBase {
 template <class T>
 using CompletionPtr = std::shared_ptr<Completion<T>>;
 
+// A pool of lazily started worker threads. `nice` is the scheduling niceness
+// its threads take when they start (0: the process's own); see Note
+// [Background I/O threads].
 class Executor {
  public:
-  Executor(std::string name, size_t threads);
+  Executor(std::string name, size_t threads, int nice = 0);
   ~Executor();
   Executor(const Executor&) = delete;
   Executor& operator=(const Executor&) = delete;
@@ -133,6 +136,7 @@ class Executor {
   void submit(std::function<void()> work);
   const std::string& name() const noexcept { return name_; }
   size_t max_threads() const noexcept { return max_threads_; }
+  int nice() const noexcept { return nice_; }
   size_t started_threads() const;
   // Blocks until no work is queued or running (a finished work item's captures
   // are destroyed before it counts as done), or until `timeout` passes; returns
@@ -147,6 +151,7 @@ class Executor {
   void run();
   std::string name_;
   size_t max_threads_;
+  int nice_;
   mutable std::mutex mutex_;
   std::condition_variable cv_;
   std::deque<std::function<void()>> queue_;
