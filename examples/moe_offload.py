@@ -274,9 +274,11 @@ def evict_gradient_tiles(full, keep: set):
     """Starts evicting gradient tiles of experts not in `keep` (the next batch's experts) to the gradient's
     secondary tier; returns the pending handle, or None when there is nothing to evict.
 
-    The writes run while the next batch projects and computes its first expert. The handle must be waited and
-    dropped before the next backward: StrideWeave adds into a tiled .grad in place only while nothing else holds
-    it and no residency request on it is incomplete (otherwise it would build a new gradient carrier).
+    The writes run while the next batch computes. Its backward never touches these tiles (they are not its
+    experts'), and StrideWeave adds into the other tiles of a tiled .grad in place while the eviction runs: a
+    residency request's own reference does not count as someone else holding the gradient. A gradient sum that
+    needed a tile under the request would raise and ask to wait for it. The handle is waited after that batch,
+    before the next evictions are chosen.
     """
     if full.grad is None:
         return None
@@ -290,8 +292,8 @@ def prefetch_gradient_tiles(full, experts: set):
     gradient's secondary tier; returns the pending handle, or None when there is nothing to promote.
 
     The next batch's backward then adds each expert's gradient into a resident tile in place, inside the matmul
-    (no separate gradient buffer, no read of the file on the critical path). Like the evictions, the handle is
-    waited and dropped before that backward.
+    (no separate gradient buffer, no read of the file on the critical path). The handle is waited before that
+    backward: the tiles it reads back are the ones the backward adds into.
     """
     if full.grad is None:
         return None
@@ -345,15 +347,19 @@ def run_strideweave(cfg: Config, paths: dict, batches_fn, G: np.ndarray, p: np.n
     prefetch_wait = project_time = compute = 0.0
     recent: OrderedDict = OrderedDict()  # projected experts, least recent first (mirrors LRUPolicy)
     peak_resident = 0
-    grad_requests = []  # the previous batch's gradient evictions and prefetches, waited before this batch's first backward
+    # Gradient transfers started after the previous batch: the read-backs of this batch's experts' gradient tiles
+    # are waited before its first backward (which adds into those tiles); the evictions of other experts' tiles
+    # run on meanwhile (the backward adds into the tiles no request is transitioning, in place) and are waited
+    # after the batch, before the next evictions are chosen.
+    grad_reads, grad_writes = [], []
 
-    def finish_grad_requests() -> None:
+    def finish(handles: list) -> None:
         nonlocal evict_wait
-        if grad_requests:
+        if handles:
             t = time.perf_counter()
-            for h in grad_requests:
+            for h in handles:
                 h.wait()
-            grad_requests.clear()  # drop the handles: they refer to the gradient carriers
+            handles.clear()  # drop the handles
             evict_wait += time.perf_counter() - t
 
     evict_wait = 0.0
@@ -409,7 +415,7 @@ def run_strideweave(cfg: Config, paths: dict, batches_fn, G: np.ndarray, p: np.n
             recent[e] = None
             while len(recent) > cfg.budget:
                 recent.popitem(last=False)
-            expert_forward_backward(batch, e, w1, w2, G, y, before_backward=finish_grad_requests)
+            expert_forward_backward(batch, e, w1, w2, G, y, before_backward=lambda: finish(grad_reads))
             project_time += t2 - t1
             compute += time.perf_counter() - t2
         if cfg.check:  # kept for the correctness check only (1 MiB a batch)
@@ -428,13 +434,14 @@ def run_strideweave(cfg: Config, paths: dict, batches_fn, G: np.ndarray, p: np.n
                 if extra:
                     carriers[name].evict(expert_tiles(extra))
         if cfg.policy != "none":
+            finish(grad_writes)  # the previous evictions have ended: every tile's location is settled
             for name in MATRICES:
                 h = evict_gradient_tiles(fulls[name], upcoming)
                 if h is not None:
-                    grad_requests.append(h)
+                    grad_writes.append(h)
                 h = prefetch_gradient_tiles(fulls[name], upcoming)
                 if h is not None:
-                    grad_requests.append(h)
+                    grad_reads.append(h)
         compute += time.perf_counter() - t3
         per_batch.append({
             "seconds": time.perf_counter() - t0, "tokens": cfg.tokens, "used": list(batch.used),
@@ -445,7 +452,8 @@ def run_strideweave(cfg: Config, paths: dict, batches_fn, G: np.ndarray, p: np.n
     if prefetch is not None:
         for h in prefetch:
             h.wait()
-    finish_grad_requests()
+    finish(grad_reads)
+    finish(grad_writes)
     wall = time.perf_counter() - start
     sw.set_mapping_cache_limit(cache_limit)
     weight = [carriers[n].stats() for n in MATRICES]

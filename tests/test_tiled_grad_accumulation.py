@@ -217,3 +217,86 @@ def test_matmul_gradient_through_a_retained_projection_is_not_sunk(rng):
     one = g.T.astype(np.float64) @ x.astype(np.float64)
     np.testing.assert_allclose(np.asarray(compact.grad), one, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(grad_values(full)[:, :IN], 2 * one, rtol=1e-5, atol=1e-5)
+
+
+# ---- Note [Requests' own references]: a gradient sum meets residency requests of other tiles
+
+
+@pytest.fixture
+def held_io():
+    yield sw._core
+    sw._core._io_clear()  # also releases holds
+
+
+@pytest.mark.parametrize("op", ["pwrite", "pread"], ids=["eviction-under-way", "read-back-under-way"])
+@pytest.mark.parametrize("step", ["sum", "matmul-sink"])
+def test_a_gradient_adds_in_place_while_another_tile_is_in_transfer(rng, held_io, op, step):
+    w, c, full = expert_weight(rng)
+    x = [rng.standard_normal((5, IN)).astype(np.float32) for _ in range(3)]
+    g = [rng.standard_normal((5, OUT)).astype(np.float32) for _ in range(3)]
+
+    def contribution(e, k):  # one step into expert e; returns the dense gradient it adds
+        if step == "sum":
+            seed = g[k].T @ x[k]
+            backward_through(c, full, e, seed)
+            return seed.astype(np.float64)
+        matmul_step(c, full, e, x[k], g[k])
+        return g[k].T.astype(np.float64) @ x[k].astype(np.float64)
+
+    want = np.zeros((OUT, IN * E))
+    want[:, IN:2 * IN] += contribution(1, 0)
+    want[:, 3 * IN:4 * IN] += contribution(3, 1)
+    if op == "pread":  # tile 3 is written out first, so that the request under way reads it back
+        full.grad.carrier.evict(TileSet([(0, 3)]))
+    version = full.grad.carrier.version
+    held_io._io_hold(op)
+    # The handle holds no reference to the gradient carrier; its request does, until its transfer ends.
+    if op == "pwrite":
+        pending = full.grad.carrier.evict_async(TileSet([(0, 3)]))
+    else:
+        pending = full.grad.carrier.promote_async(TileSet([(0, 3)]))
+    assert pending.done is False
+    want[:, IN:2 * IN] += contribution(1, 2)  # tile 1 is under no request: added in place, nothing waited for
+    assert pending.done is False  # the sum neither waited for nor joined the transfer
+    assert full.grad.carrier.version == version + 1  # the same carrier (a fresh sum would restart at 1)
+    assert full.grad.carrier.tile_state((0, 1)).dirty
+    held_io._io_unhold()
+    pending.wait()
+    assert full.grad.carrier.tile_state((0, 3)).location == ("secondary" if op == "pwrite" else "primary")
+    np.testing.assert_allclose(grad_values(full), want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_gradient_tile_under_a_request_is_never_added_into(rng, held_io):
+    w, c, full = expert_weight(rng)
+    s1, s2 = (rng.standard_normal((OUT, IN)).astype(np.float32) for _ in range(2))
+    backward_through(c, full, 3, s1)
+    held_io._io_hold("pwrite")
+    pending = full.grad.carrier.evict_async(TileSet([(0, 3)]))
+    version = full.grad.carrier.version
+    with pytest.raises(RuntimeError, match="incomplete residency request"):
+        backward_through(c, full, 3, s2)  # the tile being written out: neither added into nor read
+    assert full.grad.carrier.version == version
+    held_io._io_unhold()
+    pending.wait()
+    assert full.grad.carrier.tile_state((0, 3)).location == "secondary"
+    np.testing.assert_array_equal(expert_of(grad_values(full), 3), s1)  # what was written is the first gradient
+
+
+def test_a_held_gradient_with_a_request_under_way_is_not_mutated(rng, held_io):
+    w, c, full = expert_weight(rng)
+    s1, s2 = (rng.standard_normal((OUT, IN)).astype(np.float32) for _ in range(2))
+    backward_through(c, full, 1, s1)
+    backward_through(c, full, 3, s1)
+    held = full.grad  # a reference from Python besides the request's own: sums must not touch this carrier
+    held_io._io_hold("pwrite")
+    pending = held.carrier.evict_async(TileSet([(0, 3)]))
+    before = held.carrier.version
+    with pytest.raises(RuntimeError, match="incomplete residency request"):
+        backward_through(c, full, 1, s2)  # a fresh sum reads every tile of the held one, tile 3 included
+    assert held.carrier.version == before and full.grad is held
+    held_io._io_unhold()
+    pending.wait()
+    backward_through(c, full, 1, s2)
+    assert full.grad is not held
+    np.testing.assert_array_equal(expert_of(grad_values_of(held), 1), s1)
+    np.testing.assert_allclose(expert_of(grad_values(full), 1), s1 + s2, rtol=1e-6)

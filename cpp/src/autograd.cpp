@@ -95,13 +95,16 @@ void accumulate_into(TensorImpl& t, const TensorPtr& g, bool owned) {
   }
   // A tiled .grad that only this leaf holds (no Python reference, no saved
   // copy: the tensor is referenced by t.grad and `current`, its carrier by the
-  // tensor alone) accumulates in place, tile by tile: the cost is the tiles `g`
+  // tensor alone, apart from its own residency requests) accumulates in place, tile by tile: the cost is the tiles `g`
   // touches, not the full extent. See Note [Tiled gradient accumulation].
   if (current && tiled_gradients_compatible(current, g) && current.use_count() == 2 &&
-      current->carrier.use_count() == 1 && current->carrier->is_mutable() && !current->carrier->is_owned()) {
-    auto acc = std::static_pointer_cast<TiledEvictable>(current->carrier);
+      current->carrier->is_mutable() && !current->carrier->is_owned()) {
+    auto& acc = static_cast<TiledEvictable&>(*current->carrier);
     const bool share = owned && g->carrier.use_count() == 1;  // g's tile buffers die with g
-    if (!acc->has_incomplete_work() && acc->accumulate_tiles(static_cast<const TiledEvictable&>(*g->carrier), share))
+    // Residency requests of other tiles may be under way (Note [Requests' own references]); accumulate_tiles
+    // refuses a tile that one is transitioning.
+    if (acc.only_reference_is(current->carrier) &&
+        acc.accumulate_tiles(static_cast<const TiledEvictable&>(*g->carrier), share))
       return;
   }
   TensorPtr value = current ? on_leaf_kind(t, add_grads(current, g), /*owned=*/true) : on_leaf_kind(t, g, owned);

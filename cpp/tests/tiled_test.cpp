@@ -1389,6 +1389,38 @@ TEST_F(TiledTest, AWaitedRequestHoldsNoReferenceToTheCarrier) {
   EXPECT_EQ(extra_after_evict, 0);
 }
 
+// Note [Requests' own references]: while requests are under way, the caller's reference still counts as the
+// only one, at every moment (the requests take, drop and uncount theirs on the I/O threads meanwhile), and a
+// second reference never does.
+TEST_F(TiledTest, RequestsUnderWayAreNotOtherReferences) {
+  CarrierPtr c = make_tiled({8}, {64});
+  auto* te = static_cast<TiledEvictable*>(c.get());
+  int64_t wrong = 0, checks = 0;
+  auto check_while = [&](std::vector<CompletionPtr<std::monostate>>& pending) {
+    for (bool busy = true; busy;) {
+      busy = false;
+      for (auto& p : pending) busy |= !p->done();
+      wrong += !te->only_reference_is(c);
+      ++checks;
+    }
+    for (auto& p : pending) p->value();
+    wrong += !te->only_reference_is(c);
+    CarrierPtr second = c;
+    wrong += te->only_reference_is(c);
+  };
+  for (int round = 0; round < 300; ++round) {
+    std::vector<CompletionPtr<std::monostate>> pending;
+    for (int64_t t = 0; t < 8; ++t) pending.push_back(te->promote_async({t}));  // one request per tile
+    check_while(pending);
+    te->write_value(round % 8 * 64, F(float(round)));  // dirty: the eviction writes
+    pending.clear();
+    for (int64_t t = 0; t < 8; ++t) pending.push_back(te->evict_async({t}));
+    check_while(pending);
+  }
+  EXPECT_EQ(wrong, 0) << "of " << checks << " checks";
+  EXPECT_EQ(c.use_count(), 1);
+}
+
 // ---------------------------------------------------------------- projection shares one tile (Note [Shared snapshots])
 
 // A canonical full tensor over `te`: column-major over its logical shape, offset 0.

@@ -231,16 +231,19 @@ struct ProjectionNode final : Node {
       if (leaf->node) return std::nullopt;
       current = leaf->grad;
     }
-    if (!current || current.use_count() != 2 || current->carrier.use_count() != 1 || !current->carrier->is_mutable() ||
-        current->carrier->is_owned() || current->carrier.get() == carrier.get())
+    if (!current || current.use_count() != 2 || !current->carrier->is_mutable() || current->carrier->is_owned() ||
+        current->carrier.get() == carrier.get())
       return std::nullopt;
     if (current->offset != 0 || !current->layout.is_column_major() || !(current->layout == leaf->layout) ||
         current->offset != leaf->offset)
       return std::nullopt;
-    auto acc = std::dynamic_pointer_cast<TiledEvictable>(current->carrier);
-    if (!acc || acc->is_released() || acc->dtype().id() != DTypeId::Float32 || acc->grid_shape() != carrier->grid_shape() ||
-        acc->tile_shape() != carrier->tile_shape() || acc->has_incomplete_work())
+    // Checked before `acc` below takes a reference of its own. Requests on other tiles may be under way
+    // (Note [Requests' own references]); resident_tile_for_update refuses a tile one is transitioning.
+    const auto* raw = dynamic_cast<const TiledEvictable*>(current->carrier.get());
+    if (!raw || raw->is_released() || raw->dtype().id() != DTypeId::Float32 || raw->grid_shape() != carrier->grid_shape() ||
+        raw->tile_shape() != carrier->tile_shape() || !raw->only_reference_is(current->carrier))
       return std::nullopt;
+    auto acc = std::static_pointer_cast<TiledEvictable>(current->carrier);
     const int64_t index = acc->tile_index({selection.per_axis[0][0], selection.per_axis[1][0]});
     CarrierPtr buf = acc->resident_tile_for_update(index);
     if (!buf) return std::nullopt;

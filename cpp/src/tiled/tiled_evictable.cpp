@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <functional>
 #include <sstream>
+#include <thread>
 
 #include "strideweave/carriers/storage.hpp"
 #include "strideweave/errors.hpp"
@@ -47,8 +48,9 @@ struct TiledEvictable::Request {
   std::exception_ptr error;
   CompletionPtr<std::monostate> done = std::make_shared<Completion<std::monostate>>();
   // Keeps the carrier alive while queued transfers run; let go of before `done` is set
-  // (Note [Letting go before completing]).
+  // (Note [Letting go before completing]). `owner_count` is the carrier's request_refs_, which counts it.
   std::shared_ptr<TiledEvictable> owner;
+  std::shared_ptr<std::atomic<int64_t>> owner_count;
 };
 
 struct TiledEvictable::Work {
@@ -319,6 +321,33 @@ bool TiledEvictable::has_incomplete_work() const {
   return active_requests_ > 0 || active_work_ > 0;
 }
 
+// Note [Requests' own references]: a queued residency request holds the carrier
+// (Request::owner) until its transfers end, so that dropping every other
+// reference cannot free the tiles under an I/O thread. A tiled gradient adds in
+// place only when nothing else holds it (Note [Tiled gradient accumulation]);
+// counting the requests' references as "something else" made every gradient sum
+// that met an eviction of other tiles (or a read-back of them) build a new
+// gradient, with every written-out tile read back into memory, so callers had
+// to wait for all such transfers before each backward. The requests' references
+// are therefore counted (request_refs_, shared with the requests so a request
+// can uncount after dropping its reference, which may free the carrier), and
+// only the rest must be the caller's one. Tiles under a request are still
+// never added into: accumulate_tiles and resident_tile_for_update check each
+// tile. A request takes its reference after counting it and uncounts it after
+// dropping it, and the count is read before the use count, so a reading taken
+// in between shows fewer references than the caller's own (never more than
+// there are), which only a request in between can cause: it is read again.
+bool TiledEvictable::only_reference_is(const CarrierPtr& self) const {
+  SW_ASSERT(self.get() == this, "only_reference_is: not a reference to this carrier");
+  for (;;) {
+    const int64_t requests = request_refs_->load(std::memory_order_seq_cst);
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    const int64_t others = static_cast<int64_t>(self.use_count()) - requests;
+    if (others >= 1) return others == 1;
+    std::this_thread::yield();  // a request between dropping its reference and uncounting it
+  }
+}
+
 void TiledEvictable::pending_conflict(int64_t index, const char* what) const {
   raise<RuntimeError>("tile ", coord_str(tile_coord(index)), " of TiledEvictable has an incomplete residency request; ",
                       "wait for it before ", what);
@@ -407,8 +436,17 @@ void TiledEvictable::start_request(const std::shared_ptr<Request>& r, bool inlin
   r->remaining.store(n);
   // Queued work holds a reference (through the request); a carrier no shared_ptr owns yet runs its transfers
   // inline.
-  if (!inline_) r->owner = std::static_pointer_cast<TiledEvictable>(weak_from_this().lock());
-  if (!r->owner) inline_ = true;
+  // Counted before it is taken, and uncounted after it is dropped (Note [Requests' own references]).
+  if (!inline_) {
+    r->owner_count = request_refs_;
+    r->owner_count->fetch_add(1, std::memory_order_seq_cst);
+    r->owner = std::static_pointer_cast<TiledEvictable>(weak_from_this().lock());
+    if (!r->owner) {
+      r->owner_count->fetch_sub(1, std::memory_order_seq_cst);
+      r->owner_count.reset();
+      inline_ = true;
+    }
+  }
   // Note [One writer per file]: buffered writes to one file serialise on its inode lock, and writers waiting
   // for it spin; so an eviction into a FileBacked tier writes its tiles one after another in one job (the other
   // I/O threads stay free for promotions). Reads, and writes to other tiers, run one job per tile.
@@ -516,6 +554,10 @@ void TiledEvictable::commit(const std::shared_ptr<Request>& r) {
   // the completion, by whoever drops that last.
   std::shared_ptr<TiledEvictable> owner = std::move(r->owner);
   owner.reset();
+  if (r->owner_count) {
+    r->owner_count->fetch_sub(1, std::memory_order_seq_cst);
+    r->owner_count.reset();
+  }
   if (std::exception_ptr error = std::move(r->error)) r->done->set_error(std::move(error));
   else r->done->set_value({});
 }

@@ -118,6 +118,12 @@ class TiledEvictable final : public DependentCarrier {
   CompletionPtr<std::monostate> promote_async(const std::vector<int64_t>& tiles);
   CompletionPtr<std::monostate> evict_async(const std::vector<int64_t>& tiles);
   bool has_incomplete_work() const;
+  // Whether `self` (a reference to this carrier) is the only one apart from
+  // those its own incomplete residency requests hold while their transfers
+  // run: then nobody else can observe or change its tiles, and a gradient sum
+  // may add into tiles no request is transitioning (Note [Requests' own
+  // references]).
+  bool only_reference_is(const CarrierPtr& self) const;
 
   // -------- data access
   void read_slots(int64_t start, int64_t count, void* out) const override;
@@ -217,6 +223,9 @@ class TiledEvictable final : public DependentCarrier {
   uint64_t next_request_ = 1;
   int active_requests_ = 0;
   int active_work_ = 0;
+  // References to this carrier that queued requests hold (Request::owner); shared with them, so a request
+  // can uncount its reference after dropping it (Note [Requests' own references]).
+  std::shared_ptr<std::atomic<int64_t>> request_refs_ = std::make_shared<std::atomic<int64_t>>(0);
   std::condition_variable idle_cv_;  // notified when active_requests_ or active_work_ drops
   mutable std::mutex footprint_cache_mutex_;
   mutable std::vector<std::pair<Layout, int64_t>> footprint_cache_;  // compatible (layout, offset) pairs
