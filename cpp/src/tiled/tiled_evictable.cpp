@@ -340,8 +340,7 @@ bool TiledEvictable::has_incomplete_work() const {
 bool TiledEvictable::only_reference_is(const CarrierPtr& self) const {
   SW_ASSERT(self.get() == this, "only_reference_is: not a reference to this carrier");
   for (;;) {
-    const int64_t requests = request_refs_->load(std::memory_order_seq_cst);
-    std::atomic_thread_fence(std::memory_order_seq_cst);
+    const int64_t requests = request_refs_->load(std::memory_order_seq_cst);  // first: see the Note
     const int64_t others = static_cast<int64_t>(self.use_count()) - requests;
     if (others >= 1) return others == 1;
     std::this_thread::yield();  // a request between dropping its reference and uncounting it
