@@ -57,6 +57,43 @@ TEST(Completion, ValueReferenceIsStable) {
   EXPECT_EQ(*first, (std::vector<int>{1, 2, 3}));
 }
 
+// Note [Waiters help]: the first waiter runs the help, on its own thread, before it blocks; a second waiter and
+// wait_for never run it; setting the completion drops it unrun (its captures with it).
+TEST(Completion, TheFirstWaiterRunsTheHelpOnce) {
+  auto c = std::make_shared<Completion<int>>();
+  std::atomic<int> runs{0};
+  std::thread::id ran_on;
+  c->set_help([&] {
+    ++runs;
+    ran_on = std::this_thread::get_id();
+    c->set_value(7);  // the help completes it: wait() returns without blocking
+  });
+  EXPECT_FALSE(c->wait_for(std::chrono::milliseconds(0)));
+  EXPECT_EQ(runs.load(), 0);  // wait_for never helps
+  c->wait();
+  EXPECT_EQ(runs.load(), 1);
+  EXPECT_EQ(ran_on, std::this_thread::get_id());
+  c->wait();
+  EXPECT_EQ(c->value(), 7);
+  EXPECT_EQ(runs.load(), 1);
+}
+
+TEST(Completion, SettingItDropsTheHelpUnrun) {
+  auto c = std::make_shared<Completion<int>>();
+  auto token = std::make_shared<int>(0);
+  std::weak_ptr<int> watch = token;
+  bool ran = false;
+  c->set_help([token = std::move(token), &ran] { ran = true; });
+  EXPECT_FALSE(watch.expired());
+  c->set_value(1);
+  EXPECT_TRUE(watch.expired());  // the captures went with the help
+  c->wait();
+  EXPECT_FALSE(ran);
+  c->set_help([&ran] { ran = true; });  // terminal: not kept
+  c->wait();
+  EXPECT_FALSE(ran);
+}
+
 TEST(Completion, SetErrorOnce) {
   auto c = std::make_shared<Completion<int>>();
   auto e = std::make_exception_ptr(ValueError("the work failed"));

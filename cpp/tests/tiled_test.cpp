@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <condition_variable>
 #include <functional>
+#include <future>
 #include <map>
 #include <set>
 #include <thread>
@@ -183,8 +184,7 @@ std::vector<int64_t> sorted_unique(std::vector<int64_t> v) {
 // their requests stay pending until open() (deterministic, no sleeps).
 class IoBlock {
  public:
-  IoBlock() {
-    Executor& ex = Executor::io();
+  explicit IoBlock(Executor& ex = Executor::io()) : ex_(ex) {
     const size_t n = ex.max_threads();
     for (size_t i = 0; i < n; ++i)
       ex.submit([s = state_] {
@@ -201,7 +201,7 @@ class IoBlock {
   }
   ~IoBlock() {
     open();
-    EXPECT_TRUE(Executor::io().wait_idle(std::chrono::seconds(60)));
+    EXPECT_TRUE(ex_.wait_idle(std::chrono::seconds(60)));
   }
   void open() {
     if (!opened_) state_->gate->set_value(true);
@@ -215,6 +215,7 @@ class IoBlock {
     size_t started = 0;
     CompletionPtr<bool> gate = std::make_shared<Completion<bool>>();
   };
+  Executor& ex_;
   std::shared_ptr<State> state_ = std::make_shared<State>();
   bool opened_ = false;
 };
@@ -1456,6 +1457,30 @@ TEST_F(TiledTest, ProjectingOneResidentTileSharesItsBufferCopyOnWrite) {
   EXPECT_EQ(state(*te, tile).location, TileLocation::Secondary);
   EXPECT_EQ(p->carrier->read_value(0), before);
   EXPECT_EQ(value_at(0), F(-7.0));
+}
+
+// Note [Waiters help]: a projection of resident tiles completes in its waiter's own thread when no
+// selection thread is free to gather them (every one is blocked here): the waiter gathers every tile.
+TEST_F(TiledTest, AWaiterGathersResidentTilesItselfWhenNoSelectionThreadIsFree) {
+  GradModeGuard no_grad(false);
+  Tiled te = make_tiled({2, 3}, {4, 5});
+  TensorPtr full = make_tensor(te, 0, column_major(Shape::flat(te->logical_shape())));
+  te->promote_async({0, 1, 2, 3, 4, 5})->value();
+  IoBlock blocked(Executor::select());
+  auto handle = project(te, full, {{{1, 0}, {2, 0}}}, nullptr);
+  EXPECT_FALSE(handle->done());  // queued: no selection thread has taken a tile
+  auto waited = std::async(std::launch::async, [&] { return handle->value(); });
+  const bool finished = waited.wait_for(std::chrono::seconds(60)) == std::future_status::ready;
+  EXPECT_TRUE(finished) << "the waiter did not gather the tiles itself";
+  blocked.open();
+  TensorPtr p = waited.get();
+  ASSERT_EQ(p->size(), 80);
+  // Compact (8, 10): rows from grid rows 1 then 0, columns from grid columns 2 then 0.
+  for (int64_t j = 0; j < 10; ++j)
+    for (int64_t i = 0; i < 8; ++i) {
+      const int64_t r = (i < 4 ? 4 : 0) + i % 4, col = (j < 5 ? 10 : 0) + j % 5;
+      ASSERT_EQ(p->carrier->read_value(i + 8 * j), te->read_value(r + 8 * col)) << i << "," << j;
+    }
 }
 
 TEST_F(TiledTest, ProjectionCopiesIntoADestinationSeveralTilesOrAnImplicitZero) {

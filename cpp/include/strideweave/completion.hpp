@@ -48,9 +48,31 @@ class CompletionBase {
     std::lock_guard lock(mutex_);
     return done_;
   }
+  // Blocks until terminal. The first waiter that finds help (see set_help) runs it first.
   void wait() const {
+    std::function<void()> help;
+    {
+      std::lock_guard lock(mutex_);
+      if (done_) return;
+      help.swap(help_);
+    }
+    if (help) {
+      help();
+      help = nullptr;  // its captures go before this thread blocks
+    }
     std::unique_lock lock(mutex_);
     cv_.wait(lock, [&] { return done_; });
+  }
+  // Note [Waiters help]: work that a waiter may run itself before it blocks,
+  // because the completion depends on it and it is safe on any thread (it takes
+  // parts of queued work that no pool thread has taken yet). A caller that waits
+  // at once then starts on the work without the hand-off to a sleeping pool
+  // thread, and often finishes it and completes the handle itself, without the
+  // wake-up back. At most one waiter runs it; wait_for never does (it would not
+  // be bounded by the timeout). Dropped, unrun, when the completion is set.
+  void set_help(std::function<void()> help) {
+    std::lock_guard lock(mutex_);
+    if (!done_) help_ = std::move(help);
   }
   // True when terminal within `timeout`.
   bool wait_for(std::chrono::milliseconds timeout) const {
@@ -83,6 +105,7 @@ class CompletionBase {
   template <class Store>
   void finish(std::exception_ptr e, Store&& store) {
     std::vector<std::function<void()>> cbs;
+    std::function<void()> help;  // destroyed after the lock, with no waiter left to run it
     {
       std::lock_guard lock(mutex_);
       SW_ASSERT(!done_, "a completion was set twice");
@@ -90,6 +113,7 @@ class CompletionBase {
       error_ = std::move(e);
       done_ = true;
       cbs.swap(callbacks_);
+      help.swap(help_);
     }
     cv_.notify_all();
     for (auto& cb : cbs) cb();
@@ -101,6 +125,7 @@ class CompletionBase {
   bool done_ = false;
   std::exception_ptr error_;
   std::vector<std::function<void()>> callbacks_;
+  mutable std::function<void()> help_;  // Note [Waiters help]
 };
 
 template <class T>

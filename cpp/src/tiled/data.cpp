@@ -413,13 +413,15 @@ CompletionPtr<TensorPtr> project_for(const std::shared_ptr<TiledEvictable>& c, c
   // Each batch of tiles goes to at most one job per select thread; the jobs take
   // tiles from the batch's shared cursor, so a few wake-ups serve many tiles.
   using Batch = std::vector<std::pair<int64_t, int64_t>>;  // (compact ordinal, tile index)
-  auto submit_batch = [gather](std::shared_ptr<const Batch> batch) {
+  // A waiter takes tiles from the same cursor before it blocks (Note [Waiters help]).
+  auto submit_batch = [gather, done](std::shared_ptr<const Batch> batch) {
     auto cursor = std::make_shared<std::atomic<size_t>>(0);
+    auto drain = [gather, batch, cursor] {
+      for (size_t n; (n = cursor->fetch_add(1)) < batch->size();) gather((*batch)[n].first, (*batch)[n].second);
+    };
     const size_t jobs = std::min(batch->size(), Executor::select().max_threads());
-    for (size_t j = 0; j < jobs; ++j)
-      Executor::select().submit([gather, batch, cursor] {
-        for (size_t n; (n = cursor->fetch_add(1)) < batch->size();) gather((*batch)[n].first, (*batch)[n].second);
-      });
+    for (size_t j = 0; j < jobs; ++j) Executor::select().submit(drain);
+    done->set_help(drain);
   };
   auto ready = TiledEvictable::work_ready(work);
   auto now = std::make_shared<Batch>();
