@@ -2,7 +2,8 @@
 //
 // Completion<T> is a shared, one-shot result: it is set exactly once, to a
 // value or to an error (setting it again is refused with InternalError).
-// Waiters block until it is terminal; callbacks registered with `then` run
+// Waiters block until it is terminal (the first may first run work the
+// completion depends on, Note [Waiters help]); callbacks registered with `then` run
 // once it is, on the thread that completes it (or immediately if already
 // terminal), with no internal lock held; they must not block.
 //
