@@ -91,11 +91,21 @@ size_t hardware() { return std::max<unsigned>(1, std::thread::hardware_concurren
 // the MoE example (120 batches, 4 pairs against the same build with equal
 // priorities): 4-5% less wall time, although the waits for gradient
 // evictions grow from about 0.3 s to 0.5 s.
+// A read that bypasses the page cache (Note [Cold reads bypass the page cache]
+// in io.cpp) is the exception: its thread issues one system call and sleeps in
+// it, and at niceness 19 every wake-up to issue the next one waited behind the
+// compute threads, leaving the device idle (the overlap benchmark took as long
+// as its reads and its compute one after the other). Such reads run on
+// device_reads(), at the process's priority.
 constexpr int kBackgroundNice = 19;
 
 // Intentionally leaked: pools must outlive every static object that may submit work.
 Executor& Executor::io() {
   static Executor* e = new Executor("sw-io", std::max<size_t>(4, hardware()), kBackgroundNice);
+  return *e;
+}
+Executor& Executor::device_reads() {
+  static Executor* e = new Executor("sw-read", std::max<size_t>(4, hardware()));
   return *e;
 }
 Executor& Executor::select() {

@@ -78,6 +78,28 @@ TEST(Completion, TheFirstWaiterRunsTheHelpOnce) {
   EXPECT_EQ(runs.load(), 1);
 }
 
+TEST(Completion, HelpRunsTheHelpOnceAndNeverBlocks) {
+  // help() is what an interruptible waiter (Python's wait) calls before its own wait_for loop.
+  auto c = std::make_shared<Completion<int>>();
+  std::atomic<int> runs{0};
+  std::thread::id ran_on;
+  c->set_help([&] {
+    ++runs;
+    ran_on = std::this_thread::get_id();
+  });
+  c->help();  // runs the help, which does not complete it: returns anyway
+  EXPECT_EQ(runs.load(), 1);
+  EXPECT_EQ(ran_on, std::this_thread::get_id());
+  EXPECT_FALSE(c->done());
+  c->help();  // taken: nothing left to run
+  EXPECT_EQ(runs.load(), 1);
+  c->set_help([&] { ++runs; });
+  c->set_value(3);  // terminal: the new help is dropped unrun
+  c->help();
+  EXPECT_EQ(runs.load(), 1);
+  EXPECT_EQ(c->value(), 3);
+}
+
 TEST(Completion, SettingItDropsTheHelpUnrun) {
   auto c = std::make_shared<Completion<int>>();
   auto token = std::make_shared<int>(0);
@@ -404,6 +426,7 @@ TEST(Executor, BackgroundPoolsRunTheirWorkAtNiceness19) {
   EXPECT_EQ(niceness_on(Executor::io()), 19);
   EXPECT_EQ(niceness_on(Executor::moves()), 19);
   EXPECT_EQ(niceness_on(Executor::select()), own);
+  EXPECT_EQ(niceness_on(Executor::device_reads()), own);  // cold reads that sleep in the kernel
   Executor plain("sw-test-plain", 1);
   EXPECT_EQ(niceness_on(plain), own);
   Executor some("sw-test-nice", 1, 7);

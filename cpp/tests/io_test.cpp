@@ -6,15 +6,20 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <cerrno>
 #include <cstring>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "strideweave/carriers/native.hpp"
+#include "strideweave/carriers/storage.hpp"
 #include "strideweave/io.hpp"
 #include "test_support.hpp"
 
@@ -258,6 +263,113 @@ TEST_F(IoTest, ConcurrentCallsFailExactlyCountTimes) {
   for (auto& th : threads) th.join();
   EXPECT_EQ(failed.load(), 37);
   EXPECT_EQ(succeeded.load(), kThreads * kCalls - 37);
+}
+
+
+// ---------------------------------------------------------------- Note [Cold reads bypass the page cache]
+
+namespace cold {
+
+// Pages of [offset, offset + bytes) in the page cache, or -1 where the kernel cannot say (no cachestat).
+int64_t cached_pages(int fd, int64_t offset, int64_t bytes) {
+  struct {
+    uint64_t off, len;
+  } range{static_cast<uint64_t>(offset), static_cast<uint64_t>(bytes)};
+  uint64_t stat[5] = {};
+  if (::syscall(451, fd, &range, stat, 0) != 0) return -1;
+  return static_cast<int64_t>(stat[0]);
+}
+
+// A file of `floats` Float32 values 0, 1, 2, ... written, synced and dropped from the page cache.
+std::vector<float> write_cold(const std::string& path, int64_t floats) {
+  std::vector<float> v(static_cast<size_t>(floats));
+  for (int64_t i = 0; i < floats; ++i) v[static_cast<size_t>(i)] = static_cast<float>(i);
+  int fd = io::open_file(path, O_RDWR | O_CREAT | O_TRUNC);
+  io::pwrite_full(fd, v.data(), v.size() * 4, 0, path);
+  ::fsync(fd);
+  ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+  ::close(fd);
+  return v;
+}
+
+constexpr int64_t kTile = int64_t{1} << 18;  // 1 MiB of Float32
+
+}  // namespace cold
+
+TEST(ColdReads, AColdTileIsReadRightAndBypassesThePageCache) {
+  TempPath tmp("sw-cold");
+  auto want = cold::write_cold(tmp.path(), 3 * cold::kTile);
+  FileBackedCarrier file(tmp.path(), DType::Float32(), false);
+  const bool can_tell = cold::cached_pages(file.fd(), 0, 3 * cold::kTile * 4) == 0;  // cachestat, and dropped
+  if (can_tell && file.direct_reads_possible()) {
+    EXPECT_TRUE(file.read_waits_on_device(cold::kTile, cold::kTile));  // promoted on Executor::device_reads()
+    EXPECT_FALSE(file.read_waits_on_device(cold::kTile, 1000));          // too small to go direct
+  }
+  CPUCarrier tile(cold::kTile, DType::Float32(), true, true);
+  copy_slots(file, cold::kTile, tile, 0, cold::kTile);  // the middle MiB, as a promotion reads it
+  std::vector<float> got(static_cast<size_t>(cold::kTile));
+  tile.read_slots(0, cold::kTile, got.data());
+  EXPECT_TRUE(std::equal(got.begin(), got.end(), want.begin() + cold::kTile));
+  if (can_tell && file.direct_reads_possible()) {
+    // Read with O_DIRECT: the page cache still holds none of it (a buffered read leaves 256 pages there).
+    EXPECT_EQ(cold::cached_pages(file.fd(), cold::kTile * 4, cold::kTile * 4), 0);
+  } else {
+    std::printf("cachestat or O_DIRECT unavailable here: the read went through the page cache\n");
+  }
+}
+
+TEST(ColdReads, ADirtyPageIsReadAsWrittenAndWarmRangesStayInThePageCache) {
+  TempPath tmp("sw-cold");
+  auto want = cold::write_cold(tmp.path(), 2 * cold::kTile);
+  FileBackedCarrier file(tmp.path(), DType::Float32(), true);
+  // Dirty one page in the middle of the first MiB (not yet written back): the range is partly cached.
+  std::vector<float> page(1024, -7.0f);
+  file.write_slots(4096, 1024, page.data());
+  std::copy(page.begin(), page.end(), want.begin() + 4096);
+  CPUCarrier tile(cold::kTile, DType::Float32(), true, true);
+  copy_slots(file, 0, tile, 0, cold::kTile);  // mostly uncached: direct, after the kernel writes the page back
+  std::vector<float> got(static_cast<size_t>(cold::kTile));
+  tile.read_slots(0, cold::kTile, got.data());
+  EXPECT_TRUE(std::equal(got.begin(), got.end(), want.begin()));
+  // A warm range (read through the page cache by someone else) is read through it too, with the same values.
+  std::vector<float> warm(static_cast<size_t>(cold::kTile));
+  ASSERT_EQ(::pread(file.fd(), warm.data(), cold::kTile * 4, 0), cold::kTile * 4);
+  EXPECT_FALSE(file.read_waits_on_device(0, cold::kTile));
+  copy_slots(file, 0, tile, 0, cold::kTile);
+  tile.read_slots(0, cold::kTile, got.data());
+  EXPECT_TRUE(std::equal(got.begin(), got.end(), want.begin()));
+}
+
+TEST(ColdReads, UnalignedAndPastTheEndColdReadsAreRightToo) {
+  TempPath tmp("sw-cold");
+  auto want = cold::write_cold(tmp.path(), 2 * cold::kTile + 3);  // not a whole number of pages
+  FileBackedCarrier file(tmp.path(), DType::Float32(), false);
+  std::vector<float> got(static_cast<size_t>(cold::kTile + 1000));
+  // Starts 5 floats into a page (a buffered head, then the aligned middle) and runs 997 floats past the end.
+  const int64_t start = cold::kTile + 5;
+  file.read_slots(start, cold::kTile + 1000, got.data());
+  const int64_t inside = 2 * cold::kTile + 3 - start;
+  EXPECT_TRUE(std::equal(got.begin(), got.begin() + inside, want.begin() + start));
+  EXPECT_TRUE(std::all_of(got.begin() + inside, got.end(), [](float x) { return x == 0.0f; }));
+  // A destination whose alignment differs from the file offset's: read through pread, right all the same.
+  cold::write_cold(tmp.path(), 2 * cold::kTile + 3);
+  std::vector<float> odd(static_cast<size_t>(cold::kTile + 1));
+  file.read_slots(0, cold::kTile, odd.data() + 1);
+  EXPECT_TRUE(std::equal(odd.begin() + 1, odd.end(), want.begin()));
+}
+
+TEST(ColdReads, FaultsAndTheGateCountOneCallPerRead) {
+  TempPath tmp("sw-cold");
+  cold::write_cold(tmp.path(), cold::kTile);
+  FileBackedCarrier file(tmp.path(), DType::Float32(), false);
+  std::vector<float> got(static_cast<size_t>(cold::kTile));
+  const int64_t before = io::calls(Op::Pread);
+  io::inject(Op::Pread, EIO);
+  EXPECT_SW_THROW(RuntimeError, "pread of " + tmp.path(), file.read_slots(0, cold::kTile, got.data()));
+  file.read_slots(0, cold::kTile, got.data());  // the fault is spent
+  EXPECT_EQ(got[12345], 12345.0f);
+  EXPECT_EQ(io::calls(Op::Pread) - before, 2);
+  io::clear_faults();
 }
 
 }  // namespace

@@ -13,6 +13,12 @@ namespace swpy {
 
 nb::object AwaitHandle::wait_py() {
   if (!cached_result.is_valid() && !cached_error.is_valid()) {
+    {
+      // Note [Waiters help]: queued work the handle depends on (bounded: copies of tiles already resident) runs
+      // here first; the interruptible wait below then only covers what other threads still do.
+      swpy::GilRelease nogil;
+      state->help();
+    }
     while (true) {
       bool finished;
       {

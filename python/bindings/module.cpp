@@ -23,7 +23,7 @@ NB_MODULE(_core, m) {
   // (a transfer nobody finishes) cannot hang the exit.
   nb::module_::import_("atexit").attr("register")(nb::cpp_function([] {
     swpy::GilRelease nogil;
-    for (sw::Executor* e : {&sw::Executor::moves(), &sw::Executor::io(), &sw::Executor::select()})
+    for (sw::Executor* e : {&sw::Executor::moves(), &sw::Executor::io(), &sw::Executor::device_reads(), &sw::Executor::select()})
       e->wait_idle(std::chrono::seconds(10));
     swpy::settle_threads_at_exit();  // Note [Threads at interpreter exit] (common.hpp)
   }));

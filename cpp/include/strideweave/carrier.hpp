@@ -137,6 +137,9 @@ class Carrier : public std::enable_shared_from_this<Carrier> {
 
   // -------- unchecked bulk access (engine code; caller validated state and range)
   virtual void read_slots(int64_t start, int64_t count, void* out) const;
+  // Whether reading these slots now would mostly wait on a device rather than use the CPU (a cold read that
+  // bypasses the page cache); the engine then reads them on Executor::device_reads().
+  virtual bool read_waits_on_device(int64_t, int64_t) const { return false; }
   virtual void write_slots(int64_t start, int64_t count, const void* in);
   // Raw pointer to slot 0 for native host memory, else nullptr: for reading.
   virtual const std::byte* native_data() const noexcept { return nullptr; }

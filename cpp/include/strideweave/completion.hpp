@@ -51,18 +51,23 @@ class CompletionBase {
   }
   // Blocks until terminal. The first waiter that finds help (see set_help) runs it first.
   void wait() const {
-    std::function<void()> help;
+    help();
+    std::unique_lock lock(mutex_);
+    cv_.wait(lock, [&] { return done_; });
+  }
+  // Runs the help (see set_help) if no other waiter took it and the completion is not terminal; returns at once
+  // otherwise. For a waiter that then blocks in its own way (wait_for in a loop, to stay interruptible).
+  void help() const {
+    std::function<void()> work;
     {
       std::lock_guard lock(mutex_);
       if (done_) return;
-      help.swap(help_);
+      work.swap(help_);
     }
-    if (help) {
-      help();
-      help = nullptr;  // its captures go before this thread blocks
+    if (work) {
+      work();
+      work = nullptr;  // its captures go before this thread blocks
     }
-    std::unique_lock lock(mutex_);
-    cv_.wait(lock, [&] { return done_; });
   }
   // Note [Waiters help]: work that a waiter may run itself before it blocks,
   // because the completion depends on it and it is safe on any thread (it takes
@@ -170,6 +175,9 @@ class Executor {
   bool wait_idle(std::chrono::milliseconds timeout);
 
   static Executor& io();
+  // Reads that wait on a device (cold reads that bypass the page cache): at the process's priority, since such a
+  // thread only issues a system call and sleeps in it (Note [Background I/O threads]).
+  static Executor& device_reads();
   static Executor& select();
   static Executor& moves();
 

@@ -41,7 +41,14 @@ int open_file(const std::string& path, int flags, int mode = 0644);
 // that handle one errno themselves); raise_failure raises the usual error.
 int try_open_file(const std::string& path, int flags, int mode = 0644);
 [[noreturn]] void raise_failure(Op op, const std::string& what, int error);
-void pread_full(int fd, void* buf, size_t bytes, int64_t offset, const std::string& what);
+// Reads `bytes` at `offset`; the part past the end of the file reads as zeros. With `direct_fd` (the same file
+// opened with O_DIRECT), a read of at least kDirectMin bytes that the page cache holds none of bypasses it
+// (Note [Cold reads bypass the page cache] in io.cpp). One call counts as one pread for faults and the gate.
+inline constexpr size_t kDirectMin = size_t{1} << 20;
+// True when the page cache holds less than half of [offset, offset + bytes) (cachestat(2); false where the kernel
+// cannot say): such a read goes direct when it can.
+bool mostly_uncached(int fd, size_t bytes, int64_t offset);
+void pread_full(int fd, void* buf, size_t bytes, int64_t offset, const std::string& what, int direct_fd = -1);
 void pwrite_full(int fd, const void* buf, size_t bytes, int64_t offset, const std::string& what);
 void fsync_file(int fd, const std::string& what);
 

@@ -101,13 +101,33 @@ FileBackedCarrier::~FileBackedCarrier() { close_file(); }
 void FileBackedCarrier::close_file() noexcept {
   if (fd_ >= 0) ::close(fd_);
   fd_ = -1;
+  std::call_once(direct_once_, [] {});  // never opened after this
+  if (direct_fd_ >= 0) ::close(direct_fd_);
+  direct_fd_ = -1;
   if (anonymous_ && !path_.empty()) ::unlink(path_.c_str());
   anonymous_ = false;
 }
 
+int FileBackedCarrier::direct_fd() const noexcept {
+  std::call_once(direct_once_, [this] {
+    // Through /proc, the very inode fd_ refers to (even if the path was replaced since); no fault injection: a
+    // failure only means buffered reads.
+    const std::string self = "/proc/self/fd/" + std::to_string(fd_);
+    direct_fd_ = ::open(self.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
+  });
+  return direct_fd_;
+}
+
 void FileBackedCarrier::read_slots(int64_t start, int64_t count, void* out) const {
   const size_t w = slot_bytes(dtype());
-  io::pread_full(fd_, out, static_cast<size_t>(count) * w, start * static_cast<int64_t>(w), path_);
+  const size_t bytes = static_cast<size_t>(count) * w;
+  io::pread_full(fd_, out, bytes, start * static_cast<int64_t>(w), path_, bytes >= io::kDirectMin ? direct_fd() : -1);
+}
+
+bool FileBackedCarrier::read_waits_on_device(int64_t start, int64_t count) const {
+  const size_t w = slot_bytes(dtype());
+  const size_t bytes = static_cast<size_t>(count) * w;
+  return bytes >= io::kDirectMin && direct_fd() >= 0 && io::mostly_uncached(fd_, bytes, start * static_cast<int64_t>(w));
 }
 
 void FileBackedCarrier::write_slots(int64_t start, int64_t count, const void* in) {

@@ -484,10 +484,14 @@ void TiledEvictable::start_request(const std::shared_ptr<Request>& r, bool inlin
       buffer.reset();  // an evicted tile's memory is not held past the transfer
       me->finish_tile(r, k, std::move(staged), std::move(error));
     };
+    // A cold read that bypasses the page cache waits on the device, not the CPU (Note [Background I/O threads]).
+    bool device_read = r->promote && loc == TileLocation::Secondary && !inline_;
+    for (size_t q = 0; device_read && q < runs_[index].size(); ++q)
+      device_read = secondary_->read_waits_on_device(runs_[index][q].offset, runs_[index][q].length);
     // r->owner keeps the carrier alive while queued work runs; inline work runs under the caller's reference.
     if (inline_) job();
     else if (one_job) chain.emplace_back(std::move(job));
-    else Executor::io().submit(std::move(job));
+    else (device_read ? Executor::device_reads() : Executor::io()).submit(std::move(job));
   }
   if (!chain.empty())
     Executor::io().submit([chain = std::move(chain)]() mutable {

@@ -38,6 +38,7 @@ class FileBackedCarrier final : public Carrier {
 
   int64_t size() const override { return is_released() ? 0 : slots_; }
   void read_slots(int64_t start, int64_t count, void* out) const override;
+  bool read_waits_on_device(int64_t start, int64_t count) const override;
   void write_slots(int64_t start, int64_t count, const void* in) override;
   bool supports_storage_dtype(const DType& dtype) const override;
   bool can_grow() const override { return true; }
@@ -48,16 +49,24 @@ class FileBackedCarrier final : public Carrier {
   const std::string& filename() const noexcept { return path_; }
   bool is_anonymous() const noexcept { return anonymous_; }
   int fd() const noexcept { return fd_; }
+  // Whether cold tile reads can bypass the page cache (the file system takes O_DIRECT; Note [Cold reads bypass
+  // the page cache] in io.cpp).
+  bool direct_reads_possible() const noexcept { return direct_fd() >= 0; }
 
  protected:
   void do_release() override;
 
  private:
   void close_file() noexcept;
+  int direct_fd() const noexcept;
   std::string path_;
   bool anonymous_ = false;
   int fd_ = -1;
   int64_t slots_ = 0;
+  // The same file opened with O_DIRECT for cold tile reads (Note [Cold reads bypass the page cache] in io.cpp),
+  // on the first large read; -1 where the file system refuses O_DIRECT.
+  mutable std::once_flag direct_once_;
+  mutable int direct_fd_ = -1;
 };
 
 class BlockDeviceCarrier;
