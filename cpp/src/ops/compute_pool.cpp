@@ -43,6 +43,9 @@ bool spin_until(F&& ready) {
       if (ready()) return true;
     }
     if (std::chrono::steady_clock::now() >= until) return ready();
+    // Between rounds, a thread that is ready to run on this core gets it (Note [Compute pool]); with none, the
+    // call returns at once.
+    std::this_thread::yield();
   }
 }
 

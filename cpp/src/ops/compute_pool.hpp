@@ -19,7 +19,9 @@
 // caller's 10 s asleep in those waits, 5-8% of the step's time). The spin is
 // bounded, unlike a BLAS library's or an OpenMP runtime's long spin, so
 // workers still leave the cores to I/O threads and other libraries once the
-// kernels stop.
+// kernels stop; and between rounds of pauses the spinning thread yields, so a
+// thread that is ready to run on its core (NumPy's BLAS call interleaved with
+// ours, an I/O thread) takes the core at once instead of after the spin.
 //
 // Parts are claimed through one atomic word holding the region's number, its
 // number of parts and the next part, so a worker that wakes late can never run
