@@ -367,11 +367,9 @@ def run_strideweave(cfg: Config, paths: dict, batches_fn, G: np.ndarray, p: np.n
     evict_wait = 0.0
     # Freed tile-sized buffers are kept mapped for reuse (sw.set_mapping_cache_limit): the promotions, gradient
     # tiles and matmul results of a batch allocate about as many 4 MiB buffers as its evictions free, but in
-    # bursts. A cache of 32 tiles instead of the default 16 spares most fresh mappings (whose first touch zeroes
-    # every page) for about 15 MiB of peak memory.
+    # bursts. A job that bounds its memory bounds this too: 32 tiles spare most fresh mappings (whose first touch
+    # zeroes every page) for about 15 MiB of peak memory, where the default (up to 1 GiB) would keep more.
     cache_limit = sw.set_mapping_cache_limit(32 * expert_bytes(cfg))
-    if cache_limit > 32 * expert_bytes(cfg):  # never lower a limit someone raised
-        sw.set_mapping_cache_limit(cache_limit)
     start = time.perf_counter()
     batch = batches_fn(0)
     was_resident = set()

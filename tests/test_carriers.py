@@ -25,10 +25,12 @@ import gc
 import math
 import os
 import struct
+import time
 
 import pytest
 
 import strideweave as sw
+from forked import check_in_forked_child
 from strideweave import DType, Layout, Shape, Stride, Tensor
 from strideweave.carriers.extension import (
     CarrierDefinition,
@@ -1378,10 +1380,26 @@ def test_user_carrier_construction_contract():
 # ---------------------------------------------------------------- the mapping cache (Note [Mapping cache])
 
 
-def test_mapping_cache_limit_round_trips_and_bounds_what_is_kept():
+def default_mapping_cache_limit() -> int:
+    """1 GiB, or a sixteenth of the machine's memory where that is less."""
+    sixteenth = os.sysconf("SC_PHYS_PAGES") // 16 * os.sysconf("SC_PAGESIZE")
+    return min(1 << 30, sixteenth)
+
+
+@pytest.fixture
+def long_decay():
+    """An hour's decay while the test runs: the trimming thread unmaps nothing while it counts bytes."""
+    previous = sw.set_mapping_cache_decay(3600)
+    try:
+        yield
+    finally:
+        sw.set_mapping_cache_decay(previous)
+
+
+def test_mapping_cache_limit_round_trips_and_bounds_what_is_kept(long_decay):
     previous = sw.set_mapping_cache_limit(8 << 20)
     try:
-        assert previous == 64 << 20  # the default
+        assert previous == default_mapping_cache_limit()
         big = [sw.CPU(1 << 20) for _ in range(4)]  # 4 MiB each: mapped buffers
         del big  # freed: the cache keeps what fits in 8 MiB
         assert sw.mapping_cache_bytes() == 8 << 20
@@ -1393,6 +1411,71 @@ def test_mapping_cache_limit_round_trips_and_bounds_what_is_kept():
     finally:
         sw.set_mapping_cache_limit(previous)
     assert sw.set_mapping_cache_limit(previous) == previous
+
+
+def test_mapping_cache_gives_freed_memory_back_after_the_decay():
+    previous_limit = sw.set_mapping_cache_limit(0)  # empty, then room for the test's buffers
+    sw.set_mapping_cache_limit(64 << 20)
+    previous = sw.set_mapping_cache_decay(3600)
+    try:
+        assert previous == 2.0  # the default
+        big = sw.CPU(1 << 20)  # 4 MiB: a mapped buffer
+        del big
+        assert sw.mapping_cache_bytes() == 4 << 20  # kept: freed less than an hour ago
+        assert sw.set_mapping_cache_decay(0.02) == 3600.0
+        # The trimming thread unmaps it about 20 ms after it was freed; a slow machine gets a minute.
+        deadline = time.monotonic() + 60
+        while sw.mapping_cache_bytes() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert sw.mapping_cache_bytes() == 0
+    finally:
+        sw.set_mapping_cache_decay(previous)
+        sw.set_mapping_cache_limit(previous_limit)
+
+
+def test_mapping_cache_in_a_forked_child_gives_memory_back_and_reuses_it(long_decay):
+    """The trimming thread does not survive fork(): the child starts its own, and the cache's lock is usable."""
+    previous_limit = sw.set_mapping_cache_limit(0)
+    sw.set_mapping_cache_limit(64 << 20)
+    try:
+        big = sw.CPU(1 << 20)
+        del big
+        assert sw.mapping_cache_bytes() == 4 << 20
+
+        def child() -> bool:
+            ok = sw.mapping_cache_bytes() == 4 << 20  # inherited
+            again = sw.CPU(1 << 20)  # the inherited mapping is reused
+            ok &= sw.mapping_cache_bytes() == 0
+            del again
+            sw.set_mapping_cache_decay(0.02)
+            deadline = time.monotonic() + 30
+            while sw.mapping_cache_bytes() and time.monotonic() < deadline:
+                time.sleep(0.001)
+            return ok and sw.mapping_cache_bytes() == 0
+
+        check_in_forked_child(child, "the mapping cache")
+        assert sw.mapping_cache_bytes() == 4 << 20  # the parent's cache is its own
+    finally:
+        sw.set_mapping_cache_limit(previous_limit)
+
+
+@pytest.mark.parametrize("bad, exc, fragment", [
+    (0, ValueError, "must be > 0"),
+    (-1.5, ValueError, "must be > 0"),
+    (float("nan"), ValueError, "must be > 0"),
+    (400 * 24 * 3600, ValueError, "at most one year"),
+    (1 << 2000, ValueError, "out of range"),
+    (True, TypeError, "number of seconds"),
+    ("2", TypeError, "number of seconds"),
+])
+def test_mapping_cache_decay_rejects_bad_values_and_keeps_the_decay(bad, exc, fragment):
+    before = sw.set_mapping_cache_decay(5)
+    try:
+        with pytest.raises(exc, match=fragment):
+            sw.set_mapping_cache_decay(bad)
+        assert sw.set_mapping_cache_decay(5) == 5.0  # unchanged by the failed call
+    finally:
+        sw.set_mapping_cache_decay(before)
 
 
 @pytest.mark.parametrize("bad, exc, fragment", [

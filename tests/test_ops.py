@@ -27,13 +27,13 @@ import dataclasses
 import math
 import os
 import struct
-import threading
 import zlib
 
 import numpy as np
 import pytest
 
 import strideweave as sw
+from forked import check_in_forked_child
 from strideweave import DType, Layout, Shape, Stride, Tensor, friendly
 
 F32, I32, BOOL, F64 = DType.Float32, DType.Int32, DType.Bool, DType.Float64
@@ -1435,17 +1435,10 @@ def test_large_kernels_work_in_a_forked_child():
     ta, tb = friendly.tensor(a), friendly.tensor(a)
     assert np.array_equal(np.asarray(sw.add(ta, tb)), a + a)  # the pool has run in the parent
     w = np.ones((16, 512), np.float32)
-    pid = os.fork()
-    if pid == 0:  # child: any failure or hang shows up as a non-zero status / the timeout below
+
+    def child() -> bool:
         ok = np.array_equal(np.asarray(sw.add(ta, tb)), a + a)
-        ok &= np.allclose(np.asarray(sw.matmul(friendly.tensor(w), friendly.tensor(np.ones((300, 512), np.float32)))),
-                          512.0)
-        os._exit(0 if ok else 1)
-    waited = []
-    waiter = threading.Thread(target=lambda: waited.append(os.waitpid(pid, 0)[1]), daemon=True)
-    waiter.start()
-    waiter.join(60)
-    if not waited:
-        os.kill(pid, 9)
-        pytest.fail("the forked child hung in a kernel")
-    assert os.WIFEXITED(waited[0]) and os.WEXITSTATUS(waited[0]) == 0
+        return ok and np.allclose(np.asarray(sw.matmul(friendly.tensor(w), friendly.tensor(np.ones((300, 512), np.float32)))),
+                                  512.0)
+
+    check_in_forked_child(child, "a kernel")

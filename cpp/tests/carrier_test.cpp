@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <functional>
 #include <set>
 #include <thread>
@@ -606,14 +607,25 @@ INSTANTIATE_TEST_SUITE_P(AllPairs, CopySlotsBetweenKinds,
 
 // ---------------------------------------------------------------- CPU large buffers (Note [Mapping cache])
 
-// Sets the mapping cache limit for one test (emptying the cache first) and restores it after.
+// Sets the mapping cache limit and decay for one test (emptying the cache
+// first) and restores both after. The default decay is an hour, so the
+// trimming thread never unmaps anything while a test counts bytes.
 class MappingCacheScope {
  public:
-  explicit MappingCacheScope(size_t limit) : old_(set_mapping_cache_limit(0)) { set_mapping_cache_limit(limit); }
-  ~MappingCacheScope() { set_mapping_cache_limit(old_); }
+  using Duration = std::chrono::steady_clock::duration;
+  explicit MappingCacheScope(size_t limit, Duration decay = std::chrono::hours(1))
+      : old_(set_mapping_cache_limit(0)), old_decay_(set_mapping_cache_decay(decay)) {
+    set_mapping_cache_limit(limit);
+  }
+  ~MappingCacheScope() {
+    set_mapping_cache_limit(0);
+    set_mapping_cache_decay(old_decay_);
+    set_mapping_cache_limit(old_);
+  }
 
  private:
   size_t old_;
+  Duration old_decay_;
 };
 
 TEST(MappingCache, FreedLargeBuffersAreReusedAndZeroedOnRequest) {
@@ -678,6 +690,46 @@ TEST(MappingCache, LimitEvictsTheOldestAndZeroTurnsItOff) {
     AlignedBuffer a(size_t{4} << 20, false);
   }
   EXPECT_EQ(mapping_cache_bytes(), 0u);
+}
+
+TEST(MappingCache, DecayUnmapsWhatWasFreedLongestAgo) {
+  using Clock = std::chrono::steady_clock;
+  const auto decay = std::chrono::hours(1);
+  MappingCacheScope scope(size_t{64} << 20, decay);
+  AlignedBuffer a(size_t{4} << 20, false), b(size_t{6} << 20, false);
+  std::byte* b_data = b.data();
+  a.reset();
+  const Clock::time_point between = Clock::now();
+  while (Clock::now() == between) {
+  }  // b is freed strictly later than `between`
+  b.reset();
+  EXPECT_EQ(mapping_cache_bytes(), size_t{10} << 20);
+  EXPECT_EQ(trim_mapping_cache(between), 0u);  // nothing has been free for an hour yet
+  EXPECT_EQ(trim_mapping_cache(between + decay), size_t{4} << 20);  // a has, b has not
+  EXPECT_EQ(mapping_cache_bytes(), size_t{6} << 20);
+  {
+    AlignedBuffer again(size_t{6} << 20, false);
+    EXPECT_EQ(again.data(), b_data);  // b's mapping is still there for reuse
+  }
+  EXPECT_EQ(trim_mapping_cache(Clock::now() + decay), size_t{6} << 20);
+  EXPECT_EQ(mapping_cache_bytes(), 0u);
+}
+
+TEST(MappingCache, TheTrimmingThreadGivesMemoryBackAfterTheDecay) {
+  MappingCacheScope scope(size_t{64} << 20, std::chrono::milliseconds(20));
+  { AlignedBuffer a(size_t{4} << 20, false); }
+  // The trimming thread unmaps it about 20 ms after it was freed; allow a slow (sanitized) machine a minute.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(1);
+  while (mapping_cache_bytes() != 0 && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  EXPECT_EQ(mapping_cache_bytes(), 0u);
+}
+
+TEST(MappingCache, ALongDecayNeverOverflows) {
+  MappingCacheScope scope(size_t{64} << 20, std::chrono::steady_clock::duration::max());
+  { AlignedBuffer a(size_t{4} << 20, false); }
+  EXPECT_EQ(trim_mapping_cache(std::chrono::steady_clock::now() + std::chrono::hours(24 * 365 * 100)), 0u);
+  EXPECT_EQ(mapping_cache_bytes(), size_t{4} << 20);
 }
 
 // ---------------------------------------------------------------- BlockDevice arena

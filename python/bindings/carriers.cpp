@@ -3,6 +3,8 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <chrono>
+
 #include "common.hpp"
 #include "extension.hpp"
 #include "strideweave/carriers/native.hpp"
@@ -83,12 +85,35 @@ void bind_carriers(nb::module_& m) {
       },
       nb::arg("nbytes"),
       "Sets how many bytes of freed large CPU buffers (1 MiB and up) the process keeps mapped for reuse, and "
-      "returns the previous limit (64 MiB by default). Reusing a mapping spares the page faults that zero a fresh "
-      "one; the cached bytes count toward the process's resident memory. Lowering the limit unmaps the oldest "
-      "cached buffers at once; 0 turns the cache off.");
+      "returns the previous limit (1 GiB by default, or a sixteenth of the machine's memory where that is less). "
+      "Reusing a mapping spares the page faults that zero a fresh one; the cached bytes count toward the process's "
+      "resident memory. Lowering the limit unmaps the oldest cached buffers at once; 0 turns the cache off.");
+  m.def(
+      "set_mapping_cache_decay",
+      [](nb::handle seconds) {
+        if (!(PyFloat_Check(seconds.ptr()) || PyLong_Check(seconds.ptr())) || PyBool_Check(seconds.ptr()))
+          sw::raise<sw::TypeError>("set_mapping_cache_decay takes a number of seconds (int or float)");
+        const double s = PyFloat_AsDouble(seconds.ptr());
+        if (s == -1.0 && PyErr_Occurred()) {
+          PyErr_Clear();
+          sw::raise<sw::ValueError>("set_mapping_cache_decay: the number of seconds is out of range");
+        }
+        constexpr double kMaxSeconds = 365.0 * 24 * 3600;
+        if (!(s > 0.0) || s > kMaxSeconds)
+          sw::raise<sw::ValueError>("set_mapping_cache_decay: the decay must be > 0 and at most one year (",
+                                    kMaxSeconds, " s), got ", s, " s");
+        using D = std::chrono::steady_clock::duration;
+        const D old = sw::set_mapping_cache_decay(std::chrono::duration_cast<D>(std::chrono::duration<double>(s)));
+        return std::chrono::duration<double>(old).count();
+      },
+      nb::arg("seconds"),
+      "Sets how long a freed large CPU buffer stays in the mapping cache before it is unmapped (2 s by default), "
+      "and returns the previous time in seconds. A small thread gives back what has been free longer; the limit "
+      "still applies (see set_mapping_cache_limit).");
   m.def(
       "mapping_cache_bytes", [] { return static_cast<int64_t>(sw::mapping_cache_bytes()); },
-      "Bytes of freed large CPU buffers currently kept for reuse (see set_mapping_cache_limit).");
+      "Bytes of freed large CPU buffers currently kept for reuse (see set_mapping_cache_limit and "
+      "set_mapping_cache_decay).");
 
   nb::class_<Carrier>(m, "Carrier",
                       "A flat, fixed-size array of physical slots of one storage dtype. Subclass it and register a "

@@ -33,6 +33,7 @@ from ._core import (
     neg,
     reduce_sum,
     relu,
+    set_mapping_cache_decay,
     set_mapping_cache_limit,
     sub,
 )
@@ -90,6 +91,7 @@ __all__ = [
     "reduce_sum",
     "relu",
     "set_grad_enabled",
+    "set_mapping_cache_decay",
     "set_mapping_cache_limit",
     "sub",
     "AwaitMove",

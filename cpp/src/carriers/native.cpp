@@ -1,12 +1,17 @@
 #include "strideweave/carriers/native.hpp"
 
+#include <pthread.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <new>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -17,7 +22,8 @@ namespace sw {
 namespace {
 constexpr size_t kMapThreshold = size_t{1} << 20;
 constexpr size_t kHugePage = size_t{2} << 20;
-constexpr size_t kDefaultMappingCacheLimit = size_t{64} << 20;  // Note [Mapping cache]
+constexpr size_t kMaxDefaultMappingCacheLimit = size_t{1} << 30;  // Note [Mapping cache]
+constexpr std::chrono::milliseconds kDefaultMappingCacheDecay{2000};
 
 void check_slots(const char* kind, int64_t slots) {
   if (slots < 0) raise<ValueError>(kind, " size must be >= 0, got ", slots);
@@ -28,26 +34,64 @@ void check_storage_dtype(const char* kind, const DType& dtype) {
   if (!dtype.is_storage()) raise<TypeError>(kind, ": ", dtype.name(), " is not a storage dtype");
 }
 
+class MappingCache;
+MappingCache& mapping_cache();
+
+// 1 GiB, or a sixteenth of the machine's memory where that is less.
+size_t default_mapping_cache_limit() {
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || page <= 0) return kMaxDefaultMappingCacheLimit;
+  const size_t sixteenth = static_cast<size_t>(pages) / 16 * static_cast<size_t>(page);
+  return std::min(kMaxDefaultMappingCacheLimit, sixteenth);
+}
+
 // Note [Mapping cache]: a fresh huge-page mapping pays a page fault on first
 // touch, and that fault zeroes the whole 2 MiB page (twice the bytes of a 1 MiB
 // tile). Residency churn (promote after evict), projections and op results
 // allocate and free same-sized large buffers over and over; measured on
 // promoting 1 MiB tiles from a page-cached file, the kernel's zeroing took
 // more time than the read itself. Freed mappings are therefore kept, most
-// recently freed last, up to a limit of cached bytes in all (64 MiB unless
-// set_mapping_cache_limit says otherwise). An allocation of the same mapped
-// length takes the most recently freed one (already faulted in) and zeroes it
-// only when asked to; the oldest are unmapped first when the cache is full.
+// recently freed last. An allocation of the same mapped length takes the most
+// recently freed one (already faulted in) and zeroes it only when asked to.
+//
+// On a virtual machine the cost of giving memory back is larger still. A guest
+// kernel with free page reporting (virtio-balloon; Firecracker and many clouds
+// turn it on) tells the host about free blocks a moment after they are freed,
+// and the host takes them back; the next fault on such a page waits for the
+// host to supply and zero it again. Measured on a 2-vCPU AMD EPYC guest:
+// touching 512 MiB of fresh huge pages took 23-33 ms when the memory had been
+// unmapped just before (and 0.5 s ago), 450-770 ms when it had been free for
+// 1 s or more (about 2 ms a 2 MiB page), slower than reading the same bytes
+// from disk with O_DIRECT. In bench/overlap.py that showed as one repetition in
+// four taking 3-4x as long (0.45 extra CPU-s, the same 224 huge-page faults).
+//
+// So the cache is as large as one round of residency churn is likely to be
+// (1 GiB, or a sixteenth of the machine's memory where that is less;
+// set_mapping_cache_limit changes it), and it gives memory back by age, as
+// jemalloc's decay does: a mapping freed more than the decay time ago (2 s
+// unless set_mapping_cache_decay says otherwise) is unmapped by a small
+// trimming thread ("sw-trim", started when the cache first keeps something),
+// so a process that stops churning returns the memory within seconds. The
+// oldest are also unmapped first whenever a new one would pass the limit.
 // Like glibc's heap, the process keeps that much freed memory resident for
-// reuse.
+// reuse; the kept bytes count toward its resident memory.
 class MappingCache {
  public:
+  using Clock = std::chrono::steady_clock;
+
+  MappingCache() {
+    // fork() copies the cache with its lock in whatever state another thread left it; holding the lock across
+    // fork() gives the child an unlocked, consistent cache (and no trimmer: start_trimmer starts its own).
+    pthread_atfork([] { mapping_cache().mutex_.lock(); }, [] { mapping_cache().mutex_.unlock(); },
+                   [] { mapping_cache().mutex_.unlock(); });
+  }
+
   // A cached mapping of exactly `len` bytes, or null.
   std::byte* take(size_t len) noexcept {
     std::lock_guard lock(mutex_);
     for (size_t i = free_.size(); i-- > 0;) {
-      if (free_[i].second != len) continue;
-      std::byte* p = free_[i].first;
+      if (free_[i].len != len) continue;
+      std::byte* p = free_[i].p;
       free_.erase(free_.begin() + static_cast<std::ptrdiff_t>(i));
       bytes_ -= len;
       return p;
@@ -56,25 +100,29 @@ class MappingCache {
   }
   // Keeps a freed mapping (or unmaps it when it alone exceeds the limit).
   void give(std::byte* p, size_t len) noexcept {
-    std::vector<std::pair<std::byte*, size_t>> drop;
+    std::vector<Entry> drop;
     bool kept = false;
     {
       std::lock_guard lock(mutex_);
       if (len <= limit_) {
         trim(limit_ - len, drop);
         try {
-          free_.emplace_back(p, len);
+          free_.push_back(Entry{p, len, Clock::now()});
           bytes_ += len;
           kept = true;
         } catch (...) {  // no memory for the list: unmap it below
         }
+      }
+      if (kept) {
+        if (!start_trimmer()) expire(Clock::now() + decay_, drop);  // no thread: keep nothing
+        else if (free_.size() == 1) wake_.notify_one();          // the trimmer sleeps while the cache is empty
       }
     }
     if (!kept) munmap(p, len);
     unmap(drop);
   }
   size_t set_limit(size_t limit) {
-    std::vector<std::pair<std::byte*, size_t>> drop;
+    std::vector<Entry> drop;
     size_t old;
     {
       std::lock_guard lock(mutex_);
@@ -85,42 +133,122 @@ class MappingCache {
     unmap(drop);
     return old;
   }
+  Clock::duration set_decay(Clock::duration decay) {
+    std::lock_guard lock(mutex_);
+    Clock::duration old = decay_;
+    decay_ = decay;
+    if (!free_.empty()) start_trimmer();  // a forked child's inherited mappings get a trimmer too
+    wake_.notify_one();                   // the trimmer recomputes its deadline
+    return old;
+  }
+  size_t trim_freed_before(Clock::time_point now) {
+    std::vector<Entry> drop;
+    {
+      std::lock_guard lock(mutex_);
+      expire(now, drop);
+    }
+    unmap(drop);
+    size_t n = 0;
+    for (const Entry& e : drop) n += e.len;
+    return n;
+  }
   size_t bytes() {
     std::lock_guard lock(mutex_);
     return bytes_;
   }
 
  private:
+  struct Entry {
+    std::byte* p;
+    size_t len;
+    Clock::time_point freed;
+  };
+
   // Under the lock: moves the oldest mappings to `drop` until at most `keep` bytes stay cached.
-  void trim(size_t keep, std::vector<std::pair<std::byte*, size_t>>& drop) noexcept {
+  void trim(size_t keep, std::vector<Entry>& drop) noexcept {
     size_t n = 0;
-    while (bytes_ > keep) bytes_ -= free_[n++].second;
+    while (bytes_ > keep) bytes_ -= free_[n++].len;
+    drop_front(n, drop);
+  }
+  // Under the lock: when `e` is due to be unmapped (saturating: a decay of years never overflows).
+  Clock::time_point expiry(const Entry& e) const noexcept {
+    return decay_ > Clock::time_point::max() - e.freed ? Clock::time_point::max() : e.freed + decay_;
+  }
+  // Under the lock: moves the mappings freed more than the decay time before `now` to `drop`.
+  void expire(Clock::time_point now, std::vector<Entry>& drop) noexcept {
+    size_t n = 0;
+    while (n < free_.size() && expiry(free_[n]) <= now) bytes_ -= free_[n++].len;
+    drop_front(n, drop);
+  }
+  void drop_front(size_t n, std::vector<Entry>& drop) noexcept {
     if (n == 0) return;
     try {
       drop.insert(drop.end(), free_.begin(), free_.begin() + static_cast<std::ptrdiff_t>(n));
     } catch (...) {  // no memory for the list: unmap them here
-      for (size_t i = 0; i < n; ++i) munmap(free_[i].first, free_[i].second);
+      for (size_t i = 0; i < n; ++i) munmap(free_[i].p, free_[i].len);
     }
     free_.erase(free_.begin(), free_.begin() + static_cast<std::ptrdiff_t>(n));
   }
-  static void unmap(const std::vector<std::pair<std::byte*, size_t>>& drop) noexcept {
-    for (auto [q, l] : drop) munmap(q, l);
+  static void unmap(const std::vector<Entry>& drop) noexcept {
+    for (const Entry& e : drop) munmap(e.p, e.len);
+  }
+
+  // Under the lock: makes sure this process has a trimming thread (a forked
+  // child has none: it starts its own). False when no thread can be started.
+  bool start_trimmer() noexcept {
+    const pid_t pid = getpid();
+    if (trimmer_pid_ == pid) return true;
+    try {
+      std::thread([this] { run_trimmer(); }).detach();
+    } catch (...) {
+      return false;
+    }
+    trimmer_pid_ = pid;
+    return true;
+  }
+  void run_trimmer() noexcept {
+    pthread_setname_np(pthread_self(), "sw-trim");
+    std::unique_lock lock(mutex_);
+    for (;;) {
+      if (free_.empty()) {
+        wake_.wait(lock);
+        continue;
+      }
+      const Clock::time_point due = expiry(free_.front());
+      if (Clock::now() < due) {
+        wake_.wait_until(lock, due);
+        continue;
+      }
+      std::vector<Entry> drop;
+      expire(Clock::now(), drop);
+      lock.unlock();
+      unmap(drop);
+      lock.lock();
+    }
   }
 
   std::mutex mutex_;
-  std::vector<std::pair<std::byte*, size_t>> free_;
+  std::condition_variable wake_;
+  std::vector<Entry> free_;  // in the order they were freed: the oldest first
   size_t bytes_ = 0;
-  size_t limit_ = kDefaultMappingCacheLimit;
+  size_t limit_ = default_mapping_cache_limit();
+  Clock::duration decay_ = kDefaultMappingCacheDecay;
+  pid_t trimmer_pid_ = 0;
 };
 
 MappingCache& mapping_cache() {
   static MappingCache* c = new MappingCache();  // never destroyed: buffers may be freed during static destruction
   return *c;
 }
+
 }  // namespace
 
 size_t set_mapping_cache_limit(size_t bytes) { return mapping_cache().set_limit(bytes); }
 size_t mapping_cache_bytes() { return mapping_cache().bytes(); }
+std::chrono::steady_clock::duration set_mapping_cache_decay(std::chrono::steady_clock::duration decay) {
+  return mapping_cache().set_decay(decay);
+}
+size_t trim_mapping_cache(std::chrono::steady_clock::time_point now) { return mapping_cache().trim_freed_before(now); }
 
 // ---------------------------------------------------------------- AlignedBuffer
 

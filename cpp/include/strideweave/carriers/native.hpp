@@ -11,6 +11,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <memory>
 
@@ -45,12 +46,20 @@ class AlignedBuffer {
 
 // Freed AlignedBuffer mappings (the 1 MiB-and-up, huge-page path) are kept for
 // reuse by later allocations of the same mapped length, up to a process-wide
-// limit of cached bytes (64 MiB by default); see Note [Mapping cache] in
-// native.cpp. set_mapping_cache_limit returns the previous limit; lowering it
-// unmaps the oldest cached mappings at once (0 turns the cache off).
-// mapping_cache_bytes is what the cache holds now. Thread-safe.
+// limit of cached bytes (1 GiB, or a sixteenth of the machine's memory where
+// that is less), and each for at most the decay time after it was freed (2 s
+// by default): a trimming thread unmaps older ones. See Note [Mapping cache]
+// in native.cpp. set_mapping_cache_limit returns the previous limit; lowering
+// it unmaps the oldest cached mappings at once (0 turns the cache off).
+// set_mapping_cache_decay returns the previous decay time; the trimmer applies
+// a new one at once. mapping_cache_bytes is what the cache holds now.
+// trim_mapping_cache(now) unmaps what would be due by `now` (what the trimming
+// thread does when the time comes) and returns the bytes it unmapped.
+// Thread-safe.
 size_t set_mapping_cache_limit(size_t bytes);
+std::chrono::steady_clock::duration set_mapping_cache_decay(std::chrono::steady_clock::duration decay);
 size_t mapping_cache_bytes();
+size_t trim_mapping_cache(std::chrono::steady_clock::time_point now);
 
 const CarrierKind& generic_kind();
 const CarrierKind& cpu_kind();
