@@ -511,7 +511,7 @@ def test_pending_route_request_and_single_submit():
     assert req.tensor is t and req.destination is dest
     assert req.source_class is PendingCarrier and req.destination_class is PendingCarrier
     assert req.dtype is F32 and req.layout == t.layout
-    assert req.physical_span == (1, 1 + t.layout.cosize)
+    assert req.physical_span == t.layout.cosize and type(req.physical_span) is int  # slots covered, from t.offset
     assert dest.size() >= t.layout.cosize  # the destination was allocated for the route
     transfer.complete()
     r = pc.wait_handle(h)

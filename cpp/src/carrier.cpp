@@ -154,10 +154,19 @@ void Carrier::check_live(const char* action) const {
   if (is_released()) raise<RuntimeError>(kind_name(), " carrier is released; cannot ", action);
 }
 
+namespace {
+thread_local const Carrier* t_transfer_destination = nullptr;  // Carrier::TransferWrites
+}  // namespace
+
+Carrier::TransferWrites::TransferWrites(const Carrier& c) noexcept : previous_(t_transfer_destination) {
+  t_transfer_destination = &c;
+}
+Carrier::TransferWrites::~TransferWrites() { t_transfer_destination = previous_; }
+
 void Carrier::check_writable(const char* action) const {
   check_live(action);
   if (!mutable_) raise<RuntimeError>(kind_name(), " carrier is not publicly mutable (created immutable); cannot ", action);
-  if (is_owned()) {
+  if (is_owned() && t_transfer_destination != this) {
     std::string owner = owner_description();
     raise<RuntimeError>(kind_name(), " carrier is owned by ", owner.empty() ? "a request" : owner,
                         " and is not publicly mutable; cannot ", action, " until that work is terminal");

@@ -41,6 +41,24 @@ std::shared_ptr<TransferRouteIface> find_route(const CarrierKind* s, const Carri
 }
 
 enum class RouteKind { Builtin, Registered, Fallback };
+
+// The message names both exact classes as "Source, Destination".
+std::string no_route(const CarrierKind* s, const CarrierKind* d, const std::string& unsupported) {
+  std::string m = detail::concat("move: no route from ", s->name, " to ", d->name, " (the class pair ", s->name, ", ",
+                         d->name, " has no built-in or registered route and no element-wise fallback");
+  if (!unsupported.empty()) m += detail::concat("; the registered route is unsupported: ", unsupported);
+  return m + ")";
+}
+
+// Note [Moves own before they prepare]: a move claims its source and its
+// destination as soon as its checks pass, before a registered route's
+// provider prepares, so that nothing can write or release either carrier
+// while a slow prepare runs (and so fail the move later, after the caller
+// was told it was accepted). The provider itself does write the in-flight
+// destination: while the engine calls its prepare, its submit and its
+// completion's wait, the calling thread may write the destination through
+// the public API (Carrier::TransferWrites). A failed or unsupported prepare
+// ends the claims before the error is raised, so the carriers are as before.
 }  // namespace
 
 bool is_grad_enabled() noexcept { return t_grad_enabled; }
@@ -94,25 +112,12 @@ CompletionPtr<TensorPtr> move_async(const TensorPtr& tensor, const CarrierPtr& d
   // 8. route
   const CarrierKind* sk = &source->kind();
   const CarrierKind* dk = &destination->kind();
-  RouteKind route_kind;
-  std::shared_ptr<TransferRouteIface> route;
-  TransferRouteIface::Submit submit;
-  std::string unsupported;
-  TransferRequest request{tensor, destination, sk, dk, &tensor->dtype(), tensor->layout,
-                          tensor->offset, tensor->offset + need};
   const bool fallback = source->allows_elementwise_fallback() && destination->allows_elementwise_fallback() &&
                         !sk->dependent && !dk->dependent;
-  if (is_native_storage(sk) && is_native_storage(dk)) {
-    route_kind = RouteKind::Builtin;
-  } else if ((route = find_route(sk, dk)) && (submit = route->prepare(request, unsupported))) {
-    route_kind = RouteKind::Registered;
-  } else if (fallback) {
-    route_kind = RouteKind::Fallback;
-  } else {
-    raise<NotImplementedError>("move: no route from ", sk->name, " to ", dk->name,
-                               unsupported.empty() ? "" : " (the registered route is unsupported: ", unsupported,
-                               unsupported.empty() ? "" : ")");
-  }
+  std::shared_ptr<TransferRouteIface> route;
+  const bool builtin = is_native_storage(sk) && is_native_storage(dk);
+  if (!builtin) route = find_route(sk, dk);
+  if (!builtin && !route && !fallback) raise<NotImplementedError>(no_route(sk, dk, ""));
   const bool record = is_grad_enabled() && tensor->is_differentiable();
   if (record) {
     bool reverse = has_route(dk, sk, destination->allows_elementwise_fallback() && !dk->dependent,
@@ -122,16 +127,32 @@ CompletionPtr<TensorPtr> move_async(const TensorPtr& tensor, const CarrierPtr& d
                                  dk->name, " to ", sk->name, " for its gradient");
   }
 
-  // Work starts: take ownership for the duration.
+  // The request is accepted: both carriers are owned from here until the move
+  // is terminal, the provider's prepare included (Note [Moves own before they
+  // prepare]).
   auto claims = std::make_shared<std::pair<Carrier::Claim, Carrier::Claim>>(source->claim("a move"),
                                                                               destination->claim("a move"));
+  RouteKind route_kind = builtin ? RouteKind::Builtin : RouteKind::Fallback;
+  TransferRouteIface::Submit submit;
+  if (route) {
+    std::string unsupported;
+    TransferRequest request{tensor, destination, sk, dk, &tensor->dtype(), tensor->layout, need};
+    {
+      Carrier::TransferWrites writes(*destination);
+      submit = route->prepare(request, unsupported);  // a provider exception ends the claims and propagates
+    }
+    if (submit) route_kind = RouteKind::Registered;
+    else if (!fallback) raise<NotImplementedError>(no_route(sk, dk, unsupported));
+  }
   auto done = std::make_shared<Completion<TensorPtr>>();
   TransferRouteIface::Waiter waiter;
   if (route_kind == RouteKind::Registered) {
     try {
       if (grow) destination->grow(need, true);
+      Carrier::TransferWrites writes(*destination);
       waiter = submit();
     } catch (...) {
+      submit = nullptr;
       claims.reset();
       done->set_error(std::current_exception());
       return done;
@@ -162,9 +183,11 @@ CompletionPtr<TensorPtr> move_async(const TensorPtr& tensor, const CarrierPtr& d
       throw;
     }
   };
+  // The prepared transfer (held by `submit`) and its completion (held by `waiter`) live in the job until the
+  // move is terminal, whoever else lets go of them.
   Executor::moves().submit([tensor = TensorPtr(tensor), destination = CarrierPtr(destination), route_kind,
-                            waiter = std::move(waiter), grow, need, claims = std::move(claims), done,
-                            finish]() mutable {
+                            submit = std::move(submit), waiter = std::move(waiter), grow, need,
+                            claims = std::move(claims), done, finish]() mutable {
     TensorPtr result;
     std::exception_ptr error;
     try {
@@ -176,7 +199,10 @@ CompletionPtr<TensorPtr> move_async(const TensorPtr& tensor, const CarrierPtr& d
             copy_slots(src, tensor->offset + r.offset, *destination, r.offset, r.length);
           break;
         case RouteKind::Registered:
-          if (waiter) waiter();
+          if (waiter) {
+            Carrier::TransferWrites writes(*destination);
+            waiter();
+          }
           break;
         case RouteKind::Fallback: {
           if (grow) destination->grow(need, true);
@@ -200,6 +226,7 @@ CompletionPtr<TensorPtr> move_async(const TensorPtr& tensor, const CarrierPtr& d
     tensor.reset();
     destination.reset();
     waiter = nullptr;
+    submit = nullptr;
     if (error) done->set_error(std::move(error));
     else done->set_value(std::move(result));
   });

@@ -232,8 +232,9 @@ TEST_F(MoveChecks, MissingReverseRouteUnderGradMode) {
   auto ut = make_tensor(user, 2, layout);
   auto fb = std::make_shared<FileBackedCarrier>("", F32(), true);
   ASSERT_TRUE(is_grad_enabled());
+  // Refused before the request is accepted: the provider never prepares (Note [Moves own before they prepare]).
   expect_refused<NotImplementedError>([&] { (void)move_async(ut, fb); },
-                                      "no reverse route from FileBacked to TestCarrier", {user, fb}, 1);
+                                      "no reverse route from FileBacked to TestCarrier", {user, fb}, 0);
   // Without grad mode (or for a non-differentiable dtype) the move goes ahead.
   test_route().reset(TestRoute::Mode::Synchronous);
   const std::vector<Value> expected = logical_values(*ut);
@@ -537,6 +538,52 @@ class TestRouteMoves : public ::testing::Test {
   CarrierPtr dst;
 };
 
+TEST_F(TestRouteMoves, BothCarriersAreOwnedBeforePrepareAndTheProviderMayWriteItsDestination) {
+  // Note [Moves own before they prepare].
+  bool checked = false;
+  test_route().on_prepare = [&](const TransferRequest& r) {
+    EXPECT_TRUE(r.tensor->carrier->is_owned());
+    EXPECT_TRUE(r.destination->is_owned());
+    EXPECT_EQ(r.destination->owner_description(), "a move");
+    EXPECT_SW_THROW(RuntimeError, "owned by a move", r.tensor->carrier->set(0, F(1.0)));
+    EXPECT_SW_THROW(RuntimeError, "owned by a move", r.tensor->carrier->release());
+    EXPECT_SW_THROW(RuntimeError, "owned", r.destination->release());
+    r.destination->set(29, F(7.0));  // the provider's own write to its in-flight destination
+    std::thread other([&] {           // ... but nobody else's
+      EXPECT_SW_THROW(RuntimeError, "owned by a move", r.destination->set(28, F(1.0)));
+    });
+    other.join();
+    checked = true;
+  };
+  const uint64_t v0 = dst->version();
+  auto h = move_async(t, dst);
+  EXPECT_TRUE(checked);
+  auto p = test_route().take();
+  ASSERT_NE(p, nullptr);
+  p->complete();
+  TensorPtr r = h->value();
+  EXPECT_EQ(r->carrier, dst);
+  expect_holds(r, expected);
+  EXPECT_EQ(dst->get(29), F(7.0));
+  EXPECT_EQ(dst->version(), v0 + 2);  // the provider's write and the move
+}
+
+TEST_F(TestRouteMoves, AnUnsupportedOrFailingPrepareEndsTheClaims) {
+  test_route().on_prepare = [](const TransferRequest& r) {
+    EXPECT_TRUE(r.tensor->carrier->is_owned() && r.destination->is_owned());
+    raise<ValueError>("prepare failed on purpose");
+  };
+  EXPECT_SW_THROW(ValueError, "prepare failed on purpose", (void)move_async(t, dst));
+  EXPECT_FALSE(src->is_owned());
+  EXPECT_FALSE(dst->is_owned());
+  test_route().reset(TestRoute::Mode::Unsupported);
+  EXPECT_SW_THROW(NotImplementedError, "TestCarrier, CPU", (void)move_async(t, dst));
+  EXPECT_FALSE(src->is_owned());
+  EXPECT_FALSE(dst->is_owned());
+  dst->set(0, F(1.0));  // both usable
+  EXPECT_EQ(src->release_calls.load(), 0);
+}
+
 TEST_F(TestRouteMoves, PendingUntilCompleted) {
   const int submits = test_route().submits.load();
   auto h = move_async(t, dst);
@@ -569,8 +616,7 @@ TEST_F(TestRouteMoves, PendingUntilCompleted) {
   EXPECT_EQ(p->request.destination_kind, &cpu_kind());
   EXPECT_EQ(p->request.dtype, &F32());
   EXPECT_EQ(p->request.layout, layout);
-  EXPECT_EQ(p->request.span_begin, 3);
-  EXPECT_EQ(p->request.span_end, 3 + 21);
+  EXPECT_EQ(p->request.physical_span, 21);  // the layout's cosize
   EXPECT_FALSE(h->done()) << "still pending until the test decides";
 
   p->complete();

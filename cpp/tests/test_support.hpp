@@ -297,6 +297,7 @@ class TestRoute final : public TransferRouteIface {
 
   Submit prepare(const TransferRequest& request, std::string& unsupported) override {
     prepares.fetch_add(1);
+    if (on_prepare) on_prepare(request);
     Mode m = mode.load();
     if (m == Mode::Unsupported) {
       unsupported = "the test route refuses this request";
@@ -337,7 +338,11 @@ class TestRoute final : public TransferRouteIface {
     std::lock_guard lock(mutex_);
     queue_.clear();
     mode.store(m);
+    on_prepare = nullptr;
   }
+
+  // Runs inside prepare, on the thread that requested the move (set by one test, cleared by reset).
+  std::function<void(const TransferRequest&)> on_prepare;
 
   std::atomic<Mode> mode{Mode::Pending};
   std::atomic<int> prepares{0};

@@ -78,12 +78,14 @@ int await_clear(PyObject* self) {
   return 0;
 }
 
-PyType_Slot await_slots[] = {{Py_tp_traverse, (void*)await_traverse}, {Py_tp_clear, (void*)await_clear}, {0, nullptr}};
-
 }  // namespace
 
+// Every handle class passes these slots itself: a subclass of a weak-referenceable nanobind class that names no
+// traverse slot of its own gets nanobind's default pair instead of inheriting these.
+PyType_Slot await_slots[] = {{Py_tp_traverse, (void*)await_traverse}, {Py_tp_clear, (void*)await_clear}, {0, nullptr}};
+
 void bind_completion(nb::module_& m) {
-  nb::class_<AwaitHandle>(m, "AwaitResult", nb::type_slots(await_slots),
+  nb::class_<AwaitHandle>(m, "AwaitResult", nb::type_slots(await_slots), nb::is_weak_referenceable(),
                           "A one-shot completion created by the framework: `done` and `wait()`. wait() returns the "
                           "same object (or raises the same exception) every time; handles never cancel work.")
       .def("__init__", [](AwaitHandle*, nb::args, nb::kwargs) {
@@ -96,7 +98,8 @@ void bind_completion(nb::module_& m) {
         const AwaitHandle& h = nb::cast<const AwaitHandle&>(self);
         return std::string(nb::type_name(self.type()).c_str()) + (h.state->done() ? "(done)" : "(pending)");
       });
-  nb::class_<AwaitMove, AwaitHandle>(m, "AwaitMove", "AwaitResult[Tensor] of move_async and scatter.")
+  nb::class_<AwaitMove, AwaitHandle>(m, "AwaitMove", nb::type_slots(await_slots),
+                                     "AwaitResult[Tensor] of move_async and scatter.")
       .def("__init__", [](AwaitMove*, nb::args, nb::kwargs) {
         sw::raise<sw::TypeError>("AwaitMove handles are created by the framework, not constructed directly");
       });

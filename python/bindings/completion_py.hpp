@@ -20,4 +20,7 @@ struct AwaitHandle {
 
 struct AwaitMove : AwaitHandle {};
 
+// The garbage collector's slots of every handle class (AwaitResult and each subclass passes them).
+extern PyType_Slot await_slots[];
+
 }  // namespace swpy

@@ -98,7 +98,7 @@ class PyRoute final : public sw::TransferRouteIface {
         nb::arg("source_class") = nb::borrow(r.tensor->carrier ? self_type(*r.tensor->carrier) : nb::none()),
         nb::arg("destination_class") = self_type(*r.destination),
         nb::arg("dtype") = nb::cast(r.dtype, nb::rv_policy::reference), nb::arg("layout") = nb::cast(r.layout),
-        nb::arg("physical_span") = nb::make_tuple(r.span_begin, r.span_end));
+        nb::arg("physical_span") = r.physical_span);
     nb::object prepared = provider_->obj.attr("prepare")(request);
     if (nb::isinstance(prepared, ext.attr("Unsupported"))) {
       unsupported = nb::cast<std::string>(prepared.attr("reason"));
@@ -107,11 +107,12 @@ class PyRoute final : public sw::TransferRouteIface {
     if (!nb::isinstance(prepared, ext.attr("PreparedTransfer")))
       sw::raise<sw::TypeError>("TransferProvider.prepare must return a PreparedTransfer or Unsupported, got ",
                                nb::type_name(prepared.type()).c_str());
-    auto submit = std::make_shared<GilObject>(prepared.attr("submit"));
-    return [submit]() -> Waiter {
+    // The engine keeps the returned function (and so the PreparedTransfer) until the move is terminal.
+    auto held_prepared = std::make_shared<GilObject>(std::move(prepared));
+    return [held_prepared]() -> Waiter {
       GilAcquire gil;
       sw::GradModeGuard off(false);
-      nb::object pending = submit->obj();
+      nb::object pending = held_prepared->obj.attr("submit")();
       if (pending.is_none()) return {};
       if (!nb::hasattr(pending, "wait") || !nb::hasattr(pending, "done"))
         sw::raise<sw::TypeError>("PreparedTransfer.submit must return None or an object with done and wait()");
@@ -119,7 +120,10 @@ class PyRoute final : public sw::TransferRouteIface {
       return [held]() {
         GilAcquire gil;
         sw::GradModeGuard off(false);
-        held->obj.attr("wait")();
+        nb::object r = held->obj.attr("wait")();
+        if (!r.is_none())
+          sw::raise<sw::TypeError>("a transfer completion's wait() must return None, got ",
+                                   nb::type_name(r.type()).c_str(), " (the move fails; its carriers are as before)");
       };
     };
   }
@@ -149,15 +153,40 @@ Definition* find_definition(nb::handle cls) {
   return it == g_definitions.end() ? nullptr : it->second.get();
 }
 
-const sw::CarrierKind* kind_of_class(nb::handle cls) {
+namespace {
+// Note [Routes by exact class, resolved late]: a kind is an exact class, so a
+// registered subclass of a registered class is a kind of its own with its own
+// routes; nothing is inherited (a move looks routes up by the exact pair of
+// kinds). A route may name a destination class that has no definition yet: it
+// waits here and is registered with the engine the moment that class is
+// registered. No carrier of an unregistered class can exist (construction
+// needs the definition), so no move can be requested before its route is
+// known: resolving at registration is resolving when a move is requested.
+struct PendingRoute {
+  const sw::CarrierKind* source;
+  nb::object destination_class;
+  const sw::CarrierKind* destination;
+  nb::object provider;
+};
+// Intentionally leaked, as g_definitions.
+auto& g_pending = *new std::vector<PendingRoute>();
+
+// kind_of_class with g_mutex held.
+const sw::CarrierKind* kind_of_class_locked(nb::handle cls) {
   if (cls.is(nb::type<sw::GenericCarrier>())) return &sw::generic_kind();
   if (cls.is(nb::type<sw::CPUCarrier>())) return &sw::cpu_kind();
   if (cls.is(nb::type<sw::FileBackedCarrier>())) return &sw::file_backed_kind();
   if (cls.is(nb::type<sw::BlockDeviceCarrier>())) return &sw::block_device_carrier_kind();
   if (cls.is(nb::type<sw::EvictableCarrier>())) return &sw::evictable_kind();
   if (cls.is(nb::type<sw::TiledEvictable>())) return &sw::tiled_evictable_kind();
-  Definition* d = find_definition(cls);
-  return d ? &d->kind : nullptr;
+  auto it = g_definitions.find(cls.ptr());
+  return it == g_definitions.end() ? nullptr : &it->second->kind;
+}
+}  // namespace
+
+const sw::CarrierKind* kind_of_class(nb::handle cls) {
+  std::lock_guard lock(g_mutex);
+  return kind_of_class_locked(cls);
 }
 
 nb::object class_of_kind(const sw::CarrierKind* kind) {
@@ -183,13 +212,14 @@ void bind_extension(nb::module_& m) {
     if ((kind_of_class(cls) && !find_definition(cls)) || cls.is(nb::type<sw::DependentCarrier>()))
       sw::raise<sw::TypeError>("register_carrier_definition: shipped carrier classes cannot be given a definition");
     {
-      // Exact subclass of Carrier: not of a shipped class or another registered kind.
+      // A subclass of Carrier, or of another user class (registered or not): never of a shipped class (those are
+      // final, so this only guards against a class built around that rule).
       nb::object mro = cls.attr("__mro__");
       for (nb::handle base : mro) {
         if (base.is(cls) || base.is(carrier_type)) continue;
-        if (PyType_IsSubtype((PyTypeObject*)base.ptr(), (PyTypeObject*)carrier_type.ptr()))
+        if ((kind_of_class(base) && !find_definition(base)) || base.is(nb::type<sw::DependentCarrier>()))
           sw::raise<sw::TypeError>("register_carrier_definition: ", nb::type_name(cls).c_str(),
-                                   " must derive from Carrier directly, not from ", nb::type_name(base).c_str());
+                                   " derives from the shipped class ", nb::type_name(base).c_str());
       }
     }
     if (find_definition(cls))
@@ -199,26 +229,37 @@ void bind_extension(nb::module_& m) {
     def->provider = std::make_shared<PyStorageProvider>(nb::borrow(cls), definition.attr("storage"));
     def->facets = nb::borrow(definition.attr("facets"));
     def->definition = nb::borrow(definition);
-    // Validate routes before registering anything.
-    std::vector<std::pair<const sw::CarrierKind*, nb::object>> routes;
+    // Validate routes before registering anything (Note [Routes by exact class, resolved late]).
+    std::vector<std::pair<nb::object, nb::object>> routes;  // (destination class, provider)
     for (nb::handle route : definition.attr("transfers")) {
       if (!route.attr("source_class").is(cls))
         sw::raise<sw::ValueError>("TransferRoute source_class must be the registering class ", nb::type_name(cls).c_str());
-      nb::handle dst = route.attr("destination_class");
-      const sw::CarrierKind* dk = dst.is(cls) ? &def->kind : kind_of_class(dst);
-      if (!dk)
-        sw::raise<sw::ValueError>("TransferRoute destination_class ", nb::type_name(dst).c_str(),
-                                  " is not a shipped or registered carrier class");
-      routes.emplace_back(dk, nb::borrow(route.attr("provider")));
+      routes.emplace_back(nb::borrow(route.attr("destination_class")), nb::borrow(route.attr("provider")));
     }
     Definition* raw = def.get();
+    std::vector<PendingRoute> now;  // routes whose both ends are known once this class is registered
     {
       std::lock_guard lock(g_mutex);
       cls.inc_ref();  // registered classes live for the process
       g_definitions.emplace(cls.ptr(), std::move(def));
+      for (auto& [dst, provider] : routes) {
+        const sw::CarrierKind* dk = dst.is(cls) ? &raw->kind : kind_of_class_locked(dst);
+        if (dk) now.push_back(PendingRoute{&raw->kind, std::move(dst), dk, std::move(provider)});
+        else g_pending.push_back(PendingRoute{&raw->kind, std::move(dst), nullptr, std::move(provider)});
+      }
+      // Routes registered earlier by other classes whose destination is this class.
+      for (auto it = g_pending.begin(); it != g_pending.end();) {
+        if (it->destination_class.is(cls)) {
+          it->destination = &raw->kind;
+          now.push_back(std::move(*it));
+          it = g_pending.erase(it);
+        } else {
+          ++it;
+        }
+      }
     }
-    for (auto& [dk, provider] : routes)
-      sw::register_route(&raw->kind, dk, std::make_shared<PyRoute>(std::move(provider)));
+    for (PendingRoute& r : now)
+      sw::register_route(r.source, r.destination, std::make_shared<PyRoute>(std::move(r.provider)));
   }, nb::arg("cls").none(), nb::arg("definition").none());
 
   // Test-only fault injection at the system-call sites of file-backed storage.

@@ -197,11 +197,13 @@ nb::object residency_handle(sw::CompletionPtr<std::monostate> c) {
 
 void bind_tiled(nb::module_& m) {
   sw::install_tiled_backend();
-  nb::class_<AwaitResidency, AwaitHandle>(m, "AwaitResidency", "AwaitResult[None] of a residency request.")
+  nb::class_<AwaitResidency, AwaitHandle>(m, "AwaitResidency", nb::type_slots(await_slots),
+                                          "AwaitResult[None] of a residency request.")
       .def("__init__", [](AwaitResidency*, nb::args, nb::kwargs) {
         sw::raise<sw::TypeError>("AwaitResidency handles are created by the framework, not constructed directly");
       });
-  nb::class_<AwaitProjection, AwaitHandle>(m, "AwaitProjection", "AwaitResult[Tensor] of TiledEvictable.project.")
+  nb::class_<AwaitProjection, AwaitHandle>(m, "AwaitProjection", nb::type_slots(await_slots),
+                                           "AwaitResult[Tensor] of TiledEvictable.project.")
       .def("__init__", [](AwaitProjection*, nb::args, nb::kwargs) {
         sw::raise<sw::TypeError>("AwaitProjection handles are created by the framework, not constructed directly");
       });

@@ -126,6 +126,19 @@ class Carrier : public std::enable_shared_from_this<Carrier> {
   void release_claimed(Claim& claim);
   std::string owner_description() const;
   int claim_count() const noexcept { return claims_.load(); }
+  // While one is alive, the thread that made it may write `c` through the
+  // public API although a move owns it: a transfer provider filling its
+  // in-flight destination (Note [Moves own before they prepare] in move.cpp).
+  class TransferWrites {
+   public:
+    explicit TransferWrites(const Carrier& c) noexcept;
+    ~TransferWrites();
+    TransferWrites(const TransferWrites&) = delete;
+    TransferWrites& operator=(const TransferWrites&) = delete;
+
+   private:
+    const Carrier* previous_;
+  };
 
   // -------- checked public element access
   Value get(int64_t slot) const;                 // live, in range

@@ -6,9 +6,12 @@
 //   ("own carrier"); destination released or not publicly mutable ->
 //   RuntimeError; dtype mismatch -> TypeError; destination smaller than
 //   layout.cosize() and not allocatable -> ValueError; no route between the
-//   two exact kinds -> NotImplementedError (and, when grad mode is on and the
-//   source is differentiable, no reverse route -> NotImplementedError).
-// Then both carriers are claimed until the move is terminal. Success
+//   two exact kinds -> NotImplementedError naming them as "Source, Destination"
+//   (and, when grad mode is on and the source is differentiable, no reverse
+//   route -> NotImplementedError).
+// Then both carriers are claimed until the move is terminal, before a
+// registered route's provider prepares (Note [Moves own before they prepare]
+// in move.cpp); the prepared transfer and its completion live until then too. Success
 // publishes Tensor(destination, 0, layout), advances the destination's version
 // once and releases the source carrier; failure ends the claims and leaves the
 // source live and unchanged.
@@ -35,12 +38,12 @@ struct TransferRequest {
   const CarrierKind* destination_kind;
   const DType* dtype;
   Layout layout;
-  int64_t span_begin;  // physical span of the source: [begin, end)
-  int64_t span_end;
+  int64_t physical_span;  // physical slots the transfer covers: the layout's cosize (from the tensor's offset)
 };
 
 // A registered route (user-defined kinds). `prepare` runs on the caller's
-// thread before work; it returns a submit function or sets `unsupported`.
+// thread once both carriers are claimed; it returns a submit function or sets
+// `unsupported`.
 // The submit function is called exactly once, after ownership is taken; it
 // returns a waiter (run on a worker thread; throws on failure) or nullptr
 // when the transfer completed synchronously.

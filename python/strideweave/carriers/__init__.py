@@ -31,3 +31,4 @@ __all__ = [
 ]
 
 from . import tiled_evictable  # noqa: E402  (installs TiledEvictable's definition)
+from . import move  # noqa: E402,F401  (strideweave.carriers.move)

@@ -90,7 +90,7 @@ class TransferRequest:
     destination_class: type
     dtype: DType
     layout: Layout
-    physical_span: tuple
+    physical_span: int  # physical slots the transfer covers: the layout's cosize, from tensor.offset
 
     def __post_init__(self) -> None:
         if not isinstance(self.tensor, _core.Tensor):
@@ -103,8 +103,10 @@ class TransferRequest:
             raise TypeError("TransferRequest.dtype must be a DType")
         if not isinstance(self.layout, Layout):
             raise TypeError("TransferRequest.layout must be a Layout")
-        if not (isinstance(self.physical_span, tuple) and len(self.physical_span) == 2):
-            raise TypeError("TransferRequest.physical_span must be a (begin, end) tuple")
+        if not isinstance(self.physical_span, int) or isinstance(self.physical_span, bool):
+            raise TypeError("TransferRequest.physical_span must be an int (the number of physical slots)")
+        if self.physical_span < 0:
+            raise ValueError(f"TransferRequest.physical_span must be >= 0, got {self.physical_span}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,10 +182,14 @@ class CarrierDefinition:
 
 
 def register_carrier_definition(cls: type, definition: CarrierDefinition) -> None:
-    """Makes ``cls`` (an exact subclass of Carrier) a working carrier kind.
+    """Makes ``cls`` (a subclass of Carrier) a working carrier kind.
 
     Registered once, before its first construction ("already registered"
-    otherwise); shipped classes are refused with TypeError.
+    otherwise); shipped classes are refused with TypeError. A subclass of a
+    registered class may be registered with its own definition: kinds and
+    routes are exact per class, never inherited. A route may name a
+    destination class that is registered later; it takes effect once that
+    class is registered (a move to it cannot be requested before).
     """
     if not isinstance(definition, CarrierDefinition):
         raise TypeError("register_carrier_definition: definition must be a CarrierDefinition")
