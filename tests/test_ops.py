@@ -1207,6 +1207,17 @@ def test_dispatch_op_name_must_be_a_str():
         sw.CPU(2).dispatch_op(5)
 
 
+@pytest.mark.parametrize("name", ["add", "matmul", "conv", 5])
+def test_dispatch_op_after_release_raises_runtime_error_whatever_the_name(name):
+    primary = sw.CPU(8)
+    tiled = sw.TiledEvictable(primary, sw.FileBacked(), (1, 2), (2, 2))
+    for carrier in (sw.CPU(2), sw.Generic([1.0]), sw.FileBacked(), tiled):
+        carrier.release()
+        with pytest.raises(RuntimeError, match="released"):
+            carrier.dispatch_op(name)
+        assert carrier.is_released()
+
+
 def test_dispatch_op_on_file_backed_raises():
     for dtype in (F32, I32):
         fb = sw.FileBacked(dtype=dtype)

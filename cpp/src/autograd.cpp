@@ -124,6 +124,28 @@ void check_saved(const Node& node) {
   }
 }
 
+// Note [A gradient on another carrier kind]: backward(gradient) takes a
+// cotangent on any carrier kind of the output's shape and dtype (a NumPy-made
+// CPU tensor for an output of a tiled computation, say). The VJPs run on the
+// output's kind, so the cotangent's values are copied once into a dense
+// tensor of that kind; the caller's tensor is read, never consumed (a move
+// would release it) and never written.
+TensorPtr seed_on_kind(const TensorImpl& seed, const Carrier& prototype) {
+  const Shape& shape = seed.layout.shape();
+  TensorPtr out = full_like_kind(prototype, shape, seed.dtype(), 0.0);
+  const int64_t n = seed.size();
+  std::vector<float> values(static_cast<size_t>(n));
+  if (seed.layout.is_column_major()) {
+    seed.carrier->read_slots(seed.offset, n, values.data());  // one bulk read
+  } else {
+    const FlatLayout& flat = seed.layout.flat();
+    for (int64_t i = 0; i < n; ++i)
+      values[static_cast<size_t>(i)] = static_cast<float>(seed.carrier->read_value(seed.offset + flat.index(i)).f);
+  }
+  out->carrier->write_slots(out->offset, n, values.data());
+  return out;
+}
+
 }  // namespace
 
 void backward(const TensorPtr& root, const TensorPtr& gradient, bool retain_graph) {
@@ -143,10 +165,8 @@ void backward(const TensorPtr& root, const TensorPtr& gradient, bool retain_grap
     // leaves had already accumulated.
     if (seed->dtype().id() != DTypeId::Float32)
       raise<TypeError>("backward: gradient must be a Float32 tensor, got ", seed->dtype().name());
-    if (&seed->carrier->kind() != &root->carrier->kind())
-      raise<TypeError>("backward: gradient lives on ", seed->carrier->kind_name(), " but the output on ",
-                       root->carrier->kind_name(), "; move the gradient first");
     seed->carrier->check_live("use it as a gradient");
+    if (&seed->carrier->kind() != &root->carrier->kind()) seed = seed_on_kind(*seed, *root->carrier);
   }
   GradModeGuard no_grad(false);
   std::shared_ptr<Node> root_node;

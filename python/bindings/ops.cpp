@@ -175,9 +175,10 @@ void bind_ops(nb::module_& m) {
   nb::handle carrier = nb::type<sw::Carrier>();
   carrier.attr("dispatch_op") = nb::cpp_function(
       [](nb::handle self, nb::handle name) {
+        auto c = nb::cast<sw::CarrierPtr>(self);
+        c->check_live("dispatch an operation");  // before the name: after release, dispatch fails whatever it is
         if (!PyUnicode_Check(name.ptr())) sw::raise<sw::TypeError>("dispatch_op: name must be a str");
         std::string n = nb::cast<std::string>(name);
-        auto c = nb::cast<sw::CarrierPtr>(self);
         auto id = sw::op_from_name(n);
         if (!id) sw::raise<sw::NotImplementedError>(c->kind_name(), " has no operation named '", n, "'");
         sw::OpBackend* b = sw::backend_for(c->kind());
