@@ -220,7 +220,8 @@ void bind_tiled(nb::module_& m) {
         if (!policy.is_none()) {
           nb::object protocol = tiled_module().attr("ResidencyPolicy");
           if (!nb::isinstance(policy, protocol) || !PyCallable_Check(nb::getattr(policy, "plan", nb::none()).ptr()))
-            sw::raise<sw::TypeError>("residency_policy must satisfy the ResidencyPolicy protocol (a plan(required, purpose) method)");
+            sw::raise<sw::TypeError>("residency_policy must satisfy the ResidencyPolicy protocol: its plan(required, "
+                                     "purpose) must be callable");
           p = std::make_shared<PyPolicy>(nb::borrow(policy));
         }
         new (self) TiledEvictable(nb::cast<sw::CarrierPtr>(primary), nb::cast<sw::CarrierPtr>(secondary), g, t, p);

@@ -324,8 +324,8 @@ CompletionPtr<TensorPtr> project_for(const std::shared_ptr<TiledEvictable>& c, c
     if (dest->dtype() != c->dtype())
       raise<TypeError>("project: destination dtype ", dest->dtype().name(), " does not match ", c->dtype().name());
     if (dest->size() < need && !dest->is_allocatable())
-      raise<ValueError>("project: the destination has ", dest->size(), " slots but the projection needs ", need,
-                        " and it is not allocatable");
+      raise<ValueError>("project: the destination's capacity is ", dest->size(), " slots but the projection needs ",
+                        need, " and it is not allocatable");
   }
   const bool record = is_grad_enabled() && tensor->is_differentiable();
   // Work starts: one request pins the tiles and promotes the missing ones.

@@ -27,16 +27,17 @@ __all__ = [
 ]
 
 
-def _int(value, what: str) -> int:
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise TypeError(f"{what} must be an int, got {type(value).__name__}")
-    return int(value.__index__())
-
-
 def _iterable(value, what: str) -> tuple:
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise TypeError(f"{what} must be a finite iterable, got {type(value).__name__}")
     return tuple(value)
+
+
+def _coordinate(value, where: str, rule: str) -> int:
+    """One tile coordinate or coordinate component as an int; `where` and `rule` make the message."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"{where}: {rule} must be integers, got {type(value).__name__}")
+    return int(value.__index__())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,15 +48,16 @@ class TileSet:
 
     def __post_init__(self) -> None:
         coords = []
-        for entry in _iterable(self.coordinates, "TileSet coordinates"):
-            coord = tuple(_int(c, "a tile coordinate component") for c in _iterable(entry, "a tile coordinate"))
+        for i, entry in enumerate(_iterable(self.coordinates, "TileSet coordinates")):
+            coord = tuple(_coordinate(c, f"TileSet coordinates[{i}][{j}]", "components")
+                          for j, c in enumerate(_iterable(entry, f"TileSet coordinates[{i}]")))
             coords.append(coord)
         ranks = {len(c) for c in coords}
         if len(ranks) > 1:
-            raise ValueError(f"TileSet coordinates mix ranks {sorted(ranks)}")
+            raise ValueError(f"TileSet coordinates must all have the same rank, got ranks {sorted(ranks)}")
         for c in coords:
             if any(v < 0 for v in c):
-                raise ValueError(f"TileSet coordinate {c} has a negative component")
+                raise ValueError(f"TileSet coordinate {c} has a negative component: components must be non-negative")
         if len(set(coords)) != len(coords):
             raise ValueError("TileSet coordinates contain a duplicate")
         coords.sort(key=lambda c: tuple(reversed(c)))
@@ -90,8 +92,9 @@ class TileSelection:
 
     def __post_init__(self) -> None:
         axes = []
-        for axis in _iterable(self.per_axis, "TileSelection per_axis"):
-            values = tuple(_int(v, "a TileSelection coordinate") for v in _iterable(axis, "a TileSelection axis"))
+        for i, axis in enumerate(_iterable(self.per_axis, "TileSelection per_axis")):
+            values = tuple(_coordinate(v, f"TileSelection per_axis[{i}][{j}]", "tile coordinates")
+                           for j, v in enumerate(_iterable(axis, f"TileSelection per_axis[{i}]")))
             axes.append(values)
         if not axes:
             raise ValueError("TileSelection needs at least one axis")
@@ -101,7 +104,8 @@ class TileSelection:
             if len(set(values)) != len(values):
                 raise ValueError(f"TileSelection axis {i} contains a duplicate: {values}")
             if any(v < 0 for v in values):
-                raise ValueError(f"TileSelection axis {i} contains a negative coordinate: {values}")
+                raise ValueError(f"TileSelection axis {i} contains a negative coordinate: {values} "
+                                 "(coordinates must be non-negative)")
         object.__setattr__(self, "per_axis", tuple(axes))
 
     @property
@@ -152,7 +156,7 @@ class ResidencyPlan:
                 raise TypeError(f"ResidencyPlan.{name} must be a TileSet or None, got {type(value).__name__}")
             for c in value.coordinates:
                 if c in seen:
-                    raise ValueError(f"tile {c} occurs in both {seen[c]} and {name}")
+                    raise ValueError(f"ResidencyPlan fields must be disjoint: tile {c} occurs in both {seen[c]} and {name}")
                 seen[c] = name
 
 
