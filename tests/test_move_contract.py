@@ -364,3 +364,96 @@ def test_residency_and_projection_handles_support_weak_references_and_stay_colle
     gc.collect()
     assert [r() for r in refs] == [None, None]
     carrier.release()
+
+
+# ================================================================ user carrier kinds as tiers
+
+
+class CountedTier(sw.Carrier):
+    """A user storage kind that counts its provider calls (reads, writes, allocations, releases)."""
+
+
+COUNTS = {"read": 0, "write": 0, "allocate": 0, "release": 0}
+
+
+def _counted(name, fn):
+    def call(*args):
+        COUNTS[name] += 1
+        return fn(*args)
+
+    return call
+
+
+register_carrier_definition(CountedTier, CarrierDefinition(StorageProvider(
+    lambda c, d: d is F32,
+    lambda c: 0 if c.__dict__.get("_slots") is None else len(c._slots),
+    _counted("allocate", lambda c, n: setattr(c, "_slots", [0.0] * n)),
+    _counted("release", lambda c: setattr(c, "_slots", None)),
+    _counted("read", lambda c, i: c._slots[i]),
+    _counted("write", lambda c, i, v: c._slots.__setitem__(i, v)),
+)))
+
+
+def test_a_user_carrier_kind_is_a_secondary_tier_through_promote_evict_project_scatter_and_release():
+    for k in COUNTS:
+        COUNTS[k] = 0
+    secondary = CountedTier(8, dtype=F32)  # holds the full extent: every tile starts in the secondary
+    secondary._slots[:] = [float(i) for i in range(8)]
+    carrier = sw.TiledEvictable(sw.CPU(0), secondary, (1, 2), (2, 2))
+    full = sw.Tensor(carrier, 0, sw.Layout(sw.Shape(2, [2, 2]), sw.Stride(1, [2, 4])))
+    assert carrier.tile_state((0, 1)).location == "secondary" and secondary.is_owned()
+    both = sw.TileSet([(0, 0), (0, 1)])
+    carrier.promote(both)
+    assert COUNTS["read"] == 8 and carrier.tile_state((0, 0)).location == "primary"
+    w1 = carrier.project(full, sw.TileSelection([[0], [1]])).wait()
+    assert [w1[i] for i in range(4)] == [4.0, 5.0, 6.0, 7.0]
+    # A scatter makes a fresh carrier on tiers of the same kinds; its selected tile is dirty, and evicting it
+    # writes through the user kind's provider.
+    out = carrier.scatter(sw.friendly.tensor([[10.0, 30.0], [20.0, 40.0]]), full, sw.TileSelection([[0], [0]])).wait()
+    writes = COUNTS["write"]
+    out.carrier.evict(sw.TileSet([(0, 0)]))
+    assert COUNTS["write"] == writes + 4 and out.carrier.tile_state((0, 0)).location == "secondary"
+    assert [out[(i, (j, 0))] for j in range(2) for i in range(2)] == [10.0, 20.0, 30.0, 40.0]
+    # Dirty tiles of the first carrier go back to its user-kind secondary on eviction.
+    full[(0, (0, 1))] = -1.0  # tile (0, 1), slot 4
+    carrier.evict(both)
+    assert secondary._slots[4] == -1.0 and carrier.tile_state((0, 1)).location == "secondary"
+    released = COUNTS["release"]
+    carrier.release()
+    assert secondary.is_released() and COUNTS["release"] == released + 1
+
+
+def test_a_user_carrier_kind_is_a_primary_tier():
+    primary = CountedTier(0, dtype=F32)
+    secondary = sw.CPU(8)
+    for i in range(8):
+        secondary[i] = float(i)
+    carrier = sw.TiledEvictable(primary, secondary, (1, 2), (2, 2))
+    full = sw.Tensor(carrier, 0, sw.Layout(sw.Shape(2, [2, 2]), sw.Stride(1, [2, 4])))
+    carrier.promote(sw.TileSet([(0, 1)]))
+    assert carrier.tile_state((0, 1)).location == "primary"
+    w1 = carrier.project(full, sw.TileSelection([[0], [1]])).wait()
+    assert type(w1.carrier) is CountedTier and [w1[i] for i in range(4)] == [4.0, 5.0, 6.0, 7.0]
+    full[(1, (1, 1))] = 70.0  # slot 7, in the resident tile
+    carrier.evict(sw.TileSet([(0, 1)]))
+    assert secondary[7] == 70.0
+    carrier.release()
+    assert primary.is_released() and secondary.is_released()
+
+
+def test_reading_a_slot_never_changes_residency():
+    for k in COUNTS:
+        COUNTS[k] = 0
+    secondary = CountedTier(8, dtype=F32)
+    secondary._slots[:] = [float(i) for i in range(8)]
+    carrier = sw.TiledEvictable(sw.CPU(0), secondary, (1, 2), (2, 2))
+    full = sw.Tensor(carrier, 0, sw.Layout(sw.Shape(2, [2, 2]), sw.Stride(1, [2, 4])))
+    stats = carrier.stats()
+    assert [carrier[i] for i in range(8)] == [float(i) for i in range(8)]
+    assert full[(1, (1, 1))] == 7.0
+    assert COUNTS["read"] == 9  # one provider read a slot read, through the secondary
+    assert [carrier.tile_state((0, j)).location for j in range(2)] == ["secondary", "secondary"]
+    assert carrier.stats() == stats and carrier.primary_tiles == sw.TileSet()
+    full[(1, (1, 1))] = 70.0  # a write promotes first
+    assert carrier.tile_state((0, 1)).location == "primary" and carrier.tile_state((0, 0)).location == "secondary"
+    carrier.release()

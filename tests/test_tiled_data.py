@@ -31,10 +31,9 @@ rank-2 grid. NumPy arrays are indexed by logical coordinates; the oracle is
 plain NumPy on the same values.
 
 Nothing sleeps. The pending window of "Overlap projection with computation"
-cannot be held open deterministically from Python (the tiers must be shipped,
-definition-free carriers, whose I/O calls back into nothing the test controls,
-and the I/O fault injection fails calls rather than holding them), so that test
-asserts the handle semantics without relying on timing.
+is not held open here (the tiers are shipped carriers, whose I/O calls back
+into nothing the test controls; the held I/O gates of tests/test_faults.py do
+that), so that test asserts the handle semantics without relying on timing.
 """
 
 from __future__ import annotations

@@ -330,10 +330,9 @@ CONSTRUCTOR_ERRORS = [
     ("secondary not a carrier", lambda: sw.CPU(0), lambda: "secondary", (2,), (2,), TypeError, "Carrier"),
     ("secondary None", lambda: sw.CPU(0), lambda: None, (2,), (2,), TypeError, None),
     ("dependent primary", lambda: sw.Evictable(sw.CPU(4), sw.FileBacked()), lambda: sw.CPU(0), (2,), (2,),
-     TypeError, "definition-free"),
+     TypeError, "must not be dependent"),
     ("dependent secondary", lambda: sw.CPU(0), lambda: TiledEvictable(sw.CPU(0), sw.CPU(0), (2,), (2,)), (2,), (2,),
-     TypeError, "definition-free"),
-    ("user-defined tier", lambda: sw.CPU(0), lambda: _pending_carrier(), (2,), (2,), TypeError, "definition-free"),
+     TypeError, "must not be dependent"),
     ("released tier", lambda: _released(sw.CPU(0)), lambda: sw.CPU(0), (2,), (2,), RuntimeError, "released"),
     ("owned tier", lambda: sw.CPU(0), lambda: _owned_kept(sw.CPU(0)), (2,), (2,), RuntimeError, "owned"),
     ("dtype mismatch", lambda: sw.CPU(0), lambda: sw.CPU(0, dtype=I32), (2,), (2,), TypeError, "dtype"),
@@ -361,14 +360,14 @@ def test_constructor_rejects_invalid_arguments(case):
     assert owned_after == owned_before
 
 
-# §10: tiers are definition-free, distinct, live, unowned carriers of one dtype; then the grid and
+# §10: tiers are non-dependent, distinct, live, unowned carriers of one dtype; then the grid and
 # tile shapes; then each tier holds 0 slots or the full extent. Each case breaks two rules and must
 # report the earlier one.
 VALIDATION_ORDER = [
-    ("definition-free before distinct", lambda: (lambda e: (e, e))(sw.Evictable(sw.CPU(4), sw.FileBacked())),
-     (2,), (2,), TypeError, "definition-free"),
-    ("definition-free before live", lambda: (_pending_carrier(), _released(sw.CPU(0))), (2,), (2,),
-     TypeError, "definition-free"),
+    ("non-dependent before distinct", lambda: (lambda e: (e, e))(sw.Evictable(sw.CPU(4), sw.FileBacked())),
+     (2,), (2,), TypeError, "must not be dependent"),
+    ("non-dependent before live", lambda: (sw.Evictable(sw.CPU(4), sw.FileBacked()), _released(sw.CPU(0))), (2,),
+     (2,), TypeError, "must not be dependent"),
     ("distinct before live", lambda: (lambda x: (x, x))(_released(sw.CPU(0))), (2,), (2,), ValueError, "distinct"),
     ("live before unowned", lambda: (_released(sw.CPU(0)), _owned_kept(sw.CPU(0))), (2,), (2,),
      RuntimeError, "released"),
@@ -949,18 +948,20 @@ def test_enospc_on_eviction_keeps_the_tile_dirty_and_resident():
     assert [c.secondary[i] for i in footprint(c, expert(1))] == [float(i + 1) for i in footprint(c, expert(1))]
 
 
-def test_failed_promotion_for_slot_access_changes_nothing():
+def test_failed_slot_access_changes_nothing():
     c = secondary_seeded((4,), (3,))
     before = snapshot(c)
     core._io_inject("pread", errno.EIO, count=-1)
     with pytest.raises(RuntimeError, match="EIO"):
-        c[4]
+        c[4]  # read through the secondary
     with pytest.raises(RuntimeError, match="EIO"):
-        c[4] = 1.0
+        c[4] = 1.0  # a write promotes the tile first
     core._io_clear()
     after = snapshot(c)
     assert after == before
-    assert c[4] == 5.0 and c.tile_state((1,)).location == "primary"
+    assert c[4] == 5.0 and c.tile_state((1,)).location == "secondary"  # a read leaves the tile where it is
+    c[4] = 6.0
+    assert c[4] == 6.0 and c.tile_state((1,)).location == "primary"
 
 
 def test_carrier_is_usable_and_releasable_after_a_terminal_failure():
@@ -1618,9 +1619,7 @@ class _Model:
         t = self.tile_of[slot]
         if self.loc[t] == "invalid":
             return "invalid"
-        if self.loc[t] == "secondary":
-            self.loc[t], self.dirty[t] = "primary", False
-        return None
+        return None  # a read never moves a tile (Note [Reading a slot never moves a tile])
 
 
 def _check_against_model(c, m, t):

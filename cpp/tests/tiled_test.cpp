@@ -517,13 +517,6 @@ TEST_F(TiledTest, ConstructionValidatesAndRollsBackClaims) {
     expect_untouched(p);
     EXPECT_FALSE(inner->is_owned());
   }
-  {  // user-defined tier
-    auto user = make_test_carrier(8);
-    auto s = file(8);
-    EXPECT_SW_THROW(TypeError, "user-defined", build(user, s, grid, tile));
-    expect_untouched(user);
-    expect_untouched(s);
-  }
   {  // the same carrier twice
     auto c = cpu(8);
     EXPECT_SW_THROW(ValueError, "distinct", build(c, c, grid, tile));
@@ -649,8 +642,8 @@ TEST_F(TiledTest, TierSeeding) {
     }
     EXPECT_EQ(te->stats().primary_tiles, 0);
     EXPECT_EQ(peek_all(*te), seeded(F32(), n, 0));
-    EXPECT_EQ(snapshot(*te), seeded(F32(), n, 0));  // reading promotes inline
-    EXPECT_EQ(te->stats().primary_tiles, 6);
+    EXPECT_EQ(snapshot(*te), seeded(F32(), n, 0));  // read through the secondary: nothing moves
+    EXPECT_EQ(te->stats().primary_tiles, 0);
   }
   {  // both empty: invalid tiles
     Tiled te = make_tiled(grid, tile, {.primary_full = false, .secondary_full = false});
@@ -764,6 +757,24 @@ TEST_F(TiledTest, PromoteAndEvictAreIdempotentAndKeepTheVersion) {
   EXPECT_EQ(te->version(), v0);
 }
 
+TEST_F(TiledTest, ReadingASlotNeverMovesATile) {
+  // Note [Reading a slot never moves a tile].
+  Tiled te = make_tiled({4}, {3});  // 4 tiles of 3 slots, all in the secondary
+  const auto values = seeded(F32(), te->size(), 0);
+  const auto s0 = te->stats();
+  for (int64_t slot = 0; slot < te->size(); ++slot) EXPECT_EQ(te->get(slot), values[static_cast<size_t>(slot)]);
+  for (int64_t i = 0; i < te->tile_count(); ++i) EXPECT_EQ(state(*te, i).location, TileLocation::Secondary) << i;
+  expect_stats_eq(te->stats(), s0);
+  EXPECT_FALSE(te->has_incomplete_work());
+  // A write still promotes its tile first.
+  te->set(4, F(-1.0));
+  EXPECT_EQ(state(*te, 1).location, TileLocation::Primary);
+  EXPECT_TRUE(state(*te, 1).dirty);
+  EXPECT_EQ(te->get(4), F(-1.0));
+  EXPECT_EQ(te->get(7), values[7]);  // tile 2, still in the secondary
+  EXPECT_EQ(state(*te, 2).location, TileLocation::Secondary);
+}
+
 TEST_F(TiledTest, EvictionWritesDirtyTilesAndSkipsCleanOnes) {
   Tiled te = make_tiled({4}, {3});  // 4 tiles of 3 slots
   auto values = seeded(F32(), 12, 0);
@@ -865,8 +876,10 @@ TEST_F(TiledTest, IncompleteRequestsConflictAndBlockRelease) {
     EXPECT_SW_THROW(RuntimeError, "wait", te->begin_work({1}, "operation"));
     EXPECT_SW_THROW(RuntimeError, "wait", te->release());
     EXPECT_FALSE(te->is_released());
-    // Disjoint tiles stay usable: tile 2 is read through an inline promotion.
+    // Disjoint tiles stay usable: tile 2 is read through the secondary, a write to it promotes it inline.
     EXPECT_EQ(te->get(8), values[8]);
+    EXPECT_EQ(state(*te, 2).location, TileLocation::Secondary);
+    te->set(9, values[9]);
     EXPECT_EQ(state(*te, 2).location, TileLocation::Primary);
     // Nothing committed while the transfers are held.
     EXPECT_EQ(state(*te, 0).location, prior[0].location);
@@ -991,13 +1004,20 @@ TEST_F(TiledTest, PromotionFailureRestoresThePriorSet) {
 TEST_F(TiledTest, InlinePromotionFailureLeavesTheTileSecondary) {
   Tiled te = make_tiled({3}, {4});
   io::inject(io::Op::Pread, EIO, 1);
-  EXPECT_SW_THROW(RuntimeError, "Input/output error", te->get(5));
+  EXPECT_SW_THROW(RuntimeError, "Input/output error", te->set(5, F(2.0)));  // a write promotes inline
   EXPECT_EQ(state(*te, 1).location, TileLocation::Secondary);
   EXPECT_FALSE(te->has_incomplete_work());
   EXPECT_EQ(te->stats().promotions, 0);
+  EXPECT_EQ(te->version(), 0u);
+  io::inject(io::Op::Pread, EIO, 1);
+  EXPECT_SW_THROW(RuntimeError, "Input/output error", te->get(5));  // a read goes through the secondary
+  EXPECT_FALSE(te->has_incomplete_work());
   io::clear_faults();
   EXPECT_EQ(te->get(5), value_for(F32(), 5));
+  EXPECT_EQ(state(*te, 1).location, TileLocation::Secondary);
+  te->set(5, F(2.0));
   EXPECT_EQ(state(*te, 1).location, TileLocation::Primary);
+  EXPECT_EQ(te->get(5), F(2.0));
 }
 
 TEST_F(TiledTest, EvictionFailureRestoresThePriorSet) {

@@ -69,11 +69,11 @@ TiledEvictable::TiledEvictable(CarrierPtr primary, CarrierPtr secondary, std::ve
       tile_(std::move(tile)),
       policy_(std::move(policy)) {
   if (!primary || !secondary) raise<TypeError>("TiledEvictable tiers must be Carrier instances");
+  // Any storage kind may be a tier, a registered user kind included (its provider is called from the I/O
+  // threads as from any other); only a dependent carrier, which composes tiers of its own, may not.
   for (const Carrier* c : {primary.get(), secondary.get()}) {
     if (c->kind().dependent)
-      raise<TypeError>("TiledEvictable tiers must be definition-free carriers, got the dependent ", c->kind_name());
-    if (!c->kind().shipped)
-      raise<TypeError>("TiledEvictable tiers must be definition-free carriers, got the user-defined ", c->kind_name());
+      raise<TypeError>("TiledEvictable tiers must not be dependent carriers, got the dependent ", c->kind_name());
   }
   if (primary == secondary) raise<ValueError>("TiledEvictable primary and secondary must be distinct carriers");
   for (const Carrier* c : {primary.get(), secondary.get()}) {
@@ -581,9 +581,39 @@ const TiledEvictable::Tile& TiledEvictable::readable_tile(int64_t index, std::un
   }
 }
 
+// Note [Reading a slot never moves a tile]: reading a slot of a tile that
+// lives in the secondary tier reads that slot through the secondary (which
+// holds the full extent in slot order), and the tile stays where it is: a
+// read is not a residency decision, and promoting a whole tile to read one
+// slot would also evict others under a residency budget. Writes still
+// promote first (the primary holds the only dirty copy). The read runs
+// outside the tile-table lock, so a user storage kind's provider is never
+// called under it, and counts as active work, so release() waits for it (or
+// refuses) instead of freeing the secondary under it. A concurrent promotion
+// only reads the secondary; an eviction can only write it after a promotion
+// and a write, which the read does not overlap in any order that matters
+// (it returns the value before that write, as if it had run first).
 Value TiledEvictable::read_value(int64_t slot) const {
   auto [index, within] = locate(slot);
   std::unique_lock lock(mutex_);
+  {
+    const Tile& t = tiles_[index];
+    if (t.pending) pending_conflict(index, "accessing its values");
+    if (t.loc == TileLocation::Secondary) {
+      auto* self = const_cast<TiledEvictable*>(this);
+      self->active_work_++;
+      lock.unlock();
+      struct EndRead {
+        TiledEvictable* self;
+        ~EndRead() {
+          std::lock_guard l(self->mutex_);
+          self->active_work_--;
+          self->idle_cv_.notify_all();
+        }
+      } end{self};
+      return secondary_->read_value(slot);
+    }
+  }
   const Tile& t = readable_tile(index, lock);
   if (t.loc == TileLocation::Implicit) {
     switch (dtype().id()) {
