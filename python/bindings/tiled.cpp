@@ -264,7 +264,8 @@ void bind_tiled(nb::module_& m) {
         d["primary_tiles"] = s.primary_tiles;
         d["primary_bytes"] = s.primary_bytes;
         return d;
-      }, "Residency counters: promotions, evictions, bytes promoted/evicted, writes skipped, resident tiles/bytes.")
+      }, "Residency counters: promotions, evictions, bytes promoted/evicted, writes skipped, resident tiles/bytes. "
+         "Only transitions that happened count.")
       // The receiver is taken as a shared_ptr: queued transfers keep the carrier alive.
       .def("promote_async", [](std::shared_ptr<TiledEvictable> c, nb::handle tiles) {
         return residency_handle(c->promote_async(bind_tiles(*c, tiles, "promote_async")));

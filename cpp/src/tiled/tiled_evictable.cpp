@@ -34,6 +34,37 @@ std::string coord_str(const TileCoord& t) {
   out << (t.size() == 1 ? ",)" : ")");
   return out.str();
 }
+
+// The message of the exception `e` holds.
+std::string message_of(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    return x.what();
+  } catch (...) {
+  }
+  return "an unknown error";
+}
+
+// An exception of `model`'s error kind (RuntimeError when it is not an engine error) carrying `message`.
+std::exception_ptr error_like(const std::exception_ptr& model, std::string message) {
+  try {
+    std::rethrow_exception(model);
+  } catch (const Error& e) {
+    switch (e.kind()) {
+      case ErrorKind::Type: return std::make_exception_ptr(TypeError(std::move(message)));
+      case ErrorKind::Value: return std::make_exception_ptr(ValueError(std::move(message)));
+      case ErrorKind::Runtime: return std::make_exception_ptr(RuntimeError(std::move(message)));
+      case ErrorKind::Index: return std::make_exception_ptr(IndexError(std::move(message)));
+      case ErrorKind::NotImplemented: return std::make_exception_ptr(NotImplementedError(std::move(message)));
+      case ErrorKind::Overflow: return std::make_exception_ptr(OverflowError(std::move(message)));
+      case ErrorKind::Internal: return std::make_exception_ptr(InternalError(std::move(message)));
+    }
+  } catch (...) {
+  }
+  return std::make_exception_ptr(RuntimeError(std::move(message)));
+}
+
 }  // namespace
 
 // A residency transition of a set of tiles, committed all-or-nothing.
@@ -54,6 +85,7 @@ struct TiledEvictable::Request {
 };
 
 struct TiledEvictable::Work {
+  std::string purpose;  // what the policy was told ("projection", ...), for messages
   std::vector<int64_t> tiles;
   ResidencyPlanC plan;
   CompletionPtr<std::monostate> ready;
@@ -403,29 +435,47 @@ CompletionPtr<std::monostate> TiledEvictable::evict_tiles(const std::vector<int6
   {
     std::lock_guard lock(mutex_);
     check_live("evict tiles");  // again under the lock: see Note [Release races with requests]
-    std::vector<int64_t> uniq = tiles;
-    std::sort(uniq.begin(), uniq.end());
-    uniq.erase(std::unique(uniq.begin(), uniq.end()), uniq.end());
-    for (int64_t i : uniq) {
-      const Tile& t = tiles_[i];
-      if (t.pending) pending_conflict(i, "evicting it");
-      if (t.pins > 0)
-        raise<RuntimeError>("tile ", coord_str(tile_coord(i)),
-                            " of TiledEvictable is pinned by running tiled work; wait for that work before evicting it");
-    }
-    for (int64_t i : uniq)
-      if (tiles_[i].loc == TileLocation::Primary) r->tiles.push_back(i);
+    prepare_eviction(tiles, *r, /*deferred=*/false);
     if (r->tiles.empty()) {
       r->done->set_value({});
       return r->done;
     }
-    ensure_secondary_storage();
-    r->id = next_request_++;
-    for (int64_t i : r->tiles) tiles_[i].pending = r->id;
-    active_requests_++;
   }
   start_request(r, inline_);
   return r->done;
+}
+
+void TiledEvictable::prepare_eviction(std::vector<int64_t> tiles, Request& r, bool deferred) {
+  std::sort(tiles.begin(), tiles.end());
+  tiles.erase(std::unique(tiles.begin(), tiles.end()), tiles.end());
+  for (int64_t i : tiles) {
+    const Tile& t = tiles_[i];
+    if (deferred) continue;
+    if (t.pending) pending_conflict(i, "evicting it");
+    if (t.pins > 0)
+      raise<RuntimeError>("tile ", coord_str(tile_coord(i)),
+                          " of TiledEvictable is pinned by running tiled work; wait for that work before evicting it");
+  }
+  // A deferred eviction leaves out a tile that other work pins or another request transitions: not the plan's to
+  // evict now (Note [A failed deferred eviction reaches the work]).
+  for (int64_t i : tiles) {
+    const Tile& t = tiles_[i];
+    if (t.loc == TileLocation::Primary && !(deferred && (t.pending || t.pins > 0))) r.tiles.push_back(i);
+  }
+  if (r.tiles.empty()) return;
+  ensure_secondary_storage();
+  r.id = next_request_++;
+  for (int64_t i : r.tiles) tiles_[i].pending = r.id;
+  active_requests_++;
+}
+
+std::string TiledEvictable::tile_list(const std::vector<int64_t>& tiles, const char* adjective) const {
+  constexpr size_t kShown = 8;
+  std::ostringstream out;
+  out << adjective << (tiles.size() == 1 ? "tile " : "tiles ");
+  for (size_t k = 0; k < tiles.size() && k < kShown; ++k) out << (k ? ", " : "") << coord_str(tile_coord(tiles[k]));
+  if (tiles.size() > kShown) out << " and " << tiles.size() - kShown << " more";
+  return out.str();
 }
 
 void TiledEvictable::start_request(const std::shared_ptr<Request>& r, bool inline_) {
@@ -673,6 +723,7 @@ CarrierPtr TiledEvictable::allocate_like(int64_t slots, bool is_mutable, const D
 std::shared_ptr<TiledEvictable::Work> TiledEvictable::begin_work(const std::vector<int64_t>& tiles, const char* purpose) {
   check_live("run tiled work");
   auto work = std::make_shared<Work>();
+  work->purpose = purpose;
   work->tiles = tiles;
   std::sort(work->tiles.begin(), work->tiles.end());
   work->tiles.erase(std::unique(work->tiles.begin(), work->tiles.end()), work->tiles.end());
@@ -708,8 +759,7 @@ std::shared_ptr<TiledEvictable::Work> TiledEvictable::begin_work(const std::vect
   try {
     work->ready = missing.empty() ? nullptr : promote_async(missing);
   } catch (...) {
-    end_work(work);
-    throw;
+    std::rethrow_exception(end_work(work, std::current_exception()));
   }
   if (!work->ready) {
     work->ready = std::make_shared<Completion<std::monostate>>();
@@ -718,29 +768,62 @@ std::shared_ptr<TiledEvictable::Work> TiledEvictable::begin_work(const std::vect
   return work;
 }
 
-void TiledEvictable::end_work(const std::shared_ptr<Work>& work) {
-  std::vector<int64_t> evict;
+// Note [A failed deferred eviction reaches the work]: a policy's evictions run when the work that planned them
+// ends, in end_work, in the work's own thread and before its completion is published (a caller that waited for
+// the work observes them). They used to be best effort, and a failure (a full disk: ENOSPC) vanished: the tiles
+// stayed resident and dirty, memory grew past the policy's budget, and a later release() discarded the values,
+// all without a word. A failed eviction is now reported by the handle of the work that planned it, with its
+// cause; the work's result is not published, and the tiles stay resident (dirty ones dirty: the eviction commits
+// all-or-nothing), so `stats()` counts no eviction for them. The alternative, a sticky error raised by the next
+// request on the carrier, was rejected: under concurrency that request is another caller's (an unrelated prefetch,
+// a read on another thread), chosen by timing; it would fail a request whose own work is fine; and with no later
+// request the error would never surface. The work's handle is the one report that is ordered with the eviction
+// and reaches the caller whose plan caused it, at the moment memory stops being bounded; retrying the work plans
+// again. What is not a failure stays silent: a planned tile that other work pins, that another request is
+// transitioning, or that is no longer resident is left out (those callers decide), and a carrier whose release
+// waits for this work evicts nothing. When the work failed too, its own error is reported, naming the failed
+// eviction as well.
+std::exception_ptr TiledEvictable::end_work(const std::shared_ptr<Work>& work, std::exception_ptr work_error) {
+  auto r = std::make_shared<Request>();
+  r->promote = false;
+  std::exception_ptr failure;  // the deferred eviction's, refused before any transfer or failed in one
   {
     std::lock_guard lock(mutex_);
-    if (work->ended) return;
+    if (work->ended) return work_error;
     work->ended = true;
     for (int64_t i : work->tiles) tiles_[i].pins--;
+    if (!is_released()) {  // a release waiting for this work drops every tile anyway
+      std::vector<int64_t> planned;
+      for (const auto& t : work->plan.evict) planned.push_back(tile_index(t));
+      try {
+        prepare_eviction(std::move(planned), *r, /*deferred=*/true);
+      } catch (...) {  // a secondary that cannot grow: nothing was marked
+        failure = std::current_exception();
+      }
+    }
     active_work_--;
     idle_cv_.notify_all();
-    for (const auto& t : work->plan.evict) {
-      int64_t i = tile_index(t);
-      if (tiles_[i].pins == 0 && !tiles_[i].pending && tiles_[i].loc == TileLocation::Primary) evict.push_back(i);
-    }
   }
-  if (!evict.empty() && !is_released()) {
+  if (!failure && !r->tiles.empty()) {
+    start_request(r, /*inline_=*/true);
+    failure = r->done->error();
+  }
+  if (!failure) return work_error;
+  const std::string planned = "the residency policy planned the eviction of " + tile_list(r->tiles, "") + " after ";
+  const std::string kept = r->tiles.size() == 1 ? "the tile stays resident (and dirty if it was)"
+                                                : "the tiles stay resident (dirty ones dirty)";
+  if (work_error) {
     try {
-      // Deferred evictions run in this thread, before the work's own completion is
-      // published, so a caller that waited for the work observes them. Best effort:
-      // a failed eviction leaves its tiles resident and dirty, never invalidates work.
-      (void)evict_tiles(evict, /*inline_=*/true);
+      std::rethrow_exception(work_error);
     } catch (const Error&) {
+      return error_like(work_error, message_of(work_error) + "; besides, " + planned + "this " + work->purpose +
+                                        " and that eviction failed too (" + kept + "): " + message_of(failure));
+    } catch (...) {
+      return work_error;  // a foreign exception keeps its identity
     }
   }
+  return error_like(failure, "the " + work->purpose + " failed: " + planned + "it and that eviction failed, so " +
+                                 kept + ": " + message_of(failure));
 }
 
 CompletionPtr<std::monostate> TiledEvictable::work_ready(const std::shared_ptr<Work>& work) { return work->ready; }

@@ -143,8 +143,11 @@ class TiledEvictable final : public DependentCarrier {
   // policy for a plan, pins the tiles and promotes the missing ones as part of
   // this request. The completion is set once every required tile is readable.
   std::shared_ptr<Work> begin_work(const std::vector<int64_t>& tiles, const char* purpose);
-  // Unpins and applies the plan's deferred evictions.
-  void end_work(const std::shared_ptr<Work>& work);
+  // Unpins and applies the plan's deferred evictions, in this thread. Returns the error the work must report:
+  // `work_error` (the work's own failure, or null), joined by a deferred eviction's failure, which the work's
+  // handle reports with its cause (Note [A failed deferred eviction reaches the work]). Idempotent: a second call
+  // returns `work_error` unchanged.
+  [[nodiscard]] std::exception_ptr end_work(const std::shared_ptr<Work>& work, std::exception_ptr work_error = nullptr);
   // The completion that is set once `work`'s tiles are readable.
   static CompletionPtr<std::monostate> work_ready(const std::shared_ptr<Work>& work);
 
@@ -201,6 +204,12 @@ class TiledEvictable final : public DependentCarrier {
   void start_request(const std::shared_ptr<Request>& r, bool inline_ = false);
   CompletionPtr<std::monostate> promote_tiles(const std::vector<int64_t>& tiles, bool inline_);
   CompletionPtr<std::monostate> evict_tiles(const std::vector<int64_t>& tiles, bool inline_);
+  // Under mutex_: validates an eviction of `tiles` and marks those that need a transfer pending for `r` (left
+  // empty when none does). `deferred` (a policy's eviction after work): tiles that are pinned, pending or not
+  // resident are left out instead of refused.
+  void prepare_eviction(std::vector<int64_t> tiles, Request& r, bool deferred);
+  // "tiles (0,), (1,)" (at most eight named), with `adjective` before "tile(s)", for messages.
+  std::string tile_list(const std::vector<int64_t>& tiles, const char* adjective) const;
   void finish_tile(const std::shared_ptr<Request>& r, size_t k, CarrierPtr buffer, std::exception_ptr error);
   void commit(const std::shared_ptr<Request>& r);
   // Blocking promotion of one tile for slot access (lock held by caller is released inside).

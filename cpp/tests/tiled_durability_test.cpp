@@ -1,0 +1,116 @@
+// Durability of a TiledEvictable's values (strideweave/tiled/tiled_evictable.hpp): a residency policy's failed
+// eviction reaches the work that planned it (Note [A failed deferred eviction reaches the work]).
+//
+// Faults come from io::inject; nothing sleeps.
+#include <gtest/gtest.h>
+
+#include <cerrno>
+#include <string>
+#include <vector>
+
+#include "strideweave/carriers/native.hpp"
+#include "strideweave/io.hpp"
+#include "strideweave/tiled/tiled_evictable.hpp"
+#include "test_support.hpp"
+
+namespace sw {
+namespace {
+
+using namespace testing_support;
+using Tiled = std::shared_ptr<TiledEvictable>;
+
+const DType& F32() { return DType::Float32(); }
+
+bool contains(const std::string& s, const char* fragment) { return s.find(fragment) != std::string::npos; }
+
+// A policy that plans the same evictions after every request.
+class EvictAfter final : public ResidencyPolicyIface {
+ public:
+  explicit EvictAfter(std::vector<TileCoord> evict) { plan_.evict = std::move(evict); }
+  ResidencyPlanC plan(const std::vector<TileCoord>&, const char*) override { return plan_; }
+
+ private:
+  ResidencyPlanC plan_;
+};
+
+// `tiles` one-run tiles of 4 slots: a full CPU primary (every tile dirty) over an anonymous secondary file, or
+// over `secondary` when given.
+Tiled make_dirty(int64_t tiles, std::shared_ptr<ResidencyPolicyIface> policy = nullptr, CarrierPtr secondary = nullptr) {
+  auto primary = std::make_shared<CPUCarrier>(tiles * 4, F32(), true, false);
+  fill_slots(*primary, 1000);
+  if (!secondary) secondary = std::make_shared<FileBackedCarrier>("", F32(), true);
+  return std::make_shared<TiledEvictable>(primary, secondary, std::vector<int64_t>{tiles}, std::vector<int64_t>{4},
+                                          std::move(policy));
+}
+
+std::vector<Value> seeded(int64_t n, int64_t salt) {
+  std::vector<Value> v;
+  for (int64_t i = 0; i < n; ++i) v.push_back(value_for(F32(), i + salt));
+  return v;
+}
+
+std::string locations(const TiledEvictable& te) {
+  std::string out;
+  for (int64_t i = 0; i < te.tile_count(); ++i) {
+    TileState s = te.tile_state(te.tile_coord(i));
+    out += std::string(location_name(s.location)) + (s.dirty ? "*" : "") + " ";
+  }
+  return out;
+}
+
+class DurabilityTest : public ::testing::Test {
+ protected:
+  void SetUp() override { io::clear_faults(); }
+  void TearDown() override { io::clear_faults(); }
+};
+
+// ================================================================ a policy's failed eviction
+
+TEST_F(DurabilityTest, AFailedDeferredEvictionIsReturnedByEndWorkAndChangesNothing) {
+  Tiled te = make_dirty(3, std::make_shared<EvictAfter>(std::vector<TileCoord>{{1}, {2}}));
+  const std::string before = locations(*te);
+  const TiledStats stats = te->stats();
+  io::inject(io::Op::Pwrite, ENOSPC, -1);
+  auto work = te->begin_work({0}, "projection");
+  TiledEvictable::work_ready(work)->value();
+  std::exception_ptr error = te->end_work(work);
+  ASSERT_TRUE(error);
+  const std::string message = message_of(error);
+  EXPECT_TRUE(contains(message, "the projection failed")) << message;
+  EXPECT_TRUE(contains(message, "eviction of tiles (1,), (2,)")) << message;
+  EXPECT_TRUE(contains(message, "No space left on device (ENOSPC)")) << message;
+  EXPECT_SW_THROW(RuntimeError, "ENOSPC", std::rethrow_exception(error));
+  EXPECT_EQ(locations(*te), before);  // primary* everywhere
+  EXPECT_EQ(te->stats().evictions, stats.evictions);
+  EXPECT_EQ(te->stats().primary_tiles, 3);
+  EXPECT_FALSE(te->has_incomplete_work());
+  EXPECT_FALSE(te->end_work(work));  // ended once: nothing again
+
+  // The work failed too: its own error (and kind) is reported, naming the failed eviction.
+  auto failed = te->begin_work({0}, "operation");
+  error = te->end_work(failed, std::make_exception_ptr(ValueError("the gather failed")));
+  EXPECT_SW_THROW(ValueError, "the gather failed; besides, the residency policy planned the eviction of tiles (1,), (2,)",
+                  std::rethrow_exception(error));
+  EXPECT_TRUE(contains(message_of(error), "ENOSPC")) << message_of(error);
+
+  io::clear_faults();
+  auto again = te->begin_work({0}, "projection");
+  EXPECT_FALSE(te->end_work(again));
+  EXPECT_EQ(locations(*te), "primary* secondary secondary ");
+  EXPECT_EQ(te->stats().evictions, 2);
+  const std::vector<Value> file = bulk_snapshot(*te->secondary()), values = seeded(12, 1000);
+  EXPECT_EQ(std::vector<Value>(file.begin() + 4, file.end()), std::vector<Value>(values.begin() + 4, values.end()));
+}
+
+TEST_F(DurabilityTest, ADeferredEvictionLeavesOutTilesOtherWorkPinsOrAnotherRequestHas) {
+  Tiled te = make_dirty(3, std::make_shared<EvictAfter>(std::vector<TileCoord>{{1}}));
+  auto holder = te->begin_work({1}, "projection");  // pins tile 1
+  auto work = te->begin_work({0}, "projection");
+  EXPECT_FALSE(te->end_work(work));  // tile 1 is pinned: left out, not a failure
+  EXPECT_EQ(locations(*te), "primary* primary* primary* ");
+  EXPECT_FALSE(te->end_work(holder));  // its own plan evicts tile 1 now that no work pins it
+  EXPECT_EQ(locations(*te), "primary* secondary primary* ");
+}
+
+}  // namespace
+}  // namespace sw

@@ -1,0 +1,190 @@
+"""Durability of a TiledEvictable's values: what reaches the secondary tier's file, and what is never lost silently.
+
+* A residency policy's eviction that fails (a full disk) fails the handle of the work that planned it, with its
+  cause; the tiles stay resident and dirty and ``stats()`` counts no eviction for them (Note [A failed deferred
+  eviction reaches the work] in cpp/src/tiled/tiled_evictable.cpp).
+
+Faults come from the engine's test-only gates: ``_core._io_inject(op, errno, count, after)`` and
+``_core._io_hold(op)``. Nothing sleeps to order events.
+
+Run: ``.venv/bin/python -m pytest -q tests/test_durability.py``.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+
+import numpy as np
+import pytest
+
+import strideweave as sw
+from strideweave import Tensor
+from strideweave.carriers.tiled_evictable import (ResidencyPlan, TiledEvictable, TiledResidencyFacet, TileSelection,
+                                                  TileSet)
+from strideweave.policies import LRUPolicy
+
+core = sw._core
+TILES, TILE = 10, 4
+N = TILES * TILE
+ALL = TileSet([(t,) for t in range(TILES)])
+
+
+@pytest.fixture(autouse=True)
+def _clear():
+    core._io_clear()
+    yield
+    core._io_clear()
+
+
+def held(op, n=1, timeout=30.0):
+    """Waits until `n` calls of `op` are blocked at the I/O gate (fails, never hangs, after `timeout`)."""
+    end = time.monotonic() + timeout
+    while core._io_held_waiting(op) < n:
+        assert time.monotonic() < end, f"no {op} call held within {timeout} s"
+        time.sleep(0.001)
+
+
+class Scene:
+    """TILES tiles of TILE slots over a secondary file (named `path`, or anonymous), seeded 0.5, 1.5, ...
+
+    ``dirty`` tiles are promoted and get a new value in their second slot; ``resident`` ones are promoted clean.
+    """
+
+    def __init__(self, tmp_path, *, name="tier.f32", named=True, mutable=True, policy=None, dirty=(), resident=()):
+        self.values = np.arange(N, dtype=np.float32) + 0.5
+        self.path = str(tmp_path / name) if named else None
+        if named:
+            self.values.tofile(self.path)
+            secondary = sw.FileBacked(self.path, mutable=mutable)
+        else:
+            secondary = sw.move(sw.friendly.tensor(self.values.copy()), sw.FileBacked()).carrier
+        self.c = TiledEvictable(sw.CPU(0), secondary, (TILES,), (TILE,), residency_policy=policy)
+        self.full = Tensor(self.c, 0, sw.column_major(N))
+        if dirty or resident:
+            self.c.promote(TileSet([(t,) for t in sorted(set(dirty) | set(resident))]))
+        for t in dirty:
+            self.write(t * TILE + 1, -100.0 - t)
+
+    def write(self, slot, value):
+        self.c[slot] = value
+        self.values[slot] = value
+
+    def file(self):
+        return np.fromfile(self.path, dtype=np.float32)
+
+    def facts(self):
+        """What can be read while a request is pending (no values)."""
+        c = self.c
+        return {"states": {t: c.tile_state((t,)) for t in range(TILES)}, "version": c.version, "stats": c.stats()}
+
+    def snapshot(self):
+        """Every observable fact, read without moving a tile (no fault armed)."""
+        c = self.c
+        states = {t: c.tile_state((t,)) for t in range(TILES)}
+        values = [c[s] if states[s // TILE].location == "primary" else c.secondary[s] for s in range(N)]
+        return {"states": states, "values": values, "version": c.version, "stats": c.stats(),
+                "owned": (c.is_owned(), c.primary.is_owned(), c.secondary.is_owned()), "released": c.is_released()}
+
+
+def tiles(*ts):
+    return TileSet([(t,) for t in ts])
+
+
+# ---------------------------------------------------------------- a policy's failed eviction (U3)
+
+
+def test_lru_evictions_on_a_full_disk_fail_the_projection_that_planned_them(tmp_path):
+    """LRUPolicy(2) over ten dirty tiles projected one after another on a full disk: from the third projection on,
+    the eviction the policy plans after each fails with ENOSPC. Each such projection raises with the cause; the
+    tiles stay resident and dirty; stats() counts no eviction; nothing else changes."""
+    sc = Scene(tmp_path, policy=LRUPolicy(2), dirty=range(TILES))
+    on_file = sc.file()
+    core._io_inject("pwrite", errno.ENOSPC, count=-1)
+    for t in range(TILES):
+        before = sc.snapshot()
+        handle = sc.c.project(sc.full, TileSelection([[t]]))
+        if t < 2:  # within the budget: nothing to evict
+            assert np.array_equal(np.asarray(handle.wait()), sc.values[t * TILE:(t + 1) * TILE])
+            continue
+        with pytest.raises(RuntimeError) as info:
+            handle.wait()
+        message = str(info.value)
+        assert "ENOSPC" in message and "pwrite" in message and sc.path in message, message
+        assert f"eviction of tile ({t - 2},)" in message and "projection" in message, message
+        assert "stay resident" in message or "stays resident" in message, message
+        assert sc.snapshot() == before  # the planned tile is still primary and dirty; stats, values, version as before
+    assert sc.c.dirty_tiles == ALL and sc.c.primary_tiles == ALL
+    stats = sc.c.stats()
+    assert stats["evictions"] == 0 and stats["bytes_evicted"] == 0 and stats["primary_tiles"] == TILES
+    assert np.array_equal(sc.file(), on_file)  # nothing reached the file
+    core._io_clear()
+    sc.c.evict(ALL)  # the values were kept: they all reach the file once the disk has room
+    assert np.array_equal(sc.file(), sc.values)
+    assert sc.c.stats()["evictions"] == TILES
+
+
+class EvictAfter:
+    """A policy that plans the eviction of fixed tiles after every request."""
+
+    def __init__(self, *evict):
+        self.evict = tiles(*evict)
+
+    def plan(self, required, purpose):
+        return ResidencyPlan(evict=self.evict)
+
+
+def _project(sc):
+    return np.asarray(sc.c.project(sc.full, TileSelection([[0, 1]])).wait())
+
+
+def _scatter_add(sc):
+    compact = sw.friendly.tensor(np.ones(2 * TILE, dtype=np.float32))
+    return sc.c.scatter(compact, sc.full, TileSelection([[0, 1]]), reduction="add").wait()
+
+
+def _operation(sc):
+    return sw.reduce_sum(sc.full, "a -> ")[0]
+
+
+def _backward(sc):
+    sc.loss.backward()  # the product's backward reads the saved full tensor again ("backward")
+    return sc.full.grad
+
+
+@pytest.mark.parametrize("work", [_project, _scatter_add, _operation, _backward],
+                         ids=["projection", "scatter-add", "operation", "backward"])
+@pytest.mark.parametrize("fault", [("pwrite", errno.ENOSPC, "ENOSPC"), ("pwrite", errno.EIO, "EIO")],
+                         ids=["ENOSPC", "EIO"])
+def test_a_failed_deferred_eviction_fails_every_kind_of_work(tmp_path, work, fault):
+    """Every request kind that asks the policy reports its failed eviction with the cause and publishes nothing."""
+    op, err, name = fault
+    sc = Scene(tmp_path, policy=EvictAfter(5, 6), dirty=range(TILES))
+    if work is _backward:
+        policy = sc.c.residency_policy
+        policy.evict = TileSet()  # the forward evicts nothing; the eviction planned after backward's read fails
+        sc.loss = sw.reduce_sum(sw.elementwise_mul(sc.full, sc.full), "a -> ")
+        policy.evict = tiles(5, 6)
+    before = sc.snapshot()
+    core._io_inject(op, err, count=-1)
+    with pytest.raises(RuntimeError, match=name) as info:
+        work(sc)
+    assert "tiles (5,), (6,)" in str(info.value) and "residency policy" in str(info.value), info.value
+    core._io_clear()
+    assert sc.snapshot() == before
+    assert sc.full.grad is None
+    assert sc.c.dirty_tiles == ALL
+
+
+def test_a_deferred_eviction_of_a_tile_under_another_request_is_left_out_not_failed(tmp_path):
+    """Conflicts are not failures: a planned tile that another request is transitioning is left to that request."""
+    sc = Scene(tmp_path, policy=EvictAfter(5), dirty=range(TILES))
+    core._io_hold("pwrite")
+    pending = sc.c.evict_async(tiles(5))  # tile 5 is under this request while the projection ends
+    held("pwrite")
+    assert np.array_equal(_project(sc), sc.values[:2 * TILE])
+    core._io_unhold()
+    pending.wait()
+    assert sc.c.tile_state((5,)).location == "secondary"
+    assert sc.c.stats()["evictions"] == 1
