@@ -3,9 +3,11 @@
 * A residency policy's eviction that fails (a full disk) fails the handle of the work that planned it, with its
   cause; the tiles stay resident and dirty and ``stats()`` counts no eviction for them (Note [A failed deferred
   eviction reaches the work] in cpp/src/tiled/tiled_evictable.cpp).
+* A read-only secondary tier refuses an eviction that would write, before writing (Note [A read-only
+  secondary tier]).
 
 Faults come from the engine's test-only gates: ``_core._io_inject(op, errno, count, after)`` and
-``_core._io_hold(op)``. Nothing sleeps to order events.
+``_core._io_hold(op)``; ``_core._io_calls(op)`` counts the system calls made. Nothing sleeps to order events.
 
 Run: ``.venv/bin/python -m pytest -q tests/test_durability.py``.
 """
@@ -188,3 +190,36 @@ def test_a_deferred_eviction_of_a_tile_under_another_request_is_left_out_not_fai
     pending.wait()
     assert sc.c.tile_state((5,)).location == "secondary"
     assert sc.c.stats()["evictions"] == 1
+
+
+# ---------------------------------------------------------------- a read-only secondary tier (U12c)
+
+
+def test_a_read_only_secondary_refuses_to_evict_dirty_tiles_before_writing(tmp_path):
+    sc = Scene(tmp_path, mutable=False, dirty=(1, 3), resident=(2,))
+    on_file = sc.file()
+    before = sc.snapshot()
+    pwrites = core._io_calls("pwrite")
+    for request, fragment in ((lambda: sc.c.evict(tiles(1, 2)), "cannot evict dirty tile (1,)"),
+                              (lambda: sc.c.evict_async(ALL), "cannot evict dirty tiles (1,), (3,)"),
+                              ):
+        with pytest.raises(RuntimeError, match=r"read-only \(created with mutable=False\)") as info:
+            request()
+        assert fragment in str(info.value) and sc.path in str(info.value), info.value
+        assert sc.snapshot() == before  # still primary and dirty; stats, values, version as before
+    assert core._io_calls("pwrite") == pwrites  # refused before writing anything
+    assert np.array_equal(sc.file(), on_file)
+    # Clean tiles still evict (no write needed).
+    sc.c.evict(tiles(2))
+    assert sc.c.tile_state((2,)).location == "secondary"
+    assert sc.c.stats()["writes_skipped"] == 1
+    assert core._io_calls("pwrite") == pwrites and np.array_equal(sc.file(), on_file)
+
+
+def test_a_policy_eviction_of_a_dirty_tile_into_a_read_only_tier_fails_the_work(tmp_path):
+    sc = Scene(tmp_path, mutable=False, policy=EvictAfter(3), dirty=(3,), resident=(0, 1))
+    before = sc.snapshot()
+    with pytest.raises(RuntimeError, match="read-only") as info:
+        _project(sc)
+    assert "residency policy" in str(info.value) and "tile (3,)" in str(info.value), info.value
+    assert sc.snapshot() == before

@@ -1,5 +1,5 @@
 // Durability of a TiledEvictable's values (strideweave/tiled/tiled_evictable.hpp): a residency policy's failed
-// eviction reaches the work that planned it (Note [A failed deferred eviction reaches the work]).
+// eviction reaches the work that planned it (Note [A failed deferred eviction reaches the work]); a read-only secondary tier refuses writes before they happen (Note [A read-only secondary tier]).
 //
 // Faults come from io::inject; nothing sleeps.
 #include <gtest/gtest.h>
@@ -110,6 +110,32 @@ TEST_F(DurabilityTest, ADeferredEvictionLeavesOutTilesOtherWorkPinsOrAnotherRequ
   EXPECT_EQ(locations(*te), "primary* primary* primary* ");
   EXPECT_FALSE(te->end_work(holder));  // its own plan evicts tile 1 now that no work pins it
   EXPECT_EQ(locations(*te), "primary* secondary primary* ");
+}
+
+// ================================================================ a read-only secondary tier
+
+TEST_F(DurabilityTest, AReadOnlySecondaryRefusesDirtyEvictionsBeforeWriting) {
+  TempPath file("sw-readonly");
+  {
+    auto seed = std::make_shared<FileBackedCarrier>(file.path(), F32(), true);
+    seed->grow(12, true);
+    fill_slots(*seed, 0);
+  }
+  auto secondary = std::make_shared<FileBackedCarrier>(file.path(), F32(), false);
+  auto primary = std::make_shared<CPUCarrier>(0, F32(), true, false);
+  Tiled te = std::make_shared<TiledEvictable>(primary, secondary, std::vector<int64_t>{3}, std::vector<int64_t>{4},
+                                              nullptr);
+  te->promote_async({0, 1})->value();
+  te->set(5, F(99.0));  // tile 1 dirty
+  const int64_t writes = io::calls(io::Op::Pwrite);
+  EXPECT_SW_THROW(RuntimeError, "cannot evict dirty tile (1,) of TiledEvictable: its secondary tier FileBacked '",
+                  te->evict_async({0, 1}));
+  EXPECT_EQ(io::calls(io::Op::Pwrite), writes);
+  EXPECT_EQ(locations(*te), "primary primary* secondary ");
+  EXPECT_EQ(bulk_snapshot(*secondary), seeded(12, 0));
+  te->evict_async({0})->value();  // clean: no write
+  EXPECT_EQ(locations(*te), "secondary primary* secondary ");
+  EXPECT_EQ(io::calls(io::Op::Pwrite), writes);
 }
 
 }  // namespace

@@ -463,10 +463,35 @@ void TiledEvictable::prepare_eviction(std::vector<int64_t> tiles, Request& r, bo
     if (t.loc == TileLocation::Primary && !(deferred && (t.pending || t.pins > 0))) r.tiles.push_back(i);
   }
   if (r.tiles.empty()) return;
+  check_secondary_writable(r.tiles, "evict");
   ensure_secondary_storage();
   r.id = next_request_++;
   for (int64_t i : r.tiles) tiles_[i].pending = r.id;
   active_requests_++;
+}
+
+// Note [A read-only secondary tier]: a secondary tier created with mutable=False is read in place and never
+// written (FileBacked(path, mutable=False) is a checkpoint opened O_RDONLY: the example's expert weights). Writing
+// a dirty tile there failed deep in the transfer ("pwrite ... EBADF") for a file, and for a tier whose read-only
+// mode is only a permission it would have written anyway. So an eviction or flush that would write a tile
+// (dirty, or with no valid secondary copy) refuses before anything changes, naming the tiles and the tier; a clean
+// tile whose secondary copy is valid is evicted without writing, as always.
+void TiledEvictable::check_secondary_writable(const std::vector<int64_t>& tiles, const char* what) const {
+  if (secondary_->created_mutable()) return;
+  std::vector<int64_t> dirty;
+  for (int64_t i : tiles)
+    if (tiles_[i].dirty || !tiles_[i].secondary_valid) dirty.push_back(i);
+  if (dirty.empty()) return;
+  raise<RuntimeError>("cannot ", what, " ", tile_list(dirty, "dirty "), " of TiledEvictable: its secondary tier ",
+                      secondary_description(), " is read-only (created with mutable=False), so ",
+                      dirty.size() == 1 ? "its value" : "their values", " cannot be written there; ",
+                      dirty.size() == 1 ? "it stays" : "they stay", " resident and dirty");
+}
+
+std::string TiledEvictable::secondary_description() const {
+  if (const auto* file = dynamic_cast<const FileBackedCarrier*>(secondary_.get()))
+    return "FileBacked '" + file->filename() + "'";
+  return secondary_->kind_name();
 }
 
 std::string TiledEvictable::tile_list(const std::vector<int64_t>& tiles, const char* adjective) const {
@@ -797,7 +822,7 @@ std::exception_ptr TiledEvictable::end_work(const std::shared_ptr<Work>& work, s
       for (const auto& t : work->plan.evict) planned.push_back(tile_index(t));
       try {
         prepare_eviction(std::move(planned), *r, /*deferred=*/true);
-      } catch (...) {  // a secondary that cannot grow: nothing was marked
+      } catch (...) {  // a read-only tier, a secondary that cannot grow: nothing was marked
         failure = std::current_exception();
       }
     }

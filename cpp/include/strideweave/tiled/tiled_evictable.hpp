@@ -116,6 +116,8 @@ class TiledEvictable final : public DependentCarrier {
   // -------- residency requests (tile indices already bound to the grid)
   // Asynchronous forms need the carrier to be held by a std::shared_ptr.
   CompletionPtr<std::monostate> promote_async(const std::vector<int64_t>& tiles);
+  // A tile that must be written (dirty, or its secondary copy not valid) is refused before anything changes when
+  // the secondary tier is read-only (Note [A read-only secondary tier]).
   CompletionPtr<std::monostate> evict_async(const std::vector<int64_t>& tiles);
   bool has_incomplete_work() const;
   // Whether `self` (a reference to this carrier) is the only one apart from
@@ -208,6 +210,10 @@ class TiledEvictable final : public DependentCarrier {
   // empty when none does). `deferred` (a policy's eviction after work): tiles that are pinned, pending or not
   // resident are left out instead of refused.
   void prepare_eviction(std::vector<int64_t> tiles, Request& r, bool deferred);
+  // Under mutex_: RuntimeError, naming the tiles and the tier, when some of `tiles` must be written and the
+  // secondary tier is read-only (Note [A read-only secondary tier]).
+  void check_secondary_writable(const std::vector<int64_t>& tiles, const char* what) const;
+  std::string secondary_description() const;
   // "tiles (0,), (1,)" (at most eight named), with `adjective` before "tile(s)", for messages.
   std::string tile_list(const std::vector<int64_t>& tiles, const char* adjective) const;
   void finish_tile(const std::shared_ptr<Request>& r, size_t k, CarrierPtr buffer, std::exception_ptr error);
