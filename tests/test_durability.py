@@ -3,7 +3,10 @@
 * A residency policy's eviction that fails (a full disk) fails the handle of the work that planned it, with its
   cause; the tiles stay resident and dirty and ``stats()`` counts no eviction for them (Note [A failed deferred
   eviction reaches the work] in cpp/src/tiled/tiled_evictable.cpp).
-* A read-only secondary tier refuses an eviction that would write, before writing (Note [A read-only
+* ``flush()`` / ``flush_async()`` write every dirty tile to the secondary tier, fsync it and mark the tiles clean
+  while they stay resident; all-or-nothing under injected write and fsync faults (Note [Flushing tiles]).
+  ``FileBacked.flush()`` fsyncs a plain file.
+* A read-only secondary tier refuses an eviction or flush that would write, before writing (Note [A read-only
   secondary tier]).
 
 Faults come from the engine's test-only gates: ``_core._io_inject(op, errno, count, after)`` and
@@ -192,24 +195,140 @@ def test_a_deferred_eviction_of_a_tile_under_another_request_is_left_out_not_fai
     assert sc.c.stats()["evictions"] == 1
 
 
+# ---------------------------------------------------------------- flush (U5)
+
+
+def test_flush_writes_every_dirty_tile_durably_and_keeps_it_resident(tmp_path):
+    sc = Scene(tmp_path, dirty=(1, 4, 7), resident=(2,))
+    version = sc.c.version
+    fsyncs, pwrites = core._io_calls("fsync"), core._io_calls("pwrite")
+    assert sc.c.flush() is None
+    assert np.array_equal(sc.file(), sc.values)  # the file itself holds every value
+    assert len(sc.c.dirty_tiles) == 0
+    assert sc.c.primary_tiles == tiles(1, 2, 4, 7)  # still resident
+    stats = sc.c.stats()
+    assert stats["flushes"] == 3 and stats["bytes_flushed"] == 3 * TILE * 4
+    assert stats["evictions"] == 0 and stats["primary_tiles"] == 4
+    assert core._io_calls("pwrite") - pwrites == 3  # one write per dirty tile, none for the clean one
+    assert core._io_calls("fsync") - fsyncs == 1
+    assert sc.c.version == version  # residency and durability never change the version
+    assert sc.snapshot()["values"] == list(sc.values)  # read without promoting the other tiles
+    # Clean resident tiles now evict without writing.
+    pwrites = core._io_calls("pwrite")
+    sc.c.evict(ALL)
+    assert core._io_calls("pwrite") == pwrites and sc.c.stats()["writes_skipped"] == 4
+
+
+def test_flush_async_returns_a_residency_handle_and_a_flush_with_nothing_dirty_still_syncs(tmp_path):
+    sc = Scene(tmp_path, dirty=(3,))
+    handle = sc.c.flush_async()
+    assert isinstance(handle, sw.AwaitResidency)
+    assert handle.wait() is None and len(sc.c.dirty_tiles) == 0
+    assert np.array_equal(sc.file(), sc.values)
+    sc.write(3 * TILE, 42.0)
+    sc.c.evict(tiles(3))  # written by the eviction, not synced
+    fsyncs = core._io_calls("fsync")
+    sc.c.flush()  # nothing dirty: syncs what the eviction wrote
+    assert core._io_calls("fsync") - fsyncs == 1
+    assert np.array_equal(sc.file(), sc.values) and sc.c.stats()["flushes"] == 1
+    # The facet has both forms.
+    facet = sc.c.facet(TiledResidencyFacet)
+    sc.write(0, 7.0)
+    assert facet.flush_async().wait() is None and facet.flush() is None
+    assert np.array_equal(sc.file(), sc.values)
+
+
+def test_flush_is_refused_while_a_tile_is_in_flight_and_a_flush_in_flight_refuses_others(tmp_path):
+    sc = Scene(tmp_path, dirty=(0, 1, 2))
+    core._io_hold("pwrite")
+    eviction = sc.c.evict_async(tiles(0))
+    held("pwrite")
+    before = sc.facts()
+    with pytest.raises(RuntimeError, match="wait for it before flushing"):
+        sc.c.flush_async()
+    assert sc.facts() == before and sc.c.dirty_tiles == tiles(0, 1, 2)
+    core._io_unhold()
+    eviction.wait()
+    # A flush in flight: its tiles are pending, so requests and writes on them refuse with "wait".
+    core._io_hold("fsync")
+    flush = sc.c.flush_async()
+    held("fsync")
+    for refused in (lambda: sc.c.__setitem__(TILE + 1, 3.0), lambda: sc.c.evict(tiles(1)),
+                    lambda: sc.c.flush_async(), lambda: sc.c.project(sc.full, TileSelection([[2]]))):
+        with pytest.raises(RuntimeError, match="wait"):
+            refused()
+    with pytest.raises(RuntimeError, match="wait"):
+        sc.c.release()
+    core._io_unhold()
+    assert flush.wait() is None
+    assert len(sc.c.dirty_tiles) == 0 and np.array_equal(sc.file(), sc.values)
+
+
+FLUSH_FAULTS = {
+    "EIO first pwrite": ("pwrite", errno.EIO, 1, 0, "EIO"),
+    "ENOSPC first pwrite": ("pwrite", errno.ENOSPC, 1, 0, "ENOSPC"),
+    "ENOSPC third pwrite": ("pwrite", errno.ENOSPC, 1, 2, "ENOSPC"),
+    "EIO fsync": ("fsync", errno.EIO, 1, 0, "EIO"),
+    "ENOSPC fsync": ("fsync", errno.ENOSPC, 1, 0, "ENOSPC"),
+}
+
+
+@pytest.mark.parametrize("fault", list(FLUSH_FAULTS))
+def test_a_failed_flush_leaves_every_tile_dirty_and_resident_and_a_retry_succeeds(tmp_path, fault):
+    op, err, count, after, name = FLUSH_FAULTS[fault]
+    sc = Scene(tmp_path, dirty=(0, 3, 5, 9), resident=(4,))
+    before = sc.snapshot()
+    core._io_inject(op, err, count=count, after=after)
+    with pytest.raises(RuntimeError, match=name) as info:
+        sc.c.flush()
+    assert op in str(info.value) and sc.path in str(info.value), info.value
+    core._io_clear()
+    assert sc.snapshot() == before  # every tile dirty and resident, stats (no flush counted), values, version
+    assert sc.c.dirty_tiles == tiles(0, 3, 5, 9)
+    sc.c.flush()  # every dirty tile is written again, then synced
+    assert np.array_equal(sc.file(), sc.values) and len(sc.c.dirty_tiles) == 0
+    assert sc.c.stats()["flushes"] == 4
+
+
+def test_file_backed_flush_fsyncs_its_file(tmp_path):
+    path = str(tmp_path / "plain.f32")
+    np.zeros(4, np.float32).tofile(path)
+    f = sw.FileBacked(path)
+    f[2] = 5.0
+    fsyncs = core._io_calls("fsync")
+    assert f.flush() is None
+    assert core._io_calls("fsync") - fsyncs == 1
+    assert np.fromfile(path, np.float32).tolist() == [0.0, 0.0, 5.0, 0.0]
+    core._io_inject("fsync", errno.EIO)
+    with pytest.raises(RuntimeError, match="fsync of .*plain.f32.*EIO"):
+        f.flush()
+    assert f[2] == 5.0 and f.version == 1
+    core._io_clear()
+    f.flush()
+    f.release()
+    with pytest.raises(RuntimeError, match="released"):
+        f.flush()
+
+
 # ---------------------------------------------------------------- a read-only secondary tier (U12c)
 
 
-def test_a_read_only_secondary_refuses_to_evict_dirty_tiles_before_writing(tmp_path):
+def test_a_read_only_secondary_refuses_to_evict_or_flush_dirty_tiles_before_writing(tmp_path):
     sc = Scene(tmp_path, mutable=False, dirty=(1, 3), resident=(2,))
     on_file = sc.file()
     before = sc.snapshot()
     pwrites = core._io_calls("pwrite")
     for request, fragment in ((lambda: sc.c.evict(tiles(1, 2)), "cannot evict dirty tile (1,)"),
                               (lambda: sc.c.evict_async(ALL), "cannot evict dirty tiles (1,), (3,)"),
-                              ):
+                              (sc.c.flush, "cannot flush dirty tiles (1,), (3,)"),
+                              (sc.c.flush_async, "cannot flush dirty tiles")):
         with pytest.raises(RuntimeError, match=r"read-only \(created with mutable=False\)") as info:
             request()
         assert fragment in str(info.value) and sc.path in str(info.value), info.value
         assert sc.snapshot() == before  # still primary and dirty; stats, values, version as before
     assert core._io_calls("pwrite") == pwrites  # refused before writing anything
     assert np.array_equal(sc.file(), on_file)
-    # Clean tiles still evict (no write needed).
+    # Clean tiles still evict (no write needed), and a flush with nothing dirty has nothing to do.
     sc.c.evict(tiles(2))
     assert sc.c.tile_state((2,)).location == "secondary"
     assert sc.c.stats()["writes_skipped"] == 1

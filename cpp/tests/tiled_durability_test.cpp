@@ -1,5 +1,7 @@
 // Durability of a TiledEvictable's values (strideweave/tiled/tiled_evictable.hpp): a residency policy's failed
-// eviction reaches the work that planned it (Note [A failed deferred eviction reaches the work]); a read-only secondary tier refuses writes before they happen (Note [A read-only secondary tier]).
+// eviction reaches the work that planned it (Note [A failed deferred eviction reaches the work]); flush writes
+// every dirty tile, syncs the tier and keeps the tiles resident, all-or-nothing (Note [Flushing tiles]); a
+// read-only secondary tier refuses writes before they happen (Note [A read-only secondary tier]).
 //
 // Faults come from io::inject; nothing sleeps.
 #include <gtest/gtest.h>
@@ -112,9 +114,58 @@ TEST_F(DurabilityTest, ADeferredEvictionLeavesOutTilesOtherWorkPinsOrAnotherRequ
   EXPECT_EQ(locations(*te), "primary* secondary primary* ");
 }
 
+// ================================================================ flush
+
+TEST_F(DurabilityTest, FlushWritesEveryDirtyTileSyncsOnceAndKeepsThemResident) {
+  Tiled te = make_dirty(4);
+  const int64_t writes = io::calls(io::Op::Pwrite), syncs = io::calls(io::Op::Fsync);
+  const uint64_t version = te->version();
+  te->flush_async()->value();
+  EXPECT_EQ(io::calls(io::Op::Pwrite) - writes, 4);
+  EXPECT_EQ(io::calls(io::Op::Fsync) - syncs, 1);
+  EXPECT_EQ(locations(*te), "primary primary primary primary ");
+  EXPECT_EQ(bulk_snapshot(*te->secondary()), seeded(16, 1000));
+  EXPECT_EQ(te->stats().flushes, 4);
+  EXPECT_EQ(te->stats().bytes_flushed, 4 * 4 * 4);
+  EXPECT_EQ(te->stats().primary_tiles, 4);
+  EXPECT_EQ(te->stats().evictions, 0);
+  EXPECT_EQ(te->version(), version);
+  // Nothing dirty: no write, one sync; the blocking form runs in this thread.
+  te->flush();
+  EXPECT_EQ(io::calls(io::Op::Pwrite) - writes, 4);
+  EXPECT_EQ(io::calls(io::Op::Fsync) - syncs, 2);
+}
+
+TEST_F(DurabilityTest, AFailedSyncLeavesEveryTileDirtyAndARetryWritesThemAgain) {
+  Tiled te = make_dirty(3);
+  const std::string before = locations(*te);
+  io::inject(io::Op::Fsync, EIO, 1);
+  auto done = te->flush_async();
+  done->wait();
+  EXPECT_TRUE(contains(message_of(done->error()), "fsync of")) << message_of(done->error());
+  EXPECT_EQ(locations(*te), before);
+  EXPECT_EQ(te->stats().flushes, 0);
+  EXPECT_FALSE(te->has_incomplete_work());
+  const int64_t writes = io::calls(io::Op::Pwrite);
+  te->flush();
+  EXPECT_EQ(io::calls(io::Op::Pwrite) - writes, 3);  // written again, not only synced again
+  EXPECT_EQ(locations(*te), "primary primary primary ");
+}
+
+TEST_F(DurabilityTest, FlushRefusesWhileATileHasAnIncompleteRequest) {
+  Tiled te = make_dirty(2);
+  io::hold(io::Op::Pwrite);
+  auto eviction = te->evict_async({0});
+  EXPECT_SW_THROW(RuntimeError, "wait for it before flushing", te->flush_async());
+  io::unhold();
+  eviction->value();
+  te->flush();
+  EXPECT_EQ(locations(*te), "secondary primary ");
+}
+
 // ================================================================ a read-only secondary tier
 
-TEST_F(DurabilityTest, AReadOnlySecondaryRefusesDirtyEvictionsBeforeWriting) {
+TEST_F(DurabilityTest, AReadOnlySecondaryRefusesDirtyEvictionsAndFlushesBeforeWriting) {
   TempPath file("sw-readonly");
   {
     auto seed = std::make_shared<FileBackedCarrier>(file.path(), F32(), true);
@@ -130,6 +181,7 @@ TEST_F(DurabilityTest, AReadOnlySecondaryRefusesDirtyEvictionsBeforeWriting) {
   const int64_t writes = io::calls(io::Op::Pwrite);
   EXPECT_SW_THROW(RuntimeError, "cannot evict dirty tile (1,) of TiledEvictable: its secondary tier FileBacked '",
                   te->evict_async({0, 1}));
+  EXPECT_SW_THROW(RuntimeError, "is read-only (created with mutable=False)", te->flush_async());
   EXPECT_EQ(io::calls(io::Op::Pwrite), writes);
   EXPECT_EQ(locations(*te), "primary primary* secondary ");
   EXPECT_EQ(bulk_snapshot(*secondary), seeded(12, 0));

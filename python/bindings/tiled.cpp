@@ -263,9 +263,11 @@ void bind_tiled(nb::module_& m) {
         d["writes_skipped"] = s.writes_skipped;
         d["primary_tiles"] = s.primary_tiles;
         d["primary_bytes"] = s.primary_bytes;
+        d["flushes"] = s.flushes;
+        d["bytes_flushed"] = s.bytes_flushed;
         return d;
-      }, "Residency counters: promotions, evictions, bytes promoted/evicted, writes skipped, resident tiles/bytes. "
-         "Only transitions that happened count.")
+      }, "Residency counters: promotions, evictions, bytes promoted/evicted, writes skipped, resident tiles/bytes, "
+         "tiles and bytes written clean by flushes. Only transitions that happened count.")
       // The receiver is taken as a shared_ptr: queued transfers keep the carrier alive.
       .def("promote_async", [](std::shared_ptr<TiledEvictable> c, nb::handle tiles) {
         return residency_handle(c->promote_async(bind_tiles(*c, tiles, "promote_async")));
@@ -273,6 +275,13 @@ void bind_tiled(nb::module_& m) {
       .def("evict_async", [](std::shared_ptr<TiledEvictable> c, nb::handle tiles) {
         return residency_handle(c->evict_async(bind_tiles(*c, tiles, "evict_async")));
       }, nb::arg("tiles"))
+      .def("flush_async", [](std::shared_ptr<TiledEvictable> c) { return residency_handle(c->flush_async()); },
+           "Writes every dirty tile to the secondary tier, makes that tier durable (fsync of its file or device) and "
+           "marks the tiles clean; they stay resident. Returns an AwaitResidency; flush() is flush_async().wait(). "
+           "Refused with RuntimeError ('wait') while any tile has an incomplete residency request, and before anything "
+           "changes when dirty tiles meet a read-only secondary tier (created with mutable=False). A failed write or "
+           "fsync fails the handle with RuntimeError naming the call, the file and the errno, and leaves every tile "
+           "dirty and resident.")
       .def("project", [](std::shared_ptr<TiledEvictable> c, nb::handle tensor, nb::handle selection,
                          nb::handle destination) {
         sw::TensorPtr t = tensor_of(tensor, "project: tensor");

@@ -71,6 +71,7 @@ std::exception_ptr error_like(const std::exception_ptr& model, std::string messa
 struct TiledEvictable::Request {
   uint64_t id = 0;
   bool promote = true;
+  bool flush = false;                  // with promote false: write dirty tiles, sync, keep them resident
   std::vector<int64_t> tiles;          // tiles that need a transfer
   std::vector<CarrierPtr> staged;      // promotion: new buffers
   std::vector<char> wrote;             // eviction: a write happened
@@ -503,6 +504,51 @@ std::string TiledEvictable::tile_list(const std::vector<int64_t>& tiles, const c
   return out.str();
 }
 
+// ---------------------------------------------------------------- flush
+
+// Note [Flushing tiles]: flush makes the secondary tier hold every value, durably, without giving up memory.
+// Every dirty tile (or one without a valid secondary copy) is written with an eviction's transfers (one writer per
+// file: Note [One writer per file]); once every write has returned, the secondary is synced (Carrier::flush:
+// fsync of the file or device), and only then do the tiles become clean, all together; they stay resident. A
+// failed write or fsync leaves every tile dirty: a later flush or eviction writes them all again. That rewrite is
+// what makes a retry honest: after a failed fsync Linux may drop the unwritten pages and report success to the
+// next fsync, so syncing again alone would lose them silently. A flush with nothing dirty still syncs, so tiles
+// evicted earlier (written, never synced) become durable too. A flush covers every tile, so it refuses, like other
+// requests, while any tile has an incomplete residency request ("wait"): that request's writes would escape the
+// sync. Pinned tiles are flushed: running work only reads them and the flush keeps their buffers. While the flush
+// runs its tiles are pending, so writes to them refuse with "wait" and their values cannot change under it.
+CompletionPtr<std::monostate> TiledEvictable::flush_async() { return flush_tiles(false); }
+
+void TiledEvictable::flush() { flush_tiles(true)->value(); }
+
+CompletionPtr<std::monostate> TiledEvictable::flush_tiles(bool inline_) {
+  check_live("flush");
+  auto r = std::make_shared<Request>();
+  r->promote = false;
+  r->flush = true;
+  {
+    std::lock_guard lock(mutex_);
+    check_live("flush");  // again under the lock: see Note [Release races with requests]
+    for (int64_t i = 0; i < tile_count_; ++i)
+      if (tiles_[i].pending) pending_conflict(i, "flushing");
+    for (int64_t i = 0; i < tile_count_; ++i) {
+      const Tile& t = tiles_[i];
+      if (t.loc == TileLocation::Primary && (t.dirty || !t.secondary_valid)) r->tiles.push_back(i);
+    }
+    check_secondary_writable(r->tiles, "flush");
+    if (r->tiles.empty() && !secondary_->created_mutable()) {  // never written: nothing to make durable
+      r->done->set_value({});
+      return r->done;
+    }
+    if (!r->tiles.empty()) ensure_secondary_storage();
+    r->id = next_request_++;
+    for (int64_t i : r->tiles) tiles_[i].pending = r->id;
+    active_requests_++;
+  }
+  start_request(r, inline_);
+  return r->done;
+}
+
 void TiledEvictable::start_request(const std::shared_ptr<Request>& r, bool inline_) {
   const size_t n = r->tiles.size();
   r->staged.resize(n);
@@ -520,6 +566,11 @@ void TiledEvictable::start_request(const std::shared_ptr<Request>& r, bool inlin
       r->owner_count.reset();
       inline_ = true;
     }
+  }
+  if (n == 0) {  // a flush with nothing to write: only the sync (Note [Flushing tiles])
+    if (inline_) complete(r);
+    else Executor::io().submit([this, r] { complete(r); });
+    return;
   }
   // Note [One writer per file]: buffered writes to one file serialise on its inode lock, and writers waiting
   // for it spin; so an eviction into a FileBacked tier writes its tiles one after another in one job (the other
@@ -583,7 +634,19 @@ void TiledEvictable::finish_tile(const std::shared_ptr<Request>& r, size_t k, Ca
     r->staged[k] = std::move(buffer);
     if (error && !r->error) r->error = std::move(error);
   }
-  if (r->remaining.fetch_sub(1) == 1) commit(r);
+  if (r->remaining.fetch_sub(1) == 1) complete(r);
+}
+
+void TiledEvictable::complete(const std::shared_ptr<Request>& r) {
+  // Every transfer has returned; a flush's tiles are clean only once the tier holds them durably.
+  if (r->flush && !r->error) {
+    try {
+      secondary_->flush();
+    } catch (...) {
+      r->error = std::current_exception();
+    }
+  }
+  commit(r);
 }
 
 void TiledEvictable::commit(const std::shared_ptr<Request>& r) {
@@ -605,6 +668,11 @@ void TiledEvictable::commit(const std::shared_ptr<Request>& r) {
         if (!was_implicit) stats_.bytes_promoted += bytes;
         stats_.primary_tiles++;
         stats_.primary_bytes += bytes;
+      } else if (r->flush) {
+        t.dirty = false;
+        t.secondary_valid = true;
+        stats_.flushes++;
+        stats_.bytes_flushed += bytes;
       } else {
         discard.push_back(std::move(t.buffer));
         t.loc = TileLocation::Secondary;

@@ -65,6 +65,7 @@ struct TiledStats {
   int64_t bytes_promoted = 0, bytes_evicted = 0;
   int64_t writes_skipped = 0;
   int64_t primary_tiles = 0, primary_bytes = 0;
+  int64_t flushes = 0, bytes_flushed = 0;  // tiles a flush wrote and marked clean (they stay resident)
 };
 
 const CarrierKind& tiled_evictable_kind();
@@ -119,6 +120,13 @@ class TiledEvictable final : public DependentCarrier {
   // A tile that must be written (dirty, or its secondary copy not valid) is refused before anything changes when
   // the secondary tier is read-only (Note [A read-only secondary tier]).
   CompletionPtr<std::monostate> evict_async(const std::vector<int64_t>& tiles);
+  // Writes every dirty tile to the secondary tier, makes the secondary durable (Carrier::flush: fsync of its file
+  // or device) and marks the tiles clean; they stay resident. Refused like other requests while any tile has an
+  // incomplete residency request ("wait"), and before anything changes when dirty tiles meet a read-only secondary.
+  // All-or-nothing: a failed write or fsync leaves every tile dirty and resident (Note [Flushing tiles]).
+  CompletionPtr<std::monostate> flush_async();
+  // Blocking flush_async(), run in the calling thread.
+  void flush() override;
   bool has_incomplete_work() const;
   // Whether `self` (a reference to this carrier) is the only one apart from
   // those its own incomplete residency requests hold while their transfers
@@ -206,6 +214,7 @@ class TiledEvictable final : public DependentCarrier {
   void start_request(const std::shared_ptr<Request>& r, bool inline_ = false);
   CompletionPtr<std::monostate> promote_tiles(const std::vector<int64_t>& tiles, bool inline_);
   CompletionPtr<std::monostate> evict_tiles(const std::vector<int64_t>& tiles, bool inline_);
+  CompletionPtr<std::monostate> flush_tiles(bool inline_);
   // Under mutex_: validates an eviction of `tiles` and marks those that need a transfer pending for `r` (left
   // empty when none does). `deferred` (a policy's eviction after work): tiles that are pinned, pending or not
   // resident are left out instead of refused.
@@ -217,6 +226,8 @@ class TiledEvictable final : public DependentCarrier {
   // "tiles (0,), (1,)" (at most eight named), with `adjective` before "tile(s)", for messages.
   std::string tile_list(const std::vector<int64_t>& tiles, const char* adjective) const;
   void finish_tile(const std::shared_ptr<Request>& r, size_t k, CarrierPtr buffer, std::exception_ptr error);
+  // After every transfer of `r`: a flush makes the secondary durable, then commit.
+  void complete(const std::shared_ptr<Request>& r);
   void commit(const std::shared_ptr<Request>& r);
   // Blocking promotion of one tile for slot access (lock held by caller is released inside).
   const Tile& readable_tile(int64_t index, std::unique_lock<std::mutex>& lock) const;
