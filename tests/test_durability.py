@@ -6,6 +6,8 @@
 * ``flush()`` / ``flush_async()`` write every dirty tile to the secondary tier, fsync it and mark the tiles clean
   while they stay resident; all-or-nothing under injected write and fsync faults (Note [Flushing tiles]).
   ``FileBacked.flush()`` fsyncs a plain file.
+* Releasing, collecting or leaving alive at exit a carrier whose secondary is a file the user named, with dirty
+  tiles, emits a ResourceWarning with their count (Note [Dirty tiles are never discarded silently]).
 * A read-only secondary tier refuses an eviction or flush that would write, before writing (Note [A read-only
   secondary tier]).
 
@@ -18,8 +20,13 @@ Run: ``.venv/bin/python -m pytest -q tests/test_durability.py``.
 from __future__ import annotations
 
 import errno
+import gc
 import os
+import subprocess
+import sys
+import textwrap
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -308,6 +315,100 @@ def test_file_backed_flush_fsyncs_its_file(tmp_path):
     f.release()
     with pytest.raises(RuntimeError, match="released"):
         f.flush()
+
+
+# ---------------------------------------------------------------- dirty tiles discarded (U6)
+
+
+def no_resource_warnings(action):
+    gc.collect()  # what earlier tests left in cycles is not this action's
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        action()
+        gc.collect()
+    assert [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)] == []
+
+
+def test_release_with_dirty_tiles_of_a_named_file_warns_with_their_count(tmp_path):
+    sc = Scene(tmp_path, dirty=(1, 2, 8), resident=(4,))
+    with pytest.warns(ResourceWarning, match=r"discards 3 dirty tiles on release\(\)") as record:
+        sc.c.release()
+    assert sc.path in str(record[0].message) and "flush()" in str(record[0].message)
+    assert sc.c.is_released()
+    no_resource_warnings(sc.c.release)  # idempotent, and reported once
+
+
+def test_release_warning_becomes_an_error_under_an_error_filter(tmp_path):
+    sc = Scene(tmp_path, dirty=(0,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ResourceWarning)
+        with pytest.raises(ResourceWarning, match="discards 1 dirty tile on"):
+            sc.c.release()
+    assert sc.c.is_released()
+
+
+def test_collecting_a_carrier_with_dirty_tiles_of_a_named_file_warns(tmp_path):
+    sc = Scene(tmp_path, dirty=(5, 6))
+    path = sc.path
+    with pytest.warns(ResourceWarning, match="discards 2 dirty tiles as it is destroyed") as record:
+        sc.c = sc.full = None
+        gc.collect()
+    assert path in str(record[0].message)
+
+
+def test_clean_flushed_or_anonymous_carriers_do_not_warn(tmp_path):
+    clean = Scene(tmp_path, name="clean.f32", resident=(0, 1))
+    no_resource_warnings(clean.c.release)
+    flushed = Scene(tmp_path, name="flushed.f32", dirty=(2, 3))
+    flushed.c.flush()
+    no_resource_warnings(flushed.c.release)
+    anonymous = Scene(tmp_path, named=False, dirty=(2, 3))
+    no_resource_warnings(anonymous.c.release)
+    for scene in (Scene(tmp_path, name="collected.f32", dirty=(4,)), Scene(tmp_path, named=False, dirty=(4,))):
+        if scene.path:
+            scene.c.flush()
+
+        def drop(scene=scene):
+            scene.c = scene.full = None
+        no_resource_warnings(drop)
+
+
+EXIT_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    import strideweave as sw
+    from strideweave.carriers.tiled_evictable import TiledEvictable, TileSet
+
+    path, flush = sys.argv[1], sys.argv[2] == "flush"
+    np.arange(12, dtype=np.float32).tofile(path)
+    c = TiledEvictable(sw.CPU(0), sw.FileBacked(path), (3,), (4,))
+    c.promote(TileSet([(0,), (1,), (2,)]))
+    c[1] = -1.0
+    c[9] = -9.0   # two dirty tiles
+    if flush:
+        c.flush()
+    print("script ended", flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("flush", [False, True], ids=["dirty", "flushed"])
+def test_a_carrier_alive_at_interpreter_exit_with_dirty_tiles_warns(tmp_path, flush):
+    script = tmp_path / "exit.py"
+    script.write_text(EXIT_SCRIPT)
+    path = tmp_path / "tier.f32"
+    proc = subprocess.run([sys.executable, "-W", "error::ResourceWarning", str(script), str(path),
+                           "flush" if flush else "keep"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "script ended" in proc.stdout, proc.stderr
+    if flush:
+        assert "ResourceWarning" not in proc.stderr, proc.stderr
+        assert np.fromfile(path, np.float32)[[1, 9]].tolist() == [-1.0, -9.0]
+    else:
+        assert "ResourceWarning" in proc.stderr and "discards 2 dirty tiles at interpreter exit" in proc.stderr, \
+            proc.stderr
+        assert str(path) in proc.stderr
+        assert proc.stderr.count("dirty tiles") == 1, proc.stderr  # not again when finalization destroys it
 
 
 # ---------------------------------------------------------------- a read-only secondary tier (U12c)

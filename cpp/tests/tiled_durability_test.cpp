@@ -1,12 +1,14 @@
 // Durability of a TiledEvictable's values (strideweave/tiled/tiled_evictable.hpp): a residency policy's failed
 // eviction reaches the work that planned it (Note [A failed deferred eviction reaches the work]); flush writes
 // every dirty tile, syncs the tier and keeps the tiles resident, all-or-nothing (Note [Flushing tiles]); a
-// read-only secondary tier refuses writes before they happen (Note [A read-only secondary tier]).
+// read-only secondary tier refuses writes before they happen (Note [A read-only secondary tier]); dirty tiles of
+// a named file are counted when discarded (Note [Dirty tiles are never discarded silently]).
 //
 // Faults come from io::inject; nothing sleeps.
 #include <gtest/gtest.h>
 
 #include <cerrno>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -188,6 +190,48 @@ TEST_F(DurabilityTest, AReadOnlySecondaryRefusesDirtyEvictionsAndFlushesBeforeWr
   te->evict_async({0})->value();  // clean: no write
   EXPECT_EQ(locations(*te), "secondary primary* secondary ");
   EXPECT_EQ(io::calls(io::Op::Pwrite), writes);
+}
+
+// ================================================================ dirty tiles discarded
+
+std::mutex g_reports_mutex;
+std::vector<std::string> g_reports;
+void record_report(const std::string& warning) noexcept {
+  std::lock_guard lock(g_reports_mutex);
+  g_reports.push_back(warning);
+}
+
+TEST_F(DurabilityTest, DirtyTilesOfANamedFileAreCountedWhenDiscarded) {
+  TiledEvictable::set_discard_reporter(&record_report);
+  TempPath a("sw-named"), b("sw-named"), c("sw-named");
+  auto named = [](const TempPath& p) { return std::make_shared<FileBackedCarrier>(p.path(), F32(), true); };
+  // Release: counted once.
+  Tiled released = make_dirty(3, nullptr, named(a));
+  EXPECT_TRUE(released->secondary_is_named_file());
+  released->release();
+  const std::string warning = released->take_release_discard_warning();
+  EXPECT_TRUE(contains(warning, "discards 3 dirty tiles on release()")) << warning;
+  EXPECT_TRUE(contains(warning, a.path().c_str())) << warning;
+  EXPECT_EQ(released->take_release_discard_warning(), "");
+  // Exit: every live carrier of a named file with dirty tiles, once; flushed and anonymous ones are silent.
+  Tiled alive = make_dirty(2, nullptr, named(b));
+  Tiled flushed = make_dirty(2, nullptr, named(c));
+  flushed->flush();
+  Tiled anonymous = make_dirty(2);
+  std::vector<std::string> at_exit = TiledEvictable::exit_discard_warnings();
+  ASSERT_EQ(at_exit.size(), 1u);
+  EXPECT_TRUE(contains(at_exit[0], "discards 2 dirty tiles at interpreter exit")) << at_exit[0];
+  EXPECT_TRUE(TiledEvictable::exit_discard_warnings().empty());
+  // Destruction: a carrier reported at exit stays silent; an unreported one reports through the reporter.
+  alive.reset();
+  flushed.reset();
+  anonymous.reset();
+  EXPECT_TRUE(g_reports.empty());
+  TempPath d("sw-named");
+  make_dirty(1, nullptr, named(d)).reset();
+  ASSERT_EQ(g_reports.size(), 1u);
+  EXPECT_TRUE(contains(g_reports[0], "discards 1 dirty tile as it is destroyed")) << g_reports[0];
+  TiledEvictable::set_discard_reporter(nullptr);
 }
 
 }  // namespace

@@ -65,6 +65,17 @@ std::exception_ptr error_like(const std::exception_ptr& model, std::string messa
   return std::make_exception_ptr(RuntimeError(std::move(message)));
 }
 
+// Live carriers whose secondary tier is a named file, for the report at interpreter exit (Note [Dirty tiles are
+// never discarded silently]). Never destroyed: carriers may outlive static destruction.
+struct NamedFileCarriers {
+  std::mutex m;
+  std::vector<TiledEvictable*> live;
+};
+NamedFileCarriers& named_file_carriers() {
+  static auto* r = new NamedFileCarriers();
+  return *r;
+}
+std::atomic<TiledEvictable::DiscardReporter> g_discard_reporter{nullptr};
 }  // namespace
 
 // A residency transition of a set of tiles, committed all-or-nothing.
@@ -185,9 +196,33 @@ TiledEvictable::TiledEvictable(CarrierPtr primary, CarrierPtr secondary, std::ve
   secondary_ = std::move(secondary);
   primary_claim_ = std::move(pc);
   secondary_claim_ = std::move(sc);
+  if (const auto* file = dynamic_cast<const FileBackedCarrier*>(secondary_.get()); file && !file->is_anonymous()) {
+    named_file_ = file->filename();
+    auto& named = named_file_carriers();
+    std::lock_guard lock(named.m);
+    named.live.push_back(this);
+  }
 }
 
-TiledEvictable::~TiledEvictable() = default;
+TiledEvictable::~TiledEvictable() {
+  if (named_file_.empty()) return;
+  {
+    auto& named = named_file_carriers();
+    std::lock_guard lock(named.m);
+    if (auto it = std::find(named.live.begin(), named.live.end(), this); it != named.live.end()) named.live.erase(it);
+  }
+  if (is_released() || exit_reported_.load()) return;
+  try {
+    int64_t tiles;
+    {
+      std::lock_guard lock(mutex_);
+      tiles = unsaved_tiles_locked();
+    }
+    DiscardReporter report = g_discard_reporter.load();
+    if (tiles > 0 && report) report(discard_warning(tiles, "as it is destroyed (collected)"));
+  } catch (...) {  // a destructor reports what it can and never throws
+  }
+}
 
 // Note [Tile table limits]. The constructor builds its tile table eagerly: one entry and one list of
 // footprint runs per tile (10**7 one-run tiles take about 0.8 GB and 5 s), 24 bytes a run. An extent
@@ -1137,6 +1172,7 @@ void TiledEvictable::do_release() {
   {
     std::unique_lock lock(mutex_);
     idle_cv_.wait(lock, [&] { return active_requests_ == 0 && active_work_ == 0; });
+    if (!named_file_.empty()) release_discards_.store(unsaved_tiles_locked());
     for (auto& t : tiles_) {
       if (t.buffer) buffers.push_back(std::move(t.buffer));
       t.loc = TileLocation::Invalid;
@@ -1150,5 +1186,63 @@ void TiledEvictable::do_release() {
   primary_->release();
   secondary_->release();
 }
+
+}  // namespace sw
+
+namespace sw {
+
+// ---------------------------------------------------------------- dirty tiles at release, collection and exit
+
+// Note [Dirty tiles are never discarded silently]: release() discards the tiles by definition, but a user whose
+// secondary tier is a file they named expects that file to hold the values, as a file object's writes reach its
+// file when it is closed. A dirty tile's latest value is in memory only; releasing, collecting or leaving the
+// carrier alive at interpreter exit loses it. So each of the three emits a ResourceWarning that names the file
+// and how many dirty tiles are discarded (as Python warns about an unclosed file); flush() first keeps them. An
+// anonymous secondary (a temporary file the library creates and removes) warns never: no one could have read
+// the values from it afterwards. The count and the decision are made here, under the tile table's lock, at the
+// moment of discarding; the binding emits the warning through Python's warnings machinery: after release()
+// returns (so a filter that turns it into an error raises from release()), from the destructor through the
+// installed reporter (a collected object: the warning is written as unraisable if a filter makes it an error),
+// and at interpreter exit from the binding's exit handler, after the pools drained (a dirty tile evicted just
+// before exit reaches its file and is not counted). A carrier reported at exit is not reported again when it is
+// destroyed during finalization.
+int64_t TiledEvictable::unsaved_tiles_locked() const {
+  int64_t n = 0;
+  for (const Tile& t : tiles_) n += t.loc == TileLocation::Primary && (t.dirty || !t.secondary_valid);
+  return n;
+}
+
+std::string TiledEvictable::discard_warning(int64_t tiles, const char* when) const {
+  std::ostringstream out;
+  out << "TiledEvictable over the file '" << named_file_ << "' discards " << tiles << " dirty "
+      << (tiles == 1 ? "tile " : "tiles ") << when << ": " << (tiles == 1 ? "its latest value was" : "their latest values were")
+      << " never written to the file; call flush() before release() to keep them";
+  return out.str();
+}
+
+std::string TiledEvictable::take_release_discard_warning() {
+  const int64_t tiles = release_discards_.exchange(0);
+  return tiles > 0 ? discard_warning(tiles, "on release()") : std::string();
+}
+
+std::vector<std::string> TiledEvictable::exit_discard_warnings() {
+  std::vector<std::string> out;
+  auto& named = named_file_carriers();
+  std::lock_guard registry(named.m);  // before any carrier's mutex_, as everywhere
+  for (TiledEvictable* c : named.live) {
+    if (c->is_released() || c->exit_reported_.load()) continue;
+    int64_t tiles;
+    {
+      std::lock_guard lock(c->mutex_);
+      tiles = c->unsaved_tiles_locked();
+    }
+    if (tiles == 0) continue;
+    c->exit_reported_.store(true);
+    out.push_back(c->discard_warning(tiles, "at interpreter exit"));
+  }
+  return out;
+}
+
+void TiledEvictable::set_discard_reporter(DiscardReporter reporter) noexcept { g_discard_reporter.store(reporter); }
 
 }  // namespace sw

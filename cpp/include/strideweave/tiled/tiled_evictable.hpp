@@ -196,6 +196,21 @@ class TiledEvictable final : public DependentCarrier {
   // sole ownership rules out) is left as it is.
   void mark_tile_written(int64_t index, const CarrierPtr& buffer);
 
+  // -------- dirty tiles that would be discarded (Note [Dirty tiles are never discarded silently])
+  // Whether the secondary tier is a file the user named (FileBacked with a filename): only then does discarding a
+  // dirty tile lose values the user expects in a file.
+  bool secondary_is_named_file() const noexcept { return !named_file_.empty(); }
+  // After release(): the warning for the dirty tiles that release discarded (empty when none, when the secondary
+  // is not a named file, or when already taken). Taken once.
+  std::string take_release_discard_warning();
+  // The warning for a carrier of a named file still holding dirty tiles at interpreter exit, one per such live,
+  // unreleased carrier; each is reported once (its destructor then stays silent).
+  static std::vector<std::string> exit_discard_warnings();
+  // Called by the destructor of an unreleased carrier of a named file that still holds dirty tiles (and was not
+  // reported at exit) with its warning; installed by the language binding. Must not throw.
+  using DiscardReporter = void (*)(const std::string& warning) noexcept;
+  static void set_discard_reporter(DiscardReporter reporter) noexcept;
+
  protected:
   void do_release() override;
   void check_releasable() const override;
@@ -229,6 +244,8 @@ class TiledEvictable final : public DependentCarrier {
   // After every transfer of `r`: a flush makes the secondary durable, then commit.
   void complete(const std::shared_ptr<Request>& r);
   void commit(const std::shared_ptr<Request>& r);
+  int64_t unsaved_tiles_locked() const;  // dirty primary tiles (under mutex_)
+  std::string discard_warning(int64_t tiles, const char* when) const;
   // Blocking promotion of one tile for slot access (lock held by caller is released inside).
   const Tile& readable_tile(int64_t index, std::unique_lock<std::mutex>& lock) const;
   void ensure_secondary_storage();
@@ -253,6 +270,11 @@ class TiledEvictable final : public DependentCarrier {
   // can uncount its reference after dropping it (Note [Requests' own references]).
   std::shared_ptr<std::atomic<int64_t>> request_refs_ = std::make_shared<std::atomic<int64_t>>(0);
   std::condition_variable idle_cv_;  // notified when active_requests_ or active_work_ drops
+  // The secondary tier's file name when the user named it (empty otherwise), and what release() discarded
+  // (Note [Dirty tiles are never discarded silently]).
+  std::string named_file_;
+  std::atomic<int64_t> release_discards_{0};
+  std::atomic<bool> exit_reported_{false};
   mutable std::mutex footprint_cache_mutex_;
   mutable std::vector<std::pair<Layout, int64_t>> footprint_cache_;  // compatible (layout, offset) pairs
 };
