@@ -225,7 +225,12 @@ void bind_carriers(nb::module_& m) {
         new (self) sw::FileBackedCarrier(path, dt, is_mutable);
       }, nb::arg("filename") = nb::none(), nb::kw_only(), nb::arg("mutable") = true, nb::arg("dtype") = nb::none())
       .def_prop_ro("filename", [](const sw::FileBackedCarrier& c) { return c.filename(); })
-      .def("is_anonymous", &sw::FileBackedCarrier::is_anonymous);
+      .def("is_anonymous", &sw::FileBackedCarrier::is_anonymous)
+      .def("flush", [](sw::FileBackedCarrier& c) {
+        swpy::GilRelease nogil;
+        c.flush();
+      }, "Makes every completed write to the file durable (fsync); returns None. RuntimeError naming the file and "
+         "the errno when the system call fails, or when the carrier is released.");
 
   nb::class_<sw::BlockDevice>(m, "BlockDevice",
                               "BlockDevice(path): an arena over a block device or a preallocated file (direct I/O).")
@@ -249,7 +254,12 @@ void bind_carriers(nb::module_& m) {
       .def("__init__", [](sw::BlockDeviceCarrier*, nb::args, nb::kwargs) {
         sw::raise<sw::TypeError>("BlockDeviceCarrier is not constructible directly; use BlockDevice.allocate");
       })
-      .def_prop_ro("device", [](const sw::BlockDeviceCarrier& c) { return c.device(); });
+      .def_prop_ro("device", [](const sw::BlockDeviceCarrier& c) { return c.device(); })
+      .def("flush", [](sw::BlockDeviceCarrier& c) {
+        swpy::GilRelease nogil;
+        c.flush();
+      }, "Makes every completed write to the extent durable (fsync of the device); returns None. RuntimeError "
+         "naming the device and the errno when the system call fails, or when the carrier is released.");
 
   nb::class_<sw::EvictableCarrier, sw::DependentCarrier>(m, "Evictable", nb::is_final(),
                                                          "Evictable(primary, secondary): whole-extent residency over two tiers.")

@@ -288,6 +288,8 @@ void bind_extension(nb::module_& m) {
     sw::io::unhold();
   });
   m.def("_io_held_waiting", [op_of](const std::string& op) { return sw::io::held_waiting(op_of(op)); }, nb::arg("op"));
+  // Test-only: calls of `op` so far (successful or injected), so a test can count the writes and syncs a request made.
+  m.def("_io_calls", [op_of](const std::string& op) { return sw::io::calls(op_of(op)); }, nb::arg("op"));
 
   // Test-only: what the garbage collector does to an object of a cycle it breaks (its tp_clear), so a
   // test can observe a cleared TiledEvictable or handle deterministically, even while its work runs.

@@ -1,5 +1,6 @@
 // TiledEvictable and AwaitResidency.
 #include <algorithm>
+#include <optional>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
@@ -23,6 +24,37 @@ struct AwaitResidency : AwaitHandle {};
 struct AwaitProjection : AwaitHandle {};
 
 nb::module_ tiled_module() { return nb::module_::import_("strideweave.carriers.tiled_evictable"); }
+
+// Note [Dirty tiles are never discarded silently] (tiled_evictable.cpp): the engine decides and counts; these
+// emit. From a destructor: the Python object's deallocation, with the GIL held, for every carrier made in Python
+// (a carrier made in C++ has an anonymous secondary and never reports). A collection may run while an exception
+// propagates, so the error indicator is kept; a filter that turns the warning into an error makes it unraisable,
+// as for an unclosed file. Nothing is reported during finalization: the exit handler below reported already.
+void report_discard(const std::string& warning) noexcept {
+  try {
+    if (!nb::is_alive() || finalizing_elsewhere()) return;
+#if PY_VERSION_HEX >= 0x030D0000
+    if (Py_IsFinalizing()) return;
+#else
+    if (_Py_IsFinalizing()) return;
+#endif
+    std::optional<GilAcquire> gil;
+    if (!PyGILState_Check()) gil.emplace();
+#if PY_VERSION_HEX >= 0x030C0000
+    PyObject* pending = PyErr_GetRaisedException();
+#else
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+#endif
+    if (PyErr_WarnEx(PyExc_ResourceWarning, warning.c_str(), 1) < 0) PyErr_WriteUnraisable(nullptr);
+#if PY_VERSION_HEX >= 0x030C0000
+    PyErr_SetRaisedException(pending);
+#else
+    PyErr_Restore(type, value, traceback);
+#endif
+  } catch (...) {  // a destructor's report never throws
+  }
+}
 
 // The core's coordinates are valid, of one rank and distinct: sorted into TileSet's order (first axis fastest)
 // they skip the constructor's per-coordinate checks.
@@ -197,6 +229,14 @@ nb::object residency_handle(sw::CompletionPtr<std::monostate> c) {
 
 void bind_tiled(nb::module_& m) {
   sw::install_tiled_backend();
+  // Note [Dirty tiles are never discarded silently] (tiled_evictable.cpp). Registered before the module's exit
+  // drain (module.cpp), so it runs after it (atexit calls last-registered first): held transfers have landed, and a
+  // dirty tile evicted just before exit is clean and not counted.
+  sw::TiledEvictable::set_discard_reporter(&report_discard);
+  nb::module_::import_("atexit").attr("register")(nb::cpp_function([] {
+    for (const std::string& warning : sw::TiledEvictable::exit_discard_warnings())
+      if (PyErr_WarnEx(PyExc_ResourceWarning, warning.c_str(), 1) < 0) PyErr_WriteUnraisable(nullptr);
+  }));
   nb::class_<AwaitResidency, AwaitHandle>(m, "AwaitResidency", nb::type_slots(await_slots),
                                           "AwaitResult[None] of a residency request.")
       .def("__init__", [](AwaitResidency*, nb::args, nb::kwargs) {
@@ -266,8 +306,11 @@ void bind_tiled(nb::module_& m) {
         d["writes_skipped"] = s.writes_skipped;
         d["primary_tiles"] = s.primary_tiles;
         d["primary_bytes"] = s.primary_bytes;
+        d["flushes"] = s.flushes;
+        d["bytes_flushed"] = s.bytes_flushed;
         return d;
-      }, "Residency counters: promotions, evictions, bytes promoted/evicted, writes skipped, resident tiles/bytes.")
+      }, "Residency counters: promotions, evictions, bytes promoted/evicted, writes skipped, resident tiles/bytes, "
+         "tiles and bytes written clean by flushes. Only transitions that happened count.")
       // The receiver is taken as a shared_ptr: queued transfers keep the carrier alive.
       .def("promote_async", [](std::shared_ptr<TiledEvictable> c, nb::handle tiles) {
         return residency_handle(c->promote_async(bind_tiles(*c, tiles, "promote_async")));
@@ -275,6 +318,21 @@ void bind_tiled(nb::module_& m) {
       .def("evict_async", [](std::shared_ptr<TiledEvictable> c, nb::handle tiles) {
         return residency_handle(c->evict_async(bind_tiles(*c, tiles, "evict_async")));
       }, nb::arg("tiles"))
+      .def("flush_async", [](std::shared_ptr<TiledEvictable> c) { return residency_handle(c->flush_async()); },
+           "Writes every dirty tile to the secondary tier, makes that tier durable (fsync of its file or device) and "
+           "marks the tiles clean; they stay resident. Returns an AwaitResidency; flush() is flush_async().wait(). "
+           "Refused with RuntimeError ('wait') while any tile has an incomplete residency request, and before anything "
+           "changes when dirty tiles meet a read-only secondary tier (created with mutable=False). A failed write or "
+           "fsync fails the handle with RuntimeError naming the call, the file and the errno, and leaves every tile "
+           "dirty and resident.")
+      .def("release", [](TiledEvictable& c) {
+        c.release();
+        // Note [Dirty tiles are never discarded silently]: after the release, so an error filter raises from here.
+        std::string warning = c.take_release_discard_warning();
+        if (!warning.empty() && PyErr_WarnEx(PyExc_ResourceWarning, warning.c_str(), 1) < 0) throw nb::python_error();
+      }, "Frees every tile and both tiers; idempotent. RuntimeError while work on the carrier is incomplete. "
+         "Dirty tiles are discarded: when the secondary tier is a file you named, that emits a ResourceWarning "
+         "with their count; flush() first to keep them.")
       .def("project", [](std::shared_ptr<TiledEvictable> c, nb::handle tensor, nb::handle selection,
                          nb::handle destination) {
         sw::TensorPtr t = tensor_of(tensor, "project: tensor");

@@ -168,6 +168,9 @@ class Carrier : public std::enable_shared_from_this<Carrier> {
   // One element without conversion checks (already-converted value).
   virtual Value read_value(int64_t slot) const;
   virtual void write_value(int64_t slot, const Value& value);
+  // Makes every completed write durable: fsync of a file or device (RuntimeError naming the call, the file and the
+  // errno on failure). Memory has nothing to make durable.
+  virtual void flush() {}
 
   // -------- allocation
   virtual bool supports_storage_dtype(const DType& dtype) const;

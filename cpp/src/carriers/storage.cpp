@@ -448,4 +448,20 @@ void EvictableCarrier::do_release() {
   secondary_->release();
 }
 
+// ---------------------------------------------------------------- durability
+
+// A write that returned is in the page cache (or, for direct I/O, possibly in the device's volatile cache):
+// fsync makes it survive a crash. Kept apart from the I/O paths above: only an explicit flush pays for it.
+void FileBackedCarrier::flush() {
+  check_live("flush");
+  io::fsync_file(fd_, path_);
+}
+
+void BlockDevice::sync() { io::fsync_file(fd_, path_); }
+
+void BlockDeviceCarrier::flush() {
+  check_live("flush");
+  device_->sync();
+}
+
 }  // namespace sw

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <sstream>
+#include <utility>
 
 #include "strideweave/autograd.hpp"
 #include "strideweave/carriers/native.hpp"
@@ -344,8 +345,7 @@ CompletionPtr<TensorPtr> project_for(const std::shared_ptr<TiledEvictable>& c, c
     }
     if (dest) claim = dest->claim("a projection");
   } catch (...) {
-    c->end_work(work);
-    throw;
+    std::rethrow_exception(c->end_work(work, std::current_exception()));
   }
   auto done = std::make_shared<Completion<TensorPtr>>();
   struct State {
@@ -363,9 +363,9 @@ CompletionPtr<TensorPtr> project_for(const std::shared_ptr<TiledEvictable>& c, c
   std::vector<int64_t> dstride = dense_strides(cshape);
   auto finish = [c, tensor, sel, work, done, st, cshape, record]() {
     st->claim.end();
-    c->end_work(work);
-    if (st->error) {
-      done->set_error(st->error);
+    // A failed deferred eviction fails the projection (Note [A failed deferred eviction reaches the work]).
+    if (std::exception_ptr error = c->end_work(work, st->error)) {
+      done->set_error(std::move(error));
       return;
     }
     TensorPtr result;
@@ -570,8 +570,10 @@ CompletionPtr<TensorPtr> scatter(const std::shared_ptr<TiledEvictable>& c, const
         tiles.emplace_back(src[k], scatter_tile(*c, access, c->tile_coord(src[k]), *compact,
                                                 decode_compact(static_cast<int64_t>(k), counts), cstride,
                                                 add ? c->tile_buffer(src[k]) : nullptr, add));
-      if (work) c->end_work(work);
-      work = nullptr;
+      // A failed deferred eviction fails the scatter before it publishes anything (Note [A failed deferred
+      // eviction reaches the work]).
+      if (work)
+        if (std::exception_ptr error = c->end_work(std::exchange(work, nullptr))) std::rethrow_exception(error);
       fresh->install_tiles(tiles);  // valid, dirty, version advanced once
       claim->end();
       TensorPtr result = make_tensor(fresh, templ->offset, templ->layout);
@@ -594,9 +596,10 @@ CompletionPtr<TensorPtr> scatter(const std::shared_ptr<TiledEvictable>& c, const
       }
       done->set_value(std::move(result));
     } catch (...) {
-      if (work) c->end_work(work);
+      std::exception_ptr error = std::current_exception();
+      if (work) error = c->end_work(std::exchange(work, nullptr), error);
       claim->end();
-      done->set_error(std::current_exception());
+      done->set_error(std::move(error));
     }
   };
   Executor::select().submit(std::move(job));

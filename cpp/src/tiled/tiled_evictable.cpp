@@ -34,12 +34,55 @@ std::string coord_str(const TileCoord& t) {
   out << (t.size() == 1 ? ",)" : ")");
   return out.str();
 }
+
+// The message of the exception `e` holds.
+std::string message_of(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    return x.what();
+  } catch (...) {
+  }
+  return "an unknown error";
+}
+
+// An exception of `model`'s error kind (RuntimeError when it is not an engine error) carrying `message`.
+std::exception_ptr error_like(const std::exception_ptr& model, std::string message) {
+  try {
+    std::rethrow_exception(model);
+  } catch (const Error& e) {
+    switch (e.kind()) {
+      case ErrorKind::Type: return std::make_exception_ptr(TypeError(std::move(message)));
+      case ErrorKind::Value: return std::make_exception_ptr(ValueError(std::move(message)));
+      case ErrorKind::Runtime: return std::make_exception_ptr(RuntimeError(std::move(message)));
+      case ErrorKind::Index: return std::make_exception_ptr(IndexError(std::move(message)));
+      case ErrorKind::NotImplemented: return std::make_exception_ptr(NotImplementedError(std::move(message)));
+      case ErrorKind::Overflow: return std::make_exception_ptr(OverflowError(std::move(message)));
+      case ErrorKind::Internal: return std::make_exception_ptr(InternalError(std::move(message)));
+    }
+  } catch (...) {
+  }
+  return std::make_exception_ptr(RuntimeError(std::move(message)));
+}
+
+// Live carriers whose secondary tier is a named file, for the report at interpreter exit (Note [Dirty tiles are
+// never discarded silently]). Never destroyed: carriers may outlive static destruction.
+struct NamedFileCarriers {
+  std::mutex m;
+  std::vector<TiledEvictable*> live;
+};
+NamedFileCarriers& named_file_carriers() {
+  static auto* r = new NamedFileCarriers();
+  return *r;
+}
+std::atomic<TiledEvictable::DiscardReporter> g_discard_reporter{nullptr};
 }  // namespace
 
 // A residency transition of a set of tiles, committed all-or-nothing.
 struct TiledEvictable::Request {
   uint64_t id = 0;
   bool promote = true;
+  bool flush = false;                  // with promote false: write dirty tiles, sync, keep them resident
   std::vector<int64_t> tiles;          // tiles that need a transfer
   std::vector<CarrierPtr> staged;      // promotion: new buffers
   std::vector<char> wrote;             // eviction: a write happened
@@ -54,6 +97,7 @@ struct TiledEvictable::Request {
 };
 
 struct TiledEvictable::Work {
+  std::string purpose;  // what the policy was told ("projection", ...), for messages
   std::vector<int64_t> tiles;
   ResidencyPlanC plan;
   CompletionPtr<std::monostate> ready;
@@ -152,9 +196,33 @@ TiledEvictable::TiledEvictable(CarrierPtr primary, CarrierPtr secondary, std::ve
   secondary_ = std::move(secondary);
   primary_claim_ = std::move(pc);
   secondary_claim_ = std::move(sc);
+  if (const auto* file = dynamic_cast<const FileBackedCarrier*>(secondary_.get()); file && !file->is_anonymous()) {
+    named_file_ = file->filename();
+    auto& named = named_file_carriers();
+    std::lock_guard lock(named.m);
+    named.live.push_back(this);
+  }
 }
 
-TiledEvictable::~TiledEvictable() = default;
+TiledEvictable::~TiledEvictable() {
+  if (named_file_.empty()) return;
+  {
+    auto& named = named_file_carriers();
+    std::lock_guard lock(named.m);
+    if (auto it = std::find(named.live.begin(), named.live.end(), this); it != named.live.end()) named.live.erase(it);
+  }
+  if (is_released() || exit_reported_.load()) return;
+  try {
+    int64_t tiles;
+    {
+      std::lock_guard lock(mutex_);
+      tiles = unsaved_tiles_locked();
+    }
+    DiscardReporter report = g_discard_reporter.load();
+    if (tiles > 0 && report) report(discard_warning(tiles, "as it is destroyed (collected)"));
+  } catch (...) {  // a destructor reports what it can and never throws
+  }
+}
 
 // Note [Tile table limits]. The constructor builds its tile table eagerly: one entry and one list of
 // footprint runs per tile (10**7 one-run tiles take about 0.8 GB and 5 s), 24 bytes a run. An extent
@@ -403,23 +471,111 @@ CompletionPtr<std::monostate> TiledEvictable::evict_tiles(const std::vector<int6
   {
     std::lock_guard lock(mutex_);
     check_live("evict tiles");  // again under the lock: see Note [Release races with requests]
-    std::vector<int64_t> uniq = tiles;
-    std::sort(uniq.begin(), uniq.end());
-    uniq.erase(std::unique(uniq.begin(), uniq.end()), uniq.end());
-    for (int64_t i : uniq) {
-      const Tile& t = tiles_[i];
-      if (t.pending) pending_conflict(i, "evicting it");
-      if (t.pins > 0)
-        raise<RuntimeError>("tile ", coord_str(tile_coord(i)),
-                            " of TiledEvictable is pinned by running tiled work; wait for that work before evicting it");
-    }
-    for (int64_t i : uniq)
-      if (tiles_[i].loc == TileLocation::Primary) r->tiles.push_back(i);
+    prepare_eviction(tiles, *r, /*deferred=*/false);
     if (r->tiles.empty()) {
       r->done->set_value({});
       return r->done;
     }
-    ensure_secondary_storage();
+  }
+  start_request(r, inline_);
+  return r->done;
+}
+
+void TiledEvictable::prepare_eviction(std::vector<int64_t> tiles, Request& r, bool deferred) {
+  std::sort(tiles.begin(), tiles.end());
+  tiles.erase(std::unique(tiles.begin(), tiles.end()), tiles.end());
+  for (int64_t i : tiles) {
+    const Tile& t = tiles_[i];
+    if (deferred) continue;
+    if (t.pending) pending_conflict(i, "evicting it");
+    if (t.pins > 0)
+      raise<RuntimeError>("tile ", coord_str(tile_coord(i)),
+                          " of TiledEvictable is pinned by running tiled work; wait for that work before evicting it");
+  }
+  // A deferred eviction leaves out a tile that other work pins or another request transitions: not the plan's to
+  // evict now (Note [A failed deferred eviction reaches the work]).
+  for (int64_t i : tiles) {
+    const Tile& t = tiles_[i];
+    if (t.loc == TileLocation::Primary && !(deferred && (t.pending || t.pins > 0))) r.tiles.push_back(i);
+  }
+  if (r.tiles.empty()) return;
+  check_secondary_writable(r.tiles, "evict");
+  ensure_secondary_storage();
+  r.id = next_request_++;
+  for (int64_t i : r.tiles) tiles_[i].pending = r.id;
+  active_requests_++;
+}
+
+// Note [A read-only secondary tier]: a secondary tier created with mutable=False is read in place and never
+// written (FileBacked(path, mutable=False) is a checkpoint opened O_RDONLY: the example's expert weights). Writing
+// a dirty tile there failed deep in the transfer ("pwrite ... EBADF") for a file, and for a tier whose read-only
+// mode is only a permission it would have written anyway. So an eviction or flush that would write a tile
+// (dirty, or with no valid secondary copy) refuses before anything changes, naming the tiles and the tier; a clean
+// tile whose secondary copy is valid is evicted without writing, as always.
+void TiledEvictable::check_secondary_writable(const std::vector<int64_t>& tiles, const char* what) const {
+  if (secondary_->created_mutable()) return;
+  std::vector<int64_t> dirty;
+  for (int64_t i : tiles)
+    if (tiles_[i].dirty || !tiles_[i].secondary_valid) dirty.push_back(i);
+  if (dirty.empty()) return;
+  raise<RuntimeError>("cannot ", what, " ", tile_list(dirty, "dirty "), " of TiledEvictable: its secondary tier ",
+                      secondary_description(), " is read-only (created with mutable=False), so ",
+                      dirty.size() == 1 ? "its value" : "their values", " cannot be written there; ",
+                      dirty.size() == 1 ? "it stays" : "they stay", " resident and dirty");
+}
+
+std::string TiledEvictable::secondary_description() const {
+  if (const auto* file = dynamic_cast<const FileBackedCarrier*>(secondary_.get()))
+    return "FileBacked '" + file->filename() + "'";
+  return secondary_->kind_name();
+}
+
+std::string TiledEvictable::tile_list(const std::vector<int64_t>& tiles, const char* adjective) const {
+  constexpr size_t kShown = 8;
+  std::ostringstream out;
+  out << adjective << (tiles.size() == 1 ? "tile " : "tiles ");
+  for (size_t k = 0; k < tiles.size() && k < kShown; ++k) out << (k ? ", " : "") << coord_str(tile_coord(tiles[k]));
+  if (tiles.size() > kShown) out << " and " << tiles.size() - kShown << " more";
+  return out.str();
+}
+
+// ---------------------------------------------------------------- flush
+
+// Note [Flushing tiles]: flush makes the secondary tier hold every value, durably, without giving up memory.
+// Every dirty tile (or one without a valid secondary copy) is written with an eviction's transfers (one writer per
+// file: Note [One writer per file]); once every write has returned, the secondary is synced (Carrier::flush:
+// fsync of the file or device), and only then do the tiles become clean, all together; they stay resident. A
+// failed write or fsync leaves every tile dirty: a later flush or eviction writes them all again. That rewrite is
+// what makes a retry honest: after a failed fsync Linux may drop the unwritten pages and report success to the
+// next fsync, so syncing again alone would lose them silently. A flush with nothing dirty still syncs, so tiles
+// evicted earlier (written, never synced) become durable too. A flush covers every tile, so it refuses, like other
+// requests, while any tile has an incomplete residency request ("wait"): that request's writes would escape the
+// sync. Pinned tiles are flushed: running work only reads them and the flush keeps their buffers. While the flush
+// runs its tiles are pending, so writes to them refuse with "wait" and their values cannot change under it.
+CompletionPtr<std::monostate> TiledEvictable::flush_async() { return flush_tiles(false); }
+
+void TiledEvictable::flush() { flush_tiles(true)->value(); }
+
+CompletionPtr<std::monostate> TiledEvictable::flush_tiles(bool inline_) {
+  check_live("flush");
+  auto r = std::make_shared<Request>();
+  r->promote = false;
+  r->flush = true;
+  {
+    std::lock_guard lock(mutex_);
+    check_live("flush");  // again under the lock: see Note [Release races with requests]
+    for (int64_t i = 0; i < tile_count_; ++i)
+      if (tiles_[i].pending) pending_conflict(i, "flushing");
+    for (int64_t i = 0; i < tile_count_; ++i) {
+      const Tile& t = tiles_[i];
+      if (t.loc == TileLocation::Primary && (t.dirty || !t.secondary_valid)) r->tiles.push_back(i);
+    }
+    check_secondary_writable(r->tiles, "flush");
+    if (r->tiles.empty() && !secondary_->created_mutable()) {  // never written: nothing to make durable
+      r->done->set_value({});
+      return r->done;
+    }
+    if (!r->tiles.empty()) ensure_secondary_storage();
     r->id = next_request_++;
     for (int64_t i : r->tiles) tiles_[i].pending = r->id;
     active_requests_++;
@@ -445,6 +601,11 @@ void TiledEvictable::start_request(const std::shared_ptr<Request>& r, bool inlin
       r->owner_count.reset();
       inline_ = true;
     }
+  }
+  if (n == 0) {  // a flush with nothing to write: only the sync (Note [Flushing tiles])
+    if (inline_) complete(r);
+    else Executor::io().submit([this, r] { complete(r); });
+    return;
   }
   // Note [One writer per file]: buffered writes to one file serialise on its inode lock, and writers waiting
   // for it spin; so an eviction into a FileBacked tier writes its tiles one after another in one job (the other
@@ -508,7 +669,19 @@ void TiledEvictable::finish_tile(const std::shared_ptr<Request>& r, size_t k, Ca
     r->staged[k] = std::move(buffer);
     if (error && !r->error) r->error = std::move(error);
   }
-  if (r->remaining.fetch_sub(1) == 1) commit(r);
+  if (r->remaining.fetch_sub(1) == 1) complete(r);
+}
+
+void TiledEvictable::complete(const std::shared_ptr<Request>& r) {
+  // Every transfer has returned; a flush's tiles are clean only once the tier holds them durably.
+  if (r->flush && !r->error) {
+    try {
+      secondary_->flush();
+    } catch (...) {
+      r->error = std::current_exception();
+    }
+  }
+  commit(r);
 }
 
 void TiledEvictable::commit(const std::shared_ptr<Request>& r) {
@@ -530,6 +703,11 @@ void TiledEvictable::commit(const std::shared_ptr<Request>& r) {
         if (!was_implicit) stats_.bytes_promoted += bytes;
         stats_.primary_tiles++;
         stats_.primary_bytes += bytes;
+      } else if (r->flush) {
+        t.dirty = false;
+        t.secondary_valid = true;
+        stats_.flushes++;
+        stats_.bytes_flushed += bytes;
       } else {
         discard.push_back(std::move(t.buffer));
         t.loc = TileLocation::Secondary;
@@ -703,6 +881,7 @@ CarrierPtr TiledEvictable::allocate_like(int64_t slots, bool is_mutable, const D
 std::shared_ptr<TiledEvictable::Work> TiledEvictable::begin_work(const std::vector<int64_t>& tiles, const char* purpose) {
   check_live("run tiled work");
   auto work = std::make_shared<Work>();
+  work->purpose = purpose;
   work->tiles = tiles;
   std::sort(work->tiles.begin(), work->tiles.end());
   work->tiles.erase(std::unique(work->tiles.begin(), work->tiles.end()), work->tiles.end());
@@ -738,8 +917,7 @@ std::shared_ptr<TiledEvictable::Work> TiledEvictable::begin_work(const std::vect
   try {
     work->ready = missing.empty() ? nullptr : promote_async(missing);
   } catch (...) {
-    end_work(work);
-    throw;
+    std::rethrow_exception(end_work(work, std::current_exception()));
   }
   if (!work->ready) {
     work->ready = std::make_shared<Completion<std::monostate>>();
@@ -748,29 +926,62 @@ std::shared_ptr<TiledEvictable::Work> TiledEvictable::begin_work(const std::vect
   return work;
 }
 
-void TiledEvictable::end_work(const std::shared_ptr<Work>& work) {
-  std::vector<int64_t> evict;
+// Note [A failed deferred eviction reaches the work]: a policy's evictions run when the work that planned them
+// ends, in end_work, in the work's own thread and before its completion is published (a caller that waited for
+// the work observes them). They used to be best effort, and a failure (a full disk: ENOSPC) vanished: the tiles
+// stayed resident and dirty, memory grew past the policy's budget, and a later release() discarded the values,
+// all without a word. A failed eviction is now reported by the handle of the work that planned it, with its
+// cause; the work's result is not published, and the tiles stay resident (dirty ones dirty: the eviction commits
+// all-or-nothing), so `stats()` counts no eviction for them. The alternative, a sticky error raised by the next
+// request on the carrier, was rejected: under concurrency that request is another caller's (an unrelated prefetch,
+// a read on another thread), chosen by timing; it would fail a request whose own work is fine; and with no later
+// request the error would never surface. The work's handle is the one report that is ordered with the eviction
+// and reaches the caller whose plan caused it, at the moment memory stops being bounded; retrying the work plans
+// again. What is not a failure stays silent: a planned tile that other work pins, that another request is
+// transitioning, or that is no longer resident is left out (those callers decide), and a carrier whose release
+// waits for this work evicts nothing. When the work failed too, its own error is reported, naming the failed
+// eviction as well.
+std::exception_ptr TiledEvictable::end_work(const std::shared_ptr<Work>& work, std::exception_ptr work_error) {
+  auto r = std::make_shared<Request>();
+  r->promote = false;
+  std::exception_ptr failure;  // the deferred eviction's, refused before any transfer or failed in one
   {
     std::lock_guard lock(mutex_);
-    if (work->ended) return;
+    if (work->ended) return work_error;
     work->ended = true;
     for (int64_t i : work->tiles) tiles_[i].pins--;
+    if (!is_released()) {  // a release waiting for this work drops every tile anyway
+      std::vector<int64_t> planned;
+      for (const auto& t : work->plan.evict) planned.push_back(tile_index(t));
+      try {
+        prepare_eviction(std::move(planned), *r, /*deferred=*/true);
+      } catch (...) {  // a read-only tier, a secondary that cannot grow: nothing was marked
+        failure = std::current_exception();
+      }
+    }
     active_work_--;
     idle_cv_.notify_all();
-    for (const auto& t : work->plan.evict) {
-      int64_t i = tile_index(t);
-      if (tiles_[i].pins == 0 && !tiles_[i].pending && tiles_[i].loc == TileLocation::Primary) evict.push_back(i);
-    }
   }
-  if (!evict.empty() && !is_released()) {
+  if (!failure && !r->tiles.empty()) {
+    start_request(r, /*inline_=*/true);
+    failure = r->done->error();
+  }
+  if (!failure) return work_error;
+  const std::string planned = "the residency policy planned the eviction of " + tile_list(r->tiles, "") + " after ";
+  const std::string kept = r->tiles.size() == 1 ? "the tile stays resident (and dirty if it was)"
+                                                : "the tiles stay resident (dirty ones dirty)";
+  if (work_error) {
     try {
-      // Deferred evictions run in this thread, before the work's own completion is
-      // published, so a caller that waited for the work observes them. Best effort:
-      // a failed eviction leaves its tiles resident and dirty, never invalidates work.
-      (void)evict_tiles(evict, /*inline_=*/true);
+      std::rethrow_exception(work_error);
     } catch (const Error&) {
+      return error_like(work_error, message_of(work_error) + "; besides, " + planned + "this " + work->purpose +
+                                        " and that eviction failed too (" + kept + "): " + message_of(failure));
+    } catch (...) {
+      return work_error;  // a foreign exception keeps its identity
     }
   }
+  return error_like(failure, "the " + work->purpose + " failed: " + planned + "it and that eviction failed, so " +
+                                 kept + ": " + message_of(failure));
 }
 
 CompletionPtr<std::monostate> TiledEvictable::work_ready(const std::shared_ptr<Work>& work) { return work->ready; }
@@ -991,6 +1202,7 @@ void TiledEvictable::do_release() {
   {
     std::unique_lock lock(mutex_);
     idle_cv_.wait(lock, [&] { return active_requests_ == 0 && active_work_ == 0; });
+    if (!named_file_.empty()) release_discards_.store(unsaved_tiles_locked());
     for (auto& t : tiles_) {
       if (t.buffer) buffers.push_back(std::move(t.buffer));
       t.loc = TileLocation::Invalid;
@@ -1004,5 +1216,63 @@ void TiledEvictable::do_release() {
   primary_->release();
   secondary_->release();
 }
+
+}  // namespace sw
+
+namespace sw {
+
+// ---------------------------------------------------------------- dirty tiles at release, collection and exit
+
+// Note [Dirty tiles are never discarded silently]: release() discards the tiles by definition, but a user whose
+// secondary tier is a file they named expects that file to hold the values, as a file object's writes reach its
+// file when it is closed. A dirty tile's latest value is in memory only; releasing, collecting or leaving the
+// carrier alive at interpreter exit loses it. So each of the three emits a ResourceWarning that names the file
+// and how many dirty tiles are discarded (as Python warns about an unclosed file); flush() first keeps them. An
+// anonymous secondary (a temporary file the library creates and removes) warns never: no one could have read
+// the values from it afterwards. The count and the decision are made here, under the tile table's lock, at the
+// moment of discarding; the binding emits the warning through Python's warnings machinery: after release()
+// returns (so a filter that turns it into an error raises from release()), from the destructor through the
+// installed reporter (a collected object: the warning is written as unraisable if a filter makes it an error),
+// and at interpreter exit from the binding's exit handler, after the pools drained (a dirty tile evicted just
+// before exit reaches its file and is not counted). A carrier reported at exit is not reported again when it is
+// destroyed during finalization.
+int64_t TiledEvictable::unsaved_tiles_locked() const {
+  int64_t n = 0;
+  for (const Tile& t : tiles_) n += t.loc == TileLocation::Primary && (t.dirty || !t.secondary_valid);
+  return n;
+}
+
+std::string TiledEvictable::discard_warning(int64_t tiles, const char* when) const {
+  std::ostringstream out;
+  out << "TiledEvictable over the file '" << named_file_ << "' discards " << tiles << " dirty "
+      << (tiles == 1 ? "tile " : "tiles ") << when << ": " << (tiles == 1 ? "its latest value was" : "their latest values were")
+      << " never written to the file; call flush() before release() to keep them";
+  return out.str();
+}
+
+std::string TiledEvictable::take_release_discard_warning() {
+  const int64_t tiles = release_discards_.exchange(0);
+  return tiles > 0 ? discard_warning(tiles, "on release()") : std::string();
+}
+
+std::vector<std::string> TiledEvictable::exit_discard_warnings() {
+  std::vector<std::string> out;
+  auto& named = named_file_carriers();
+  std::lock_guard registry(named.m);  // before any carrier's mutex_, as everywhere
+  for (TiledEvictable* c : named.live) {
+    if (c->is_released() || c->exit_reported_.load()) continue;
+    int64_t tiles;
+    {
+      std::lock_guard lock(c->mutex_);
+      tiles = c->unsaved_tiles_locked();
+    }
+    if (tiles == 0) continue;
+    c->exit_reported_.store(true);
+    out.push_back(c->discard_warning(tiles, "at interpreter exit"));
+  }
+  return out;
+}
+
+void TiledEvictable::set_discard_reporter(DiscardReporter reporter) noexcept { g_discard_reporter.store(reporter); }
 
 }  // namespace sw

@@ -200,6 +200,12 @@ class TiledResidencyFacet(CarrierFacet):
     def evict(self, tiles) -> None:
         return self._carrier.evict_async(tiles).wait()
 
+    def flush_async(self) -> AwaitResidency:
+        return self._carrier.flush_async()
+
+    def flush(self) -> None:
+        return self._carrier.flush_async().wait()
+
 
 def _promote(self, tiles) -> None:
     """Exactly ``promote_async(tiles).wait()``."""
@@ -211,8 +217,14 @@ def _evict(self, tiles) -> None:
     return self.evict_async(tiles).wait()
 
 
+def _flush(self) -> None:
+    """Exactly ``flush_async().wait()``: every dirty tile is in the secondary tier, durably, and clean (still resident)."""
+    return self.flush_async().wait()
+
+
 TiledEvictable.promote = _promote
 TiledEvictable.evict = _evict
+TiledEvictable.flush = _flush
 
 
 def _unsupported(*_args):

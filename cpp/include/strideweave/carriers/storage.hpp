@@ -46,6 +46,9 @@ class FileBackedCarrier final : public Carrier {
   CarrierPtr allocate_like(int64_t slots, bool is_mutable, const DType& dtype, bool empty) const override;
   bool allows_elementwise_fallback() const override { return true; }
 
+  // fsync of the file: every completed write is durable. RuntimeError when released.
+  void flush() override;
+
   const std::string& filename() const noexcept { return path_; }
   bool is_anonymous() const noexcept { return anonymous_; }
   int fd() const noexcept { return fd_; }
@@ -88,6 +91,8 @@ class BlockDevice : public std::enable_shared_from_this<BlockDevice> {
   // Byte-addressed I/O; unaligned ranges go through aligned bounce buffers.
   void read(int64_t offset, size_t bytes, void* out) const;
   void write(int64_t offset, size_t bytes, const void* in);
+  // fsync of the device (or preallocated file): every completed write is durable.
+  void sync();
 
  private:
   friend class BlockDeviceCarrier;
@@ -114,6 +119,8 @@ class BlockDeviceCarrier final : public Carrier {
   void grow(int64_t slots, bool zero) override;
   CarrierPtr allocate_like(int64_t slots, bool is_mutable, const DType& dtype, bool empty) const override;
   bool allows_elementwise_fallback() const override { return true; }
+  // fsync of the device: every completed write to the extent is durable. RuntimeError when released.
+  void flush() override;
   const std::shared_ptr<BlockDevice>& device() const noexcept { return device_; }
   int64_t device_offset() const noexcept { return start_; }
 

@@ -65,6 +65,7 @@ struct TiledStats {
   int64_t bytes_promoted = 0, bytes_evicted = 0;
   int64_t writes_skipped = 0;
   int64_t primary_tiles = 0, primary_bytes = 0;
+  int64_t flushes = 0, bytes_flushed = 0;  // tiles a flush wrote and marked clean (they stay resident)
 };
 
 const CarrierKind& tiled_evictable_kind();
@@ -116,7 +117,16 @@ class TiledEvictable final : public DependentCarrier {
   // -------- residency requests (tile indices already bound to the grid)
   // Asynchronous forms need the carrier to be held by a std::shared_ptr.
   CompletionPtr<std::monostate> promote_async(const std::vector<int64_t>& tiles);
+  // A tile that must be written (dirty, or its secondary copy not valid) is refused before anything changes when
+  // the secondary tier is read-only (Note [A read-only secondary tier]).
   CompletionPtr<std::monostate> evict_async(const std::vector<int64_t>& tiles);
+  // Writes every dirty tile to the secondary tier, makes the secondary durable (Carrier::flush: fsync of its file
+  // or device) and marks the tiles clean; they stay resident. Refused like other requests while any tile has an
+  // incomplete residency request ("wait"), and before anything changes when dirty tiles meet a read-only secondary.
+  // All-or-nothing: a failed write or fsync leaves every tile dirty and resident (Note [Flushing tiles]).
+  CompletionPtr<std::monostate> flush_async();
+  // Blocking flush_async(), run in the calling thread.
+  void flush() override;
   bool has_incomplete_work() const;
   // Whether `self` (a reference to this carrier) is the only one apart from
   // those its own incomplete residency requests hold while their transfers
@@ -143,8 +153,11 @@ class TiledEvictable final : public DependentCarrier {
   // policy for a plan, pins the tiles and promotes the missing ones as part of
   // this request. The completion is set once every required tile is readable.
   std::shared_ptr<Work> begin_work(const std::vector<int64_t>& tiles, const char* purpose);
-  // Unpins and applies the plan's deferred evictions.
-  void end_work(const std::shared_ptr<Work>& work);
+  // Unpins and applies the plan's deferred evictions, in this thread. Returns the error the work must report:
+  // `work_error` (the work's own failure, or null), joined by a deferred eviction's failure, which the work's
+  // handle reports with its cause (Note [A failed deferred eviction reaches the work]). Idempotent: a second call
+  // returns `work_error` unchanged.
+  [[nodiscard]] std::exception_ptr end_work(const std::shared_ptr<Work>& work, std::exception_ptr work_error = nullptr);
   // The completion that is set once `work`'s tiles are readable.
   static CompletionPtr<std::monostate> work_ready(const std::shared_ptr<Work>& work);
 
@@ -183,6 +196,21 @@ class TiledEvictable final : public DependentCarrier {
   // sole ownership rules out) is left as it is.
   void mark_tile_written(int64_t index, const CarrierPtr& buffer);
 
+  // -------- dirty tiles that would be discarded (Note [Dirty tiles are never discarded silently])
+  // Whether the secondary tier is a file the user named (FileBacked with a filename): only then does discarding a
+  // dirty tile lose values the user expects in a file.
+  bool secondary_is_named_file() const noexcept { return !named_file_.empty(); }
+  // After release(): the warning for the dirty tiles that release discarded (empty when none, when the secondary
+  // is not a named file, or when already taken). Taken once.
+  std::string take_release_discard_warning();
+  // The warning for a carrier of a named file still holding dirty tiles at interpreter exit, one per such live,
+  // unreleased carrier; each is reported once (its destructor then stays silent).
+  static std::vector<std::string> exit_discard_warnings();
+  // Called by the destructor of an unreleased carrier of a named file that still holds dirty tiles (and was not
+  // reported at exit) with its warning; installed by the language binding. Must not throw.
+  using DiscardReporter = void (*)(const std::string& warning) noexcept;
+  static void set_discard_reporter(DiscardReporter reporter) noexcept;
+
  protected:
   void do_release() override;
   void check_releasable() const override;
@@ -201,8 +229,23 @@ class TiledEvictable final : public DependentCarrier {
   void start_request(const std::shared_ptr<Request>& r, bool inline_ = false);
   CompletionPtr<std::monostate> promote_tiles(const std::vector<int64_t>& tiles, bool inline_);
   CompletionPtr<std::monostate> evict_tiles(const std::vector<int64_t>& tiles, bool inline_);
+  CompletionPtr<std::monostate> flush_tiles(bool inline_);
+  // Under mutex_: validates an eviction of `tiles` and marks those that need a transfer pending for `r` (left
+  // empty when none does). `deferred` (a policy's eviction after work): tiles that are pinned, pending or not
+  // resident are left out instead of refused.
+  void prepare_eviction(std::vector<int64_t> tiles, Request& r, bool deferred);
+  // Under mutex_: RuntimeError, naming the tiles and the tier, when some of `tiles` must be written and the
+  // secondary tier is read-only (Note [A read-only secondary tier]).
+  void check_secondary_writable(const std::vector<int64_t>& tiles, const char* what) const;
+  std::string secondary_description() const;
+  // "tiles (0,), (1,)" (at most eight named), with `adjective` before "tile(s)", for messages.
+  std::string tile_list(const std::vector<int64_t>& tiles, const char* adjective) const;
   void finish_tile(const std::shared_ptr<Request>& r, size_t k, CarrierPtr buffer, std::exception_ptr error);
+  // After every transfer of `r`: a flush makes the secondary durable, then commit.
+  void complete(const std::shared_ptr<Request>& r);
   void commit(const std::shared_ptr<Request>& r);
+  int64_t unsaved_tiles_locked() const;  // dirty primary tiles (under mutex_)
+  std::string discard_warning(int64_t tiles, const char* when) const;
   // Blocking promotion of one tile for slot access (lock held by caller is released inside).
   const Tile& readable_tile(int64_t index, std::unique_lock<std::mutex>& lock) const;
   void ensure_secondary_storage();
@@ -227,6 +270,11 @@ class TiledEvictable final : public DependentCarrier {
   // can uncount its reference after dropping it (Note [Requests' own references]).
   std::shared_ptr<std::atomic<int64_t>> request_refs_ = std::make_shared<std::atomic<int64_t>>(0);
   std::condition_variable idle_cv_;  // notified when active_requests_ or active_work_ drops
+  // The secondary tier's file name when the user named it (empty otherwise), and what release() discarded
+  // (Note [Dirty tiles are never discarded silently]).
+  std::string named_file_;
+  std::atomic<int64_t> release_discards_{0};
+  std::atomic<bool> exit_reported_{false};
   mutable std::mutex footprint_cache_mutex_;
   mutable std::vector<std::pair<Layout, int64_t>> footprint_cache_;  // compatible (layout, offset) pairs
 };
