@@ -104,7 +104,7 @@ void accumulate_into(TensorImpl& t, const TensorPtr& g, bool owned) {
     // Residency requests of other tiles may be under way (Note [Requests' own references]); accumulate_tiles
     // refuses a tile that one is transitioning.
     if (acc.only_reference_is(current->carrier) &&
-        acc.accumulate_tiles(static_cast<const TiledEvictable&>(*g->carrier), share))
+        acc.accumulate_tiles(static_cast<TiledEvictable&>(*g->carrier), share))
       return;
   }
   TensorPtr value = current ? on_leaf_kind(t, add_grads(current, g), /*owned=*/true) : on_leaf_kind(t, g, owned);
@@ -225,7 +225,15 @@ void backward(const TensorPtr& root, const TensorPtr& gradient, bool retain_grap
       }
       {
         OfferedSinks scope(sinks);
-        in_grads = n->apply(g);  // a node whose output received no gradient does no work
+        try {
+          in_grads = n->apply(g);  // a node whose output received no gradient does no work
+        } catch (...) {
+          // A sink already written holds a whole contribution: it is recorded (dirty, versioned) before its hold
+          // ends, never left behind unrecorded (Note [Gradient sums hold their tiles]).
+          for (auto& o : offered)
+            if (o && o->used) o->commit();
+          throw;
+        }
       }
       for (size_t i = 0; i < offered.size(); ++i)
         if (offered[i] && offered[i]->used) {
