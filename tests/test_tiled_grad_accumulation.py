@@ -475,3 +475,41 @@ def test_backward_lands_whole_while_another_thread_moves_the_gradient_tiles(step
     del g
     np.testing.assert_array_equal(values_of_grad(), want)
 
+
+# ---- Note [A released gradient]
+
+
+def test_backward_into_a_released_gradient_names_the_gradient(rng):
+    w, c, full = expert_weight(rng)
+    one = np.ones((OUT, IN), np.float32)
+    backward_through(c, full, 1, one)
+    released = full.grad
+    released.carrier.release()
+    b = friendly.tensor(np.full((OUT, IN), 3.0, np.float32))  # a second leaf, reached first
+    b.grad = friendly.tensor(np.full((OUT, IN), 5.0, np.float32))
+    b_grad, b_version = b.grad, b.grad.carrier.version
+    compact = c.project(full, TileSelection([[0], [2]])).wait()
+    out = sw.elementwise_mul(compact, b)
+    stats, version = c.stats(), c.version
+    for attempt in (lambda: out.backward(friendly.tensor(one), retain_graph=True),
+                    lambda: full.backward(full)):  # the leaf itself as the root
+        with pytest.raises(RuntimeError, match=r"the gradient of a TiledEvictable tensor of shape .* was released") as e:
+            attempt()
+        assert "cannot project" not in str(e.value)
+        # Nothing changed: neither leaf's gradient, nor the weight.
+        assert full.grad is released and b.grad is b_grad and b.grad.carrier.version == b_version
+        np.testing.assert_array_equal(np.asarray(b.grad), np.full((OUT, IN), 5.0, np.float32))
+        assert c.stats() == stats and c.version == version
+    # A fresh gradient once .grad is cleared.
+    full.grad = None
+    out.backward(friendly.tensor(one))
+    np.testing.assert_array_equal(expert_of(grad_values(full), 2), 3.0 * one)
+
+
+def test_backward_into_a_released_cpu_gradient_names_the_gradient():
+    a = friendly.tensor(np.ones(3, np.float32))
+    a.grad = friendly.tensor(np.ones(3, np.float32))
+    a.grad.carrier.release()
+    y = sw.mul(a, 2.0)
+    with pytest.raises(RuntimeError, match=r"the gradient of a CPU tensor of shape .* was released"):
+        y.backward(friendly.tensor(np.ones(3, np.float32)))

@@ -112,6 +112,22 @@ void accumulate_into(TensorImpl& t, const TensorPtr& g, bool owned) {
   t.grad = value;
 }
 
+// Note [A released gradient]: a .grad whose carrier was released (release(), or consumed by a move) cannot take
+// another contribution. The sum used to fail deep inside, with the words of whatever first read the released
+// carrier ("cannot project" for a tiled one) and after other leaves had already accumulated theirs. So backward
+// checks every gradient it may add to before any work, and names it.
+void check_gradient_live(const TensorImpl& t) {
+  TensorPtr current;
+  {
+    std::lock_guard lock(t.mutex);
+    current = t.grad;
+  }
+  if (current && current->carrier->is_released())
+    raise<RuntimeError>("backward: the gradient of a ", t.carrier->kind_name(), " tensor of shape ",
+                        t.layout.shape().str(), " was released (its .grad is backed by a released ",
+                        current->carrier->kind_name(), " carrier); set .grad to None to start a new gradient");
+}
+
 void check_saved(const Node& node) {
   for (const auto& s : node.saved) {
     uint64_t now = s.tensor->version();
@@ -155,6 +171,7 @@ void backward(const TensorPtr& root, const TensorPtr& gradient, bool retain_grap
     root_node = root->node;
   }
   if (!root_node) {  // a leaf
+    check_gradient_live(*root);  // Note [A released gradient]
     accumulate_into(*root, seed, /*owned=*/false);
     return;
   }
@@ -182,6 +199,25 @@ void backward(const TensorPtr& root, const TensorPtr& gradient, bool retain_grap
     }
   }
   for (const auto& n : order) check_saved(*n);
+  // Every gradient this backward may add to is checked before any is (Note [A released gradient]).
+  for (const auto& n : order) {
+    if (auto out = n->output.lock()) {
+      bool keep;
+      {
+        std::lock_guard lock(out->mutex);
+        keep = out->retains_grad;
+      }
+      if (keep) check_gradient_live(*out);
+    }
+    for (const auto& in : n->inputs) {
+      bool leaf;
+      {
+        std::lock_guard lock(in->mutex);
+        leaf = !in->node;
+      }
+      if (leaf && in->is_differentiable()) check_gradient_live(*in);
+    }
+  }
   // Kahn's algorithm from the root.
   std::unordered_map<Node*, TensorPtr> grads{{root_node.get(), seed}};
   std::unordered_set<const TensorImpl*> handed;  // gradients already given to a tensor
