@@ -10,6 +10,11 @@ gradient carriers share with the weight (allocate_like keeps it).
 
 from __future__ import annotations
 
+import os
+import random
+import threading
+import time
+
 import numpy as np
 import pytest
 
@@ -300,3 +305,211 @@ def test_a_held_gradient_with_a_request_under_way_is_not_mutated(rng, held_io):
     assert full.grad is not held
     np.testing.assert_array_equal(expert_of(grad_values_of(held), 1), s1)
     np.testing.assert_allclose(expert_of(grad_values(full), 1), s1 + s2, rtol=1e-6)
+
+
+# ---- Note [Gradient sums hold their tiles]: another thread moves the gradient's tiles while backward adds into them
+
+
+def test_backward_holds_the_gradient_tiles_it_adds_into(rng, held_io):
+    """The sum is paused in the middle (the read-back of its evicted tile waits at the pread gate): the resident
+    tile it adds into and the tile it reads back refuse every request meanwhile; the sum then lands whole."""
+    w, c, full = expert_weight(rng)
+    one = np.ones((OUT, IN), np.float32)
+    backward_through(c, full, 1, one)
+    backward_through(c, full, 3, one)
+    full.grad.carrier.evict(TileSet([(0, 1)]))  # read back by the next sum
+    version = full.grad.carrier.version
+    compact = c.project(full, TileSelection([[0], [1, 3]])).wait()  # the weight's tiles are resident: no pread
+    out = sw.mul(compact, 1.0)
+    seed = friendly.tensor(np.full((OUT, 2 * IN), 2.0, np.float32))
+    held_io._io_hold("pread")
+    errors = []
+
+    def run():
+        try:
+            out.backward(seed)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 30
+    while held_io._io_held_waiting("pread") == 0:
+        assert time.monotonic() < deadline, "the sum never read its evicted tile"
+        time.sleep(0.001)
+    g = full.grad.carrier  # a reference taken while the sum runs, as another thread would
+    states = [g.tile_state((0, e)) for e in range(E)]
+    with pytest.raises(RuntimeError, match="being added into by a gradient sum.*wait"):
+        g.evict(TileSet([(0, 3)]))
+    with pytest.raises(RuntimeError, match="wait"):
+        g.promote_async(TileSet([(0, 1)]))
+    with pytest.raises(RuntimeError, match="wait"):
+        g[4 * IN * 3]  # a slot of tile (0, 3)
+    with pytest.raises(RuntimeError, match="wait"):
+        g.project(full.grad, TileSelection([[0], [3]]))
+    with pytest.raises(RuntimeError, match="wait"):
+        g.release()
+    assert [g.tile_state((0, e)) for e in range(E)] == states and g.version == version
+    del g
+    held_io._io_unhold()
+    t.join(30)
+    assert not t.is_alive() and not errors, errors
+    assert full.grad.carrier.version == version + 1  # added in place, once
+    want = np.zeros((OUT, IN * E), np.float32)
+    want[:, IN:2 * IN] = 3.0
+    want[:, 3 * IN:4 * IN] = 3.0
+    np.testing.assert_array_equal(grad_values(full), want)
+    assert [s.location for s in map(full.grad.carrier.tile_state, [(0, 1), (0, 3)])] == ["primary", "primary"]
+    assert full.grad.carrier.tile_state((0, 1)).dirty
+
+
+STRESS_SEED = int(os.environ.get("SW_STRESS_SEED", "20251201"))
+STRESS_STEPS = max(1, int(float(os.environ.get("SW_STRESS_ROUNDS", "1")) * 1500))
+
+
+@pytest.mark.parametrize("step", ["sum", "matmul-sink", "two-tiles"])
+def test_backward_lands_whole_while_another_thread_moves_the_gradient_tiles(step):
+    """One thread loops backward into experts 1 and 3 (a tile-wise sum, a matmul adding into the resident .grad
+    tile, or one projection of both tiles); another loops evict/promote on the .grad's tiles, taking a fresh
+    reference each time. Every backward either lands whole or refuses with 'wait' and changes nothing: each
+    element ends exactly at (landed steps) x (one step's contribution), which is exact in Float32."""
+    seed = STRESS_SEED + ["sum", "matmul-sink", "two-tiles"].index(step)
+    print(f"stress seed {seed} (SW_STRESS_SEED replays it), at least {STRESS_STEPS} backward steps")
+    pick = random.Random(seed)
+    # Tiles of 48 KiB (a real expert's are MiBs): the time a sum spends writing a tile is what a move can hit.
+    out_, in_, experts_ = 128, 96, 4
+    values = np.random.default_rng(seed).standard_normal((out_, in_ * experts_)).astype(np.float32)
+    on_file = sw.move(friendly.tensor(values), sw.FileBacked())
+    c = TiledEvictable(sw.CPU(0), on_file.carrier, (1, experts_), (out_, in_))
+    full = sw.Tensor(c, 0, sw.Layout(sw.Shape(out_, [in_, experts_]), sw.Stride(1, [out_, out_ * in_])))
+    tokens = 2
+    x = friendly.tensor(np.ones((tokens, in_), np.float32))
+    graphs = {}  # expert(s) -> (output, seed): each step reruns one retained graph
+    for e in (1, 3):
+        compact = c.project(full, TileSelection([[0], [e]])).wait()
+        if step == "matmul-sink":  # d W_e = seed^T x = tokens everywhere, added into the .grad tile in place
+            graphs[(e,)] = (sw.matmul(x, compact), friendly.tensor(np.ones((tokens, out_), np.float32)))
+        else:
+            graphs[(e,)] = (sw.mul(compact, 1.0), friendly.tensor(np.full((out_, in_), 2.0, np.float32)))
+    both = c.project(full, TileSelection([[0], [1, 3]])).wait()
+    graphs[(1, 3)] = (sw.mul(both, 1.0), friendly.tensor(np.full((out_, 2 * in_), 2.0, np.float32)))
+    per_step = float(tokens) if step == "matmul-sink" else 2.0
+    landed = {1: 0, 3: 0}
+    refused = {"backward": 0, "residency": 0}
+    moves = [0]
+    done = threading.Event()
+    started = threading.Barrier(2)
+    errors = []
+    deadline = time.monotonic() + 60
+
+    def backward_loop():
+        try:
+            started.wait()
+            steps = 0
+            # At least STRESS_STEPS steps, and on until the other thread has made as many requests (bounded).
+            while steps < STRESS_STEPS or (moves[0] < STRESS_STEPS and time.monotonic() < deadline):
+                steps += 1
+                experts = (1, 3) if step == "two-tiles" else (pick.choice((1, 3)),)
+                out, s = graphs[experts]
+                try:
+                    out.backward(s, retain_graph=True)
+                except RuntimeError as e:
+                    if "wait" not in str(e):
+                        raise
+                    refused["backward"] += 1
+                    continue
+                for e in experts:
+                    landed[e] += 1
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+        finally:
+            done.set()
+
+    def residency_loop():
+        r = random.Random(seed + 1)
+        try:
+            started.wait()
+            while not done.is_set():
+                tiles = TileSet(r.sample([(0, 1), (0, 3), (0, 0)], r.randint(1, 3)))
+                try:
+                    g = full.grad
+                    if g is None:
+                        continue
+                    if r.random() < 0.5:
+                        g.carrier.evict(tiles)
+                    else:
+                        g.carrier.promote(tiles)
+                    del g
+                    moves[0] += 1
+                except RuntimeError as e:
+                    if "wait" not in str(e):
+                        raise
+                    refused["residency"] += 1
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (backward_loop, residency_loop)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "hang"
+    assert not errors, errors
+    print(f"landed {landed}, refused {refused}, {moves[0]} residency requests")
+    assert landed[1] + landed[3] > 0 and moves[0] > 0
+    want = np.zeros((out_, in_ * experts_), np.float32)
+    want[:, in_:2 * in_] = per_step * landed[1]
+    want[:, 3 * in_:4 * in_] = per_step * landed[3]
+
+    def values_of_grad():
+        g = full.grad
+        with sw.no_grad():
+            return np.asarray(g.carrier.project(g, TileSelection([[0], list(range(experts_))])).wait())
+
+    np.testing.assert_array_equal(values_of_grad(), want)
+    # Nothing is left held: every tile moves out and back.
+    g = full.grad.carrier
+    g.evict(TileSet([(0, e) for e in range(experts_)]))
+    g.promote(TileSet([(0, e) for e in range(experts_)]))
+    assert g.stats()["primary_tiles"] == experts_
+    del g
+    np.testing.assert_array_equal(values_of_grad(), want)
+
+
+# ---- Note [A released gradient]
+
+
+def test_backward_into_a_released_gradient_names_the_gradient(rng):
+    w, c, full = expert_weight(rng)
+    one = np.ones((OUT, IN), np.float32)
+    backward_through(c, full, 1, one)
+    released = full.grad
+    released.carrier.release()
+    b = friendly.tensor(np.full((OUT, IN), 3.0, np.float32))  # a second leaf, reached first
+    b.grad = friendly.tensor(np.full((OUT, IN), 5.0, np.float32))
+    b_grad, b_version = b.grad, b.grad.carrier.version
+    compact = c.project(full, TileSelection([[0], [2]])).wait()
+    out = sw.elementwise_mul(compact, b)
+    stats, version = c.stats(), c.version
+    for attempt in (lambda: out.backward(friendly.tensor(one), retain_graph=True),
+                    lambda: full.backward(full)):  # the leaf itself as the root
+        with pytest.raises(RuntimeError, match=r"the gradient of a TiledEvictable tensor of shape .* was released") as e:
+            attempt()
+        assert "cannot project" not in str(e.value)
+        # Nothing changed: neither leaf's gradient, nor the weight.
+        assert full.grad is released and b.grad is b_grad and b.grad.carrier.version == b_version
+        np.testing.assert_array_equal(np.asarray(b.grad), np.full((OUT, IN), 5.0, np.float32))
+        assert c.stats() == stats and c.version == version
+    # A fresh gradient once .grad is cleared.
+    full.grad = None
+    out.backward(friendly.tensor(one))
+    np.testing.assert_array_equal(expert_of(grad_values(full), 2), 3.0 * one)
+
+
+def test_backward_into_a_released_cpu_gradient_names_the_gradient():
+    a = friendly.tensor(np.ones(3, np.float32))
+    a.grad = friendly.tensor(np.ones(3, np.float32))
+    a.grad.carrier.release()
+    y = sw.mul(a, 2.0)
+    with pytest.raises(RuntimeError, match=r"the gradient of a CPU tensor of shape .* was released"):
+        y.backward(friendly.tensor(np.ones(3, np.float32)))

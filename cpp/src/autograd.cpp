@@ -104,12 +104,28 @@ void accumulate_into(TensorImpl& t, const TensorPtr& g, bool owned) {
     // Residency requests of other tiles may be under way (Note [Requests' own references]); accumulate_tiles
     // refuses a tile that one is transitioning.
     if (acc.only_reference_is(current->carrier) &&
-        acc.accumulate_tiles(static_cast<const TiledEvictable&>(*g->carrier), share))
+        acc.accumulate_tiles(static_cast<TiledEvictable&>(*g->carrier), share))
       return;
   }
   TensorPtr value = current ? on_leaf_kind(t, add_grads(current, g), /*owned=*/true) : on_leaf_kind(t, g, owned);
   std::lock_guard lock(t.mutex);
   t.grad = value;
+}
+
+// Note [A released gradient]: a .grad whose carrier was released (release(), or consumed by a move) cannot take
+// another contribution. The sum used to fail deep inside, with the words of whatever first read the released
+// carrier ("cannot project" for a tiled one) and after other leaves had already accumulated theirs. So backward
+// checks every gradient it may add to before any work, and names it.
+void check_gradient_live(const TensorImpl& t) {
+  TensorPtr current;
+  {
+    std::lock_guard lock(t.mutex);
+    current = t.grad;
+  }
+  if (current && current->carrier->is_released())
+    raise<RuntimeError>("backward: the gradient of a ", t.carrier->kind_name(), " tensor of shape ",
+                        t.layout.shape().str(), " was released (its .grad is backed by a released ",
+                        current->carrier->kind_name(), " carrier); set .grad to None to start a new gradient");
 }
 
 void check_saved(const Node& node) {
@@ -175,6 +191,7 @@ void backward(const TensorPtr& root, const TensorPtr& gradient, bool retain_grap
     root_node = root->node;
   }
   if (!root_node) {  // a leaf
+    check_gradient_live(*root);  // Note [A released gradient]
     accumulate_into(*root, seed, /*owned=*/false);
     return;
   }
@@ -202,6 +219,25 @@ void backward(const TensorPtr& root, const TensorPtr& gradient, bool retain_grap
     }
   }
   for (const auto& n : order) check_saved(*n);
+  // Every gradient this backward may add to is checked before any is (Note [A released gradient]).
+  for (const auto& n : order) {
+    if (auto out = n->output.lock()) {
+      bool keep;
+      {
+        std::lock_guard lock(out->mutex);
+        keep = out->retains_grad;
+      }
+      if (keep) check_gradient_live(*out);
+    }
+    for (const auto& in : n->inputs) {
+      bool leaf;
+      {
+        std::lock_guard lock(in->mutex);
+        leaf = !in->node;
+      }
+      if (leaf && in->is_differentiable()) check_gradient_live(*in);
+    }
+  }
   // Kahn's algorithm from the root.
   std::unordered_map<Node*, TensorPtr> grads{{root_node.get(), seed}};
   std::unordered_set<const TensorImpl*> handed;  // gradients already given to a tensor
@@ -245,7 +281,15 @@ void backward(const TensorPtr& root, const TensorPtr& gradient, bool retain_grap
       }
       {
         OfferedSinks scope(sinks);
-        in_grads = n->apply(g);  // a node whose output received no gradient does no work
+        try {
+          in_grads = n->apply(g);  // a node whose output received no gradient does no work
+        } catch (...) {
+          // A sink already written holds a whole contribution: it is recorded (dirty, versioned) before its hold
+          // ends, never left behind unrecorded (Note [Gradient sums hold their tiles]).
+          for (auto& o : offered)
+            if (o && o->used) o->commit();
+          throw;
+        }
       }
       for (size_t i = 0; i < offered.size(); ++i)
         if (offered[i] && offered[i]->used) {

@@ -174,27 +174,29 @@ std::vector<int64_t> shape_arg(nb::handle h, const char* what) {
   return out;
 }
 
-// Binds a TileSet / TileSelection argument to the carrier's grid (tile indices).
-std::vector<int64_t> bind_tiles(const TiledEvictable& c, nb::handle tiles, const char* what) {
-  nb::module_ mod = tiled_module();
-  nb::object set;
-  if (nb::isinstance(tiles, mod.attr("TileSet"))) set = nb::borrow(tiles);
-  else if (nb::isinstance(tiles, mod.attr("TileSelection"))) set = tiles.attr("tile_set");
-  else
-    sw::raise<sw::TypeError>(what, ": tiles must be a TileSet or a TileSelection, got ",
-                             nb::cast<std::string>(tiles.type().attr("__name__")));
-  c.check_live(what);
-  std::vector<int64_t> out;
-  for (const auto& t : coords_of(set)) out.push_back(c.tile_index(t));
-  return out;
-}
-
 sw::TileSelectionC selection_of(nb::handle sel, const char* what) {
   if (!nb::isinstance(sel, tiled_module().attr("TileSelection")))
     sw::raise<sw::TypeError>(what, ": selection must be a TileSelection, got ",
                              nb::cast<std::string>(sel.type().attr("__name__")));
   sw::TileSelectionC out;
   for (nb::handle axis : sel.attr("per_axis")) out.per_axis.push_back(coord_of(axis, "TileSelection coordinate"));
+  return out;
+}
+
+// Binds a TileSet / TileSelection argument to the carrier's grid (tile indices). A TileSelection is bound per axis
+// by the core, as project binds it: its ranges are checked before its Cartesian product is enumerated (a
+// 10**4 x 10**4 selection of a 2 x 2 grid is refused at once, with project's words, instead of building 10**8
+// coordinates). A TileSet's coordinates are checked as they are read: the first out of range stops the binding.
+std::vector<int64_t> bind_tiles(const TiledEvictable& c, nb::handle tiles, const char* what) {
+  nb::module_ mod = tiled_module();
+  const bool is_set = nb::isinstance(tiles, mod.attr("TileSet"));
+  if (!is_set && !nb::isinstance(tiles, mod.attr("TileSelection")))
+    sw::raise<sw::TypeError>(what, ": tiles must be a TileSet or a TileSelection, got ",
+                             nb::cast<std::string>(tiles.type().attr("__name__")));
+  c.check_live(what);
+  if (!is_set) return sw::bind_selection(c, selection_of(tiles, what));
+  std::vector<int64_t> out;
+  for (nb::handle t : tiles.attr("coordinates")) out.push_back(c.tile_index(coord_of(t, "tile coordinate")));
   return out;
 }
 
@@ -361,6 +363,8 @@ void bind_tiled(nb::module_& m) {
          nb::arg("reduction").none() = "replace",
          "Writes `compact` into the selected tiles of a fresh full-shaped TiledEvictable; returns an AwaitMove.")
       .def("_check_footprints", [](const TiledEvictable& c, const sw::TensorImpl& t) { c.check_footprints(t); });
+  // The most tiles a TiledEvictable has (Note [Tile table limits]): a selection naming more is out of every grid.
+  m.attr("_TILED_MAX_TILES") = TiledEvictable::kMaxTiles;
 }
 
 }  // namespace swpy

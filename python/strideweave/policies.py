@@ -9,13 +9,27 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-from .carriers.tiled_evictable import ResidencyPlan, TileSet
+from . import _core
+from .carriers.tiled_evictable import ResidencyPlan, TileSelection, TileSet
 
 __all__ = ["LRUPolicy", "PinnedPolicy"]
 
 
-def _tiles(tiles) -> tuple:
+def _tiles(tiles, what: str) -> tuple:
     if isinstance(tiles, TileSet):
+        return tiles.coordinates
+    if isinstance(tiles, TileSelection):
+        # Bounded before the Cartesian product is enumerated: the axes hold distinct coordinates, so a selection of
+        # more tiles than any tile grid has reaches out of every grid (Note [Tile table limits]).
+        count = 1
+        for n in tiles.compact_grid_shape:
+            count *= n
+        if count > _core._TILED_MAX_TILES:
+            shape = " x ".join(str(n) for n in tiles.compact_grid_shape)
+            raise ValueError(
+                f"{what}: the TileSelection names {count} tiles ({shape}), more than any tile grid has (a "
+                f"TiledEvictable has at most 2**24 = {_core._TILED_MAX_TILES}): some of its coordinates are out of "
+                "range for every tile grid")
         return tiles.coordinates
     if hasattr(tiles, "tile_set"):
         return tiles.tile_set.coordinates
@@ -73,7 +87,7 @@ class PinnedPolicy:
     """Keeps a fixed set of tiles resident: promotes them with the first request and never evicts."""
 
     def __init__(self, tiles):
-        self.tiles = TileSet(coordinates=_tiles(tiles))
+        self.tiles = TileSet(coordinates=_tiles(tiles, "PinnedPolicy"))
 
     def plan(self, required: TileSet, purpose: str) -> ResidencyPlan:
         pinned = set(self.tiles.coordinates)

@@ -239,21 +239,24 @@ struct ProjectionNode final : Node {
         current->offset != leaf->offset)
       return std::nullopt;
     // Checked before `acc` below takes a reference of its own. Requests on other tiles may be under way
-    // (Note [Requests' own references]); resident_tile_for_update refuses a tile one is transitioning.
+    // (Note [Requests' own references]); hold_tile_for_update refuses a tile one is transitioning.
     const auto* raw = dynamic_cast<const TiledEvictable*>(current->carrier.get());
     if (!raw || raw->is_released() || raw->dtype().id() != DTypeId::Float32 || raw->grid_shape() != carrier->grid_shape() ||
         raw->tile_shape() != carrier->tile_shape() || !raw->only_reference_is(current->carrier))
       return std::nullopt;
     auto acc = std::static_pointer_cast<TiledEvictable>(current->carrier);
     const int64_t index = acc->tile_index({selection.per_axis[0][0], selection.per_axis[1][0]});
-    CarrierPtr buf = acc->resident_tile_for_update(index);
-    if (!buf) return std::nullopt;
+    // The tile is held from here until the sink is committed or dropped: another thread that took a reference
+    // to the gradient meanwhile cannot evict, promote, read or release it under the producer's writes
+    // (Note [Gradient sums hold their tiles]).
+    std::shared_ptr<TiledEvictable::TileWrite> write = acc->hold_tile_for_update(index);
+    if (!write) return std::nullopt;
     GradientSink sink;
-    sink.data = reinterpret_cast<float*>(buf->mutable_native_data());
+    sink.data = write->data();
     sink.rows = acc->tile_shape()[0];
     sink.cols = acc->tile_shape()[1];
-    sink.keep_alive = buf;
-    sink.commit = [acc, index, buf] { acc->mark_tile_written(index, buf); };
+    sink.keep_alive = write;  // the hold (and the carrier) until the sink is dropped
+    sink.commit = [write] { write->commit(); };
     return sink;
   }
 };
@@ -469,9 +472,24 @@ bool tiled_gradients_compatible(const TensorPtr& a, const TensorPtr& b) {
   return true;
 }
 
+namespace {
+// A reading pin on every tile of a gradient sum's operand, ended on scope exit (Note [Gradient sums hold their
+// tiles]).
+struct ReadPin {
+  std::shared_ptr<TiledEvictable> carrier;
+  std::shared_ptr<TiledEvictable::Work> work;
+  explicit ReadPin(std::shared_ptr<TiledEvictable> c) : carrier(std::move(c)), work(carrier->pin_for_reading()) {}
+  ReadPin(const ReadPin&) = delete;
+  ReadPin& operator=(const ReadPin&) = delete;
+  ~ReadPin() { carrier->end_work(work); }
+};
+}  // namespace
+
 TensorPtr add_tiled_gradients(const TensorPtr& a, const TensorPtr& b) {
   auto ca = std::static_pointer_cast<TiledEvictable>(a->carrier);
   auto cb = std::static_pointer_cast<TiledEvictable>(b->carrier);
+  // Another thread may hold either operand (a .grad it read) and move its tiles: both are pinned while read.
+  ReadPin pin_a(ca), pin_b(cb);
   auto fresh = std::static_pointer_cast<TiledEvictable>(ca->allocate_like(ca->size(), true, ca->dtype(), false));
   const int64_t n = ca->tile_size();
   std::vector<std::pair<int64_t, CarrierPtr>> tiles;

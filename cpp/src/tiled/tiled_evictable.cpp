@@ -400,7 +400,7 @@ bool TiledEvictable::has_incomplete_work() const {
 // are therefore counted (request_refs_, shared with the requests so a request
 // can uncount after dropping its reference, which may free the carrier), and
 // only the rest must be the caller's one. Tiles under a request are still
-// never added into: accumulate_tiles and resident_tile_for_update check each
+// never added into: accumulate_tiles and hold_tile_for_update check each
 // tile. A request takes its reference after counting it and uncounts it after
 // dropping it, and the count is read before the use count, so a reading taken
 // in between shows fewer references than the caller's own (never more than
@@ -416,6 +416,9 @@ bool TiledEvictable::only_reference_is(const CarrierPtr& self) const {
 }
 
 void TiledEvictable::pending_conflict(int64_t index, const char* what) const {
+  if (tiles_[index].pending & kSumHold)
+    raise<RuntimeError>("tile ", coord_str(tile_coord(index)), " of TiledEvictable is being added into by a gradient ",
+                        "sum (backward); wait for it before ", what);
   raise<RuntimeError>("tile ", coord_str(tile_coord(index)), " of TiledEvictable has an incomplete residency request; ",
                       "wait for it before ", what);
 }
@@ -1067,56 +1070,135 @@ void add_runs_into(Carrier& dst, const Carrier& src, const std::vector<Run>& run
 }
 }  // namespace
 
+// Note [Gradient sums hold their tiles]: a gradient sum writes into tiles of a
+// leaf's .grad in place (accumulate_tiles, and a gradient sink that a matmul
+// adds its product into: Note [Gradient sinks]), and reads the tiles of the
+// gradients it adds. Whether it may write in place is decided by counting
+// references (Note [Tiled gradient accumulation]), but nothing stops another
+// thread from taking a reference to the .grad right after that check and
+// evicting, promoting, projecting or releasing its tiles while the sum writes
+// them: an eviction then wrote a half-added tile to the file and freed the
+// buffer under the writer (a crash, or a contribution silently lost). So every
+// tile a sum touches is held, exactly as work requests hold theirs, from before
+// its value is read until the result is recorded:
+//  * a tile written in place is *held*: Tile::pending carries the sum's id with
+//    kSumHold set, so everything that refuses a tile under a request refuses it
+//    too, with RuntimeError asking to wait (promotion, eviction, projection and
+//    other work, slot reads and writes, other sums), and release waits for it
+//    (active_work_), as for projections (promise 3 of docs/reliability.md).
+//    A tile that is secondary when the sum begins is held the same way and read
+//    back by the sum itself, which installs the sum as the resident, dirty tile;
+//    an implicit tile takes the contribution. The sum never waits for other
+//    requests: a tile already under a request, pinned by running work or held
+//    by another sum makes accumulate_tiles refuse (false, nothing changed), and
+//    the caller falls back to a fresh sum, whose reading pin then asks to wait.
+//  * a tile only read (the gradient being added, both operands of a fresh sum)
+//    is pinned: it is not evicted or written meanwhile, and a promotion that
+//    begins meanwhile only reads the secondary copy that tile_value reads too.
+// Everything that can fail (reading a secondary copy, allocating) happens
+// before the first in-place write and before anything is published, so a sum
+// lands whole or not at all; the in-place additions that follow cannot fail.
+// Holding costs one lock per sum (and per sink), not per slot.
+
+void TiledEvictable::end_hold_locked(std::span<const int64_t> tiles, uint64_t hold) {
+  for (int64_t i : tiles) {
+    SW_ASSERT(tiles_[i].pending == hold, "tile ", i, " is not held by this gradient sum");
+    tiles_[i].pending = 0;
+  }
+  active_work_--;
+  idle_cv_.notify_all();
+}
+
+std::shared_ptr<TiledEvictable::Work> TiledEvictable::pin_for_reading() {
+  auto work = std::make_shared<Work>();
+  work->tiles.resize(static_cast<size_t>(tile_count_));
+  for (int64_t i = 0; i < tile_count_; ++i) work->tiles[static_cast<size_t>(i)] = i;
+  std::lock_guard lock(mutex_);
+  check_live("read its tiles");  // under the lock: Note [Release races with requests]
+  for (int64_t i = 0; i < tile_count_; ++i) {
+    const Tile& t = tiles_[i];
+    if (t.pending) pending_conflict(i, "reading it");
+    if (t.loc == TileLocation::Invalid)
+      raise<RuntimeError>("tile ", coord_str(tile_coord(i)), " of TiledEvictable is invalid: it has no value yet");
+  }
+  for (auto& t : tiles_) t.pins++;
+  active_work_++;
+  return work;
+}
+
 CarrierPtr TiledEvictable::tile_value(int64_t index) const {
-  TileLocation loc;
   {
     std::lock_guard lock(mutex_);
     const Tile& t = tiles_[index];
-    if (t.pending) pending_conflict(index, "reading it");
+    // The caller's pin keeps evictions and sums away; a request on a pinned tile is a promotion, which only reads
+    // the secondary copy that is read below (Note [Gradient sums hold their tiles]).
+    if (t.pending && (t.pins == 0 || (t.pending & kSumHold))) pending_conflict(index, "reading it");
     if (t.loc == TileLocation::Invalid)
       raise<RuntimeError>("tile ", coord_str(tile_coord(index)), " of TiledEvictable is invalid: it has no value yet");
     if (t.loc == TileLocation::Implicit) return nullptr;
     if (t.loc == TileLocation::Primary) return t.buffer;
-    loc = t.loc;
   }
-  (void)loc;
   CarrierPtr buf = primary_->allocate_like(tile_size_, true, dtype(), true);
   for (const Run& run : runs_[index]) copy_slots(*secondary_, run.offset, *buf, run.ordinal, run.length);
   return buf;
 }
 
-CarrierPtr TiledEvictable::resident_tile_for_update(int64_t index) const {
-  std::lock_guard lock(mutex_);
-  const Tile& t = tiles_[index];
-  if (t.loc != TileLocation::Primary || t.pending || t.pins > 0 || !t.buffer || !t.buffer->native_data())
-    return nullptr;
-  return t.buffer;
-}
-
-void TiledEvictable::mark_tile_written(int64_t index, const CarrierPtr& buffer) {
+std::unique_ptr<TiledEvictable::TileWrite> TiledEvictable::hold_tile_for_update(int64_t index) {
+  auto self = std::static_pointer_cast<TiledEvictable>(weak_from_this().lock());
+  if (!self) return nullptr;
+  // Made before the hold is taken, so that once taken only its destructor ends it.
+  std::unique_ptr<TileWrite> write(new TileWrite(self, index, 0, nullptr, nullptr));
   {
     std::lock_guard lock(mutex_);
+    if (is_released()) return nullptr;
     Tile& t = tiles_[index];
-    if (t.loc != TileLocation::Primary || t.buffer != buffer) return;
-    t.dirty = true;
-    t.secondary_valid = false;
+    if (t.loc != TileLocation::Primary || t.pending || t.pins > 0 || !t.buffer || !t.buffer->native_data())
+      return nullptr;
+    write->hold_ = next_request_++ | kSumHold;
+    t.pending = write->hold_;
+    active_work_++;
+    write->buffer_ = t.buffer;
   }
-  bump_version();
+  // Held: nobody shares the buffer from now on, so a copy-on-write (Note [Shared snapshots]) happens here, once.
+  write->data_ = reinterpret_cast<float*>(write->buffer_->mutable_native_data());
+  return write;
 }
 
-bool TiledEvictable::accumulate_tiles(const TiledEvictable& other, bool share_other) {
+TiledEvictable::TileWrite::~TileWrite() {
+  if (ended_ || !hold_) return;
+  std::lock_guard lock(owner_->mutex_);
+  owner_->end_hold_locked({&index_, 1}, hold_);
+}
+
+void TiledEvictable::TileWrite::commit() {
+  SW_ASSERT(!ended_ && hold_, "TileWrite::commit without a hold");
+  std::lock_guard lock(owner_->mutex_);
+  Tile& t = owner_->tiles_[index_];
+  SW_ASSERT(t.buffer == buffer_ && t.loc == TileLocation::Primary, "a held tile changed under its writer");
+  t.dirty = true;
+  t.secondary_valid = false;
+  owner_->bump_version();  // before the hold ends: whoever reads the sum next sees the new version
+  owner_->end_hold_locked({&index_, 1}, hold_);
+  ended_ = true;
+}
+
+bool TiledEvictable::accumulate_tiles(TiledEvictable& other, bool share_other) {
   SW_ASSERT(&other != this && other.grid_ == grid_ && other.tile_ == tile_ && other.dtype() == dtype(),
             "accumulate_tiles over a different geometry");
   if (dtype().id() != DTypeId::Float32 || is_released() || other.is_released() || !is_mutable()) return false;
-  // Plan under both locks: which tiles contribute and what each does here.
+  // Plan under both locks: which tiles contribute and what each does here; hold them (Note [Gradient sums hold
+  // their tiles]): ours for writing, `other`'s for reading.
   struct Step {
     int64_t index;
     TileLocation here, theirs;
     CarrierPtr mine;
   };
   std::vector<Step> steps;
+  std::vector<int64_t> held;
+  uint64_t hold = 0;
   {
     std::scoped_lock lock(mutex_, other.mutex_);
+    if (is_released() || other.is_released()) return false;  // Note [Release races with requests]
     for (int64_t i = 0; i < tile_count_; ++i) {
       const Tile& o = other.tiles_[i];
       if (o.pending || o.loc == TileLocation::Invalid) return false;
@@ -1125,60 +1207,114 @@ bool TiledEvictable::accumulate_tiles(const TiledEvictable& other, bool share_ot
       if (t.pending || t.pins > 0 || t.loc == TileLocation::Invalid) return false;
       steps.push_back({i, t.loc, o.loc, t.buffer});
     }
-  }
-  if (steps.empty()) return true;
-  // The caller holds the only reference to this carrier: nothing else changes
-  // its tiles while the values are computed outside the lock.
-  const int64_t bytes = tile_size_ * static_cast<int64_t>(slot_bytes(dtype()));
-  std::vector<std::pair<Step, CarrierPtr>> results;  // new primary buffer per step (null: added in place)
-  for (const Step& st : steps) {
-    CarrierPtr theirs = other.tile_value(st.index);
-    CarrierPtr out;
-    if (st.here == TileLocation::Implicit) {
-      if (share_other && st.theirs == TileLocation::Primary) {
-        out = theirs;
-      } else if (st.theirs == TileLocation::Primary) {
-        out = primary_->allocate_like(tile_size_, true, dtype(), true);
-        copy_slots(*theirs, 0, *out, 0, tile_size_);
-      } else {
-        out = theirs;  // already a fresh buffer read from other's secondary tier
-      }
-    } else if (st.here == TileLocation::Primary) {
-      add_tile_into(*st.mine, *theirs, tile_size_);
-    } else if (share_other && st.theirs == TileLocation::Primary && theirs->native_data()) {
-      // Secondary here, a fresh gradient there: the secondary values are added into the fresh buffer, which
-      // becomes the promoted tile (Note [Adding a secondary tile]).
-      add_runs_into(*theirs, *secondary_, runs_[st.index]);
-      out = theirs;
-    } else {  // secondary: promote, then add
-      out = primary_->allocate_like(tile_size_, true, dtype(), true);
-      for (const Run& run : runs_[st.index]) copy_slots(*secondary_, run.offset, *out, run.ordinal, run.length);
-      add_tile_into(*out, *theirs, tile_size_);
+    if (steps.empty()) return true;
+    hold = next_request_++ | kSumHold;
+    for (const Step& st : steps) {
+      tiles_[st.index].pending = hold;
+      other.tiles_[st.index].pins++;
+      held.push_back(st.index);
     }
-    results.emplace_back(st, std::move(out));
+    active_work_++;
+    other.active_work_++;
   }
-  {
-    std::lock_guard lock(mutex_);
-    for (auto& [st, out] : results) {
+  // Ends the holds (with `publish` run under both locks first).
+  auto end_holds = [&](const std::function<void()>& publish) {
+    {
+      std::scoped_lock lock(mutex_, other.mutex_);
+      if (publish) publish();
+      end_hold_locked(held, hold);
+      for (int64_t i : held) other.tiles_[i].pins--;
+      other.active_work_--;
+      other.idle_cv_.notify_all();
+    }
+  };
+  // First everything that can fail, with nothing visible changed: each step's new primary buffer (`out`), or,
+  // for a resident native tile, the memory the contribution is added into below.
+  const int64_t bytes = tile_size_ * static_cast<int64_t>(slot_bytes(dtype()));
+  struct Result {
+    CarrierPtr out;           // the tile's new primary buffer
+    float* into = nullptr;    // or: added into this tile's buffer in place ...
+    CarrierPtr theirs;        // ... from this one
+  };
+  std::vector<Result> results(steps.size());
+  try {
+    for (size_t k = 0; k < steps.size(); ++k) {
+      const Step& st = steps[k];
+      Result& r = results[k];
+      CarrierPtr theirs = other.tile_value(st.index);
+      if (st.here == TileLocation::Implicit) {
+        if (share_other && st.theirs == TileLocation::Primary) {
+          r.out = theirs;
+        } else if (st.theirs == TileLocation::Primary) {
+          r.out = primary_->allocate_like(tile_size_, true, dtype(), true);
+          copy_slots(*theirs, 0, *r.out, 0, tile_size_);
+        } else {
+          r.out = theirs;  // already a fresh buffer read from other's secondary tier
+        }
+      } else if (st.here == TileLocation::Primary) {
+        std::byte* d = st.mine->mutable_native_data();  // a copy-on-write happens here (Note [Shared snapshots])
+        if (d && theirs->native_data()) {
+          r.into = reinterpret_cast<float*>(d);
+          r.theirs = std::move(theirs);
+        } else {  // no native memory to add into in place: a new buffer replaces the tile's
+          r.out = primary_->allocate_like(tile_size_, true, dtype(), true);
+          copy_slots(*st.mine, 0, *r.out, 0, tile_size_);
+          add_tile_into(*r.out, *theirs, tile_size_);
+        }
+      } else if (share_other && st.theirs == TileLocation::Primary && theirs->native_data()) {
+        // Secondary here, a fresh gradient there: the secondary values are added into the fresh buffer, which
+        // becomes the promoted tile (Note [Adding a secondary tile]).
+        add_runs_into(*theirs, *secondary_, runs_[st.index]);
+        r.out = theirs;
+      } else {  // secondary: read back, then add
+        r.out = primary_->allocate_like(tile_size_, true, dtype(), true);
+        for (const Run& run : runs_[st.index]) copy_slots(*secondary_, run.offset, *r.out, run.ordinal, run.length);
+        add_tile_into(*r.out, *theirs, tile_size_);
+      }
+    }
+  } catch (...) {
+    end_holds(nullptr);  // nothing was published; the buffers made above are dropped
+    throw;
+  }
+  // The in-place additions: native memory, nothing left that can fail.
+  for (const Result& r : results) {
+    if (!r.into) continue;
+    float* df = r.into;
+    const float* sf = reinterpret_cast<const float*>(r.theirs->native_data());
+    // Bound by memory bandwidth: a large tile (an expert's 4 MiB) is split over the cores.
+    detail::parallel_for(tile_size_, int64_t{1} << 18, [df, sf](int64_t b, int64_t e) {
+      for (int64_t k = b; k < e; ++k) df[k] += sf[k];
+    });
+  }
+  std::vector<CarrierPtr> replaced;
+  end_holds([&] {
+    for (size_t k = 0; k < steps.size(); ++k) {
+      const Step& st = steps[k];
+      Result& r = results[k];
       Tile& t = tiles_[st.index];
+      SW_ASSERT(t.loc == st.here && t.buffer == st.mine, "a held tile changed under its gradient sum");
       if (st.here == TileLocation::Secondary) {
         stats_.promotions++;
         stats_.bytes_promoted += bytes;
       }
-      if (out) {
-        t.buffer = std::move(out);
+      if (r.out) {
+        if (t.buffer) replaced.push_back(std::move(t.buffer));
+        t.buffer = std::move(r.out);
         if (t.loc != TileLocation::Primary) {
           stats_.primary_tiles++;
           stats_.primary_bytes += bytes;
         }
-        // An implicit tile has no secondary copy; a promoted one keeps its (now stale) copy.
-        t.secondary_valid = st.here == TileLocation::Secondary;
+        // An implicit tile has no secondary copy; a read-back one keeps its (now stale) copy, as a replaced
+        // resident one does.
+        if (st.here == TileLocation::Implicit) t.secondary_valid = false;
+        if (st.here == TileLocation::Secondary) t.secondary_valid = true;
         t.loc = TileLocation::Primary;
       }
       t.dirty = true;
     }
-  }
-  bump_version();
+    bump_version();  // before the holds end: whoever reads the sum next sees the new version
+  });
+  for (auto& b : replaced) b->release();
   return true;
 }
 

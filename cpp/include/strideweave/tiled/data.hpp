@@ -51,6 +51,9 @@ CompletionPtr<TensorPtr> scatter(const std::shared_ptr<TiledEvictable>& carrier,
 //    .grad tensor and its carrier, so nobody can observe the mutation; then
 //    the cost is the tiles the new gradient touches. Otherwise it falls back to
 //    a fresh sum, leaving any tensor the caller holds unchanged.
+// Both hold the tiles they touch while they do (Note [Gradient sums hold their
+// tiles]): a thread that takes a reference to the .grad after that check cannot
+// move or release them under the sum.
 // Neither consults the residency policy: they are part of the backward request
 // that produced the gradient, and the policy (shared with the weight carrier
 // through allocate_like) tracks the weight's tiles.

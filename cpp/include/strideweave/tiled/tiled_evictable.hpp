@@ -14,7 +14,9 @@
 // validates its whole tile set, marks the tiles pending, runs one transfer
 // per tile on the I/O executor and commits all-or-nothing under the tile
 // table's mutex. A clean tile whose secondary copy is valid is evicted without
-// writing. Work that needs tiles pins them; pinned tiles are never evicted.
+// writing. Work that needs tiles pins them; pinned tiles are never evicted. A
+// gradient sum holds the tiles it writes in place, and everything else refuses
+// them meanwhile (Note [Gradient sums hold their tiles]).
 // Residency never changes the carrier's version.
 //
 // Thread-safety: the tile table is guarded by one mutex, never held while
@@ -27,6 +29,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <variant>
 #include <string>
 #include <vector>
@@ -171,30 +174,54 @@ class TiledEvictable final : public DependentCarrier {
   void make_all_implicit();
 
   // -------- gradient accumulation (engine code: autograd's tiled gradient sums)
-  // Tile `index`'s value without changing residency: nullptr for an implicit
-  // zero, the primary buffer itself for a resident tile (read it, never write
-  // it), or a fresh primary-kind buffer read from the secondary tier.
-  // RuntimeError for an invalid tile or one under an incomplete request.
+  // Every tile a gradient sum reads or writes is held while it does (Note [Gradient sums hold their tiles]).
+  //
+  // Pins every tile for reading through tile_value, without asking the policy or changing residency (the operands
+  // of a fresh gradient sum); end_work unpins. RuntimeError (asking to wait) when a tile is under an incomplete
+  // request or being added into, or is invalid; nothing is pinned then.
+  std::shared_ptr<Work> pin_for_reading();
+  // Tile `index`'s value without changing residency: nullptr for an implicit zero, the primary buffer itself for a
+  // resident tile (read it, never write it), or a fresh primary-kind buffer read from the secondary tier. The
+  // caller holds a pin on the tile (pin_for_reading, begin_work), so nothing evicts or writes it meanwhile.
+  // RuntimeError for an invalid tile or one a request or a sum is changing.
   CarrierPtr tile_value(int64_t index) const;
-  // this += other, tile by tile and in place, for a gradient that nobody but
-  // the caller holds (the caller checks that). `other` must have this carrier's
-  // geometry and dtype and be read with the same offset and Layout, so tile i
-  // of both holds the same logical values in the same order. Implicit tiles of
-  // `other` cost nothing; an implicit tile here takes `other`'s value (its
-  // buffer itself when `share_other`, i.e. `other` is a fresh gradient about to
-  // be dropped); a secondary tile here is promoted and added to. Returns false,
-  // changing nothing, when a tile is invalid, pinned or under an incomplete
-  // request; otherwise advances the version once when anything was added.
-  bool accumulate_tiles(const TiledEvictable& other, bool share_other);
-  // For a gradient sink (Note [Gradient sinks]): the primary buffer of tile
-  // `index` when it is resident, native, unpinned and under no request, else
-  // nullptr; the caller adds into it in place (it holds the only reference to
-  // this carrier) and then calls mark_tile_written.
-  CarrierPtr resident_tile_for_update(int64_t index) const;
-  // Tile `index`, whose primary buffer is `buffer`, was changed in place: dirty, its secondary copy stale, the
-  // version advanced. A tile that no longer holds `buffer` (something evicted it meanwhile, which the caller's
-  // sole ownership rules out) is left as it is.
-  void mark_tile_written(int64_t index, const CarrierPtr& buffer);
+  // this += other, tile by tile and in place, for a gradient that only the caller is meant to observe (the caller
+  // checks that). `other` must have this carrier's geometry and dtype and be read with the same offset and Layout,
+  // so tile i of both holds the same logical values in the same order. Implicit tiles of `other` cost nothing; an
+  // implicit tile here takes `other`'s value (its buffer itself when `share_other`, i.e. `other` is a fresh
+  // gradient about to be dropped); a secondary tile here is read back and added to. The tiles written are held
+  // for the whole sum and `other`'s tiles pinned, so the sum lands whole or not at all. Returns false, changing
+  // nothing, when a tile is invalid, pinned or under an incomplete request or another sum; otherwise advances the
+  // version once when anything was added. An error (reading a secondary tile) changes nothing.
+  bool accumulate_tiles(TiledEvictable& other, bool share_other);
+
+  // An in-place write into one resident tile (a gradient sink: Note [Gradient sinks]). While it lives the tile is
+  // held (Note [Gradient sums hold their tiles]): requests, work, slot access and sums on it refuse with 'wait',
+  // and release waits. Destroying it without commit() ends the hold and leaves the tile as it was.
+  class TileWrite {
+   public:
+    TileWrite(const TileWrite&) = delete;
+    TileWrite& operator=(const TileWrite&) = delete;
+    ~TileWrite();
+    // The tile's primary buffer, dense Float32 in within-tile order; write only while the hold lives.
+    float* data() const noexcept { return data_; }
+    // The tile was written: dirty, its secondary copy stale, the version advanced; then the hold ends.
+    void commit();
+
+   private:
+    friend class TiledEvictable;
+    TileWrite(std::shared_ptr<TiledEvictable> owner, int64_t index, uint64_t hold, CarrierPtr buffer, float* data)
+        : owner_(std::move(owner)), index_(index), hold_(hold), buffer_(std::move(buffer)), data_(data) {}
+    std::shared_ptr<TiledEvictable> owner_;
+    int64_t index_;
+    uint64_t hold_;
+    CarrierPtr buffer_;
+    float* data_;
+    bool ended_ = false;
+  };
+  // Holds tile `index` for an in-place write when it is resident in native memory, unpinned and under no request
+  // or other sum; else nullptr, changing nothing. The carrier must be held by a std::shared_ptr.
+  std::unique_ptr<TileWrite> hold_tile_for_update(int64_t index);
 
   // -------- dirty tiles that would be discarded (Note [Dirty tiles are never discarded silently])
   // Whether the secondary tier is a file the user named (FileBacked with a filename): only then does discarding a
@@ -222,7 +249,8 @@ class TiledEvictable final : public DependentCarrier {
     bool secondary_valid = false;
     CarrierPtr buffer;      // primary storage when resident
     int pins = 0;
-    uint64_t pending = 0;   // id of the incomplete residency request transitioning it
+    uint64_t pending = 0;   // id of the incomplete residency request transitioning it, or of the sum holding it
+                            // (kSumHold set: Note [Gradient sums hold their tiles])
   };
   struct Request;
   // Runs the request's transfers on the I/O executor, or in this thread when `inline_`.
@@ -251,6 +279,10 @@ class TiledEvictable final : public DependentCarrier {
   void ensure_secondary_storage();
   void check_table_size() const;  // Note [Tile table limits]
   [[noreturn]] void pending_conflict(int64_t index, const char* what) const;
+  // Ends a sum's hold `hold` on `tiles` (lock held by the caller); Note [Gradient sums hold their tiles].
+  void end_hold_locked(std::span<const int64_t> tiles, uint64_t hold);
+  // Tile::pending of a tile a gradient sum holds: the sum's id with this bit set (never a request's id).
+  static constexpr uint64_t kSumHold = uint64_t{1} << 63;
 
   std::vector<int64_t> grid_, tile_, logical_;
   int64_t tile_count_ = 0, tile_size_ = 0, total_ = 0;
