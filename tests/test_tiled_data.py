@@ -390,15 +390,45 @@ def test_backpropagate_through_project_then_operation(rng):
         st = gc.tile_state(t)
         assert st.valid and st.location == "implicit"
     np.testing.assert_allclose(np_of(g), expected, rtol=1e-5, atol=1e-6)
-    # The projection node validates the version it saved.
-    compact2 = c.project(w.full, sel).wait()
-    w.full[(0, 0, 3)] = 1.0
-    with pytest.raises(RuntimeError, match="modified in-place"):
-        sw.reduce_sum(compact2, "a b c -> a").backward(gradient=cot_tensor(np.ones(w.tile[0], np.float32)))
+    # The projection's VJP reads no values of the full tensor, so a write to it in between changes nothing
+    # (Note [A projection saves no values]): see test_projection_backward_ignores_writes_to_the_full_tensor.
 
 
 def cot_tensor(values) -> Tensor:
     return cpu_tensor(values)
+
+
+@pytest.mark.parametrize("tiles", [[4], [4, 2]], ids=["one-tile", "two-tiles"])
+def test_projection_backward_ignores_writes_to_the_full_tensor(rng, tiles):
+    """A projection's backward needs the full tensor's geometry, not its values: writing a slot of the full carrier
+    (in a projected tile and in another) between forward and backward leaves backward working, with exact
+    gradients. An operation whose VJP reads its saved inputs (elementwise_mul of the full tiled tensor with
+    itself) still refuses with "modified in-place", changing nothing."""
+    w = expert_weight(rng, experts=6)
+    c = w.carrier
+    sel = TileSelection([[0], [0], tiles])
+    p = c.project(w.full, sel).wait()
+    weights = rng.standard_normal(p.layout.shape.extents).astype(np.float32)
+    loss = sw.reduce_sum(sw.elementwise_mul(p, cpu_tensor(weights)), "a b c ->")
+    v0 = w.full.version
+    w.full[(0, 0, tiles[0])] = 5.0  # a projected tile
+    w.carrier[c.size() - 1] = -3.0  # tile (0, 0, 5): not projected
+    assert w.full.version == v0 + 2
+    loss.backward()
+    expected = np.zeros_like(w.values)
+    expected[region_index(w.tile, sel.per_axis)] = weights  # d(sum(p * W))/dp = W, exactly
+    np.testing.assert_array_equal(np_of(w.full.grad), expected)
+
+    # elementwise_mul saves its operands (its VJP reads each): a write in between is refused.
+    w2 = expert_weight(rng, experts=3)
+    y = sw.reduce_sum(sw.elementwise_mul(w2.full, w2.full), "a b c ->")
+    v1 = w2.full.version
+    w2.carrier[0] = 7.0
+    before = tiled_snapshot(w2.carrier)
+    with pytest.raises(RuntimeError, match=rf"modified in-place.*version {v1}.*version {v1 + 1}"):
+        y.backward()
+    assert w2.full.grad is None
+    assert tiled_snapshot(w2.carrier) == before
 
 
 def test_accumulate_overlapping_projections(rng):

@@ -209,6 +209,14 @@ TensorPtr scatter_add_gradient(const std::shared_ptr<TiledEvictable>& c, const T
   return make_tensor(fresh, primal->offset, primal->layout);
 }
 
+// Note [A projection saves no values]: a projection's VJP scatter-adds the
+// cotangent into a fresh gradient laid out like the full tensor; it reads the
+// full tensor's offset, layout and carrier geometry (never changed by writes),
+// never its values. So the node saves nothing, and backward checks no version
+// for it: a slot written between forward and backward, in a projected tile or
+// another, cannot make the gradient wrong, and must not make backward fail with
+// "modified in-place". Nodes whose VJP does read saved values (mul, relu,
+// matmul, ...; saves_inputs in ops.cpp) still save and check them.
 struct ProjectionNode final : Node {
   std::shared_ptr<TiledEvictable> carrier;
   TileSelectionC selection;
@@ -380,7 +388,7 @@ CompletionPtr<TensorPtr> project_for(const std::shared_ptr<TiledEvictable>& c, c
         node->inputs = {tensor};
         node->carrier = c;
         node->selection = sel;
-        node->save(tensor);
+        // Nothing is saved (Note [A projection saves no values]): the VJP reads only the full tensor's geometry.
         attach_node(node, result);
       }
     } catch (...) {
