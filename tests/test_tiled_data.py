@@ -678,6 +678,60 @@ def test_scatter_a_compact_result(rng):
     assert added.carrier.version == 1
 
 
+def small_tiled(dtype, values, grid, tile):
+    """A 1-D TiledEvictable of `dtype` over CPU tiers (FileBacked stores no Bool), every tile secondary-valid."""
+    n = len(values)
+    sec = sw.CPU(n, dtype=dtype)
+    for s, v in enumerate(values):
+        sec[s] = v
+    c = TiledEvictable(sw.CPU(0, dtype=dtype), sec, grid, tile)
+    return c, Tensor(c, 0, Layout(Shape(n), Stride(1)))
+
+
+@pytest.mark.parametrize("dtype", ["Bool", "Int32"])
+def test_scatter_add_follows_the_central_add_dtype_rule(dtype, rng):
+    """reduction="add" is add's sum: Int32 + Int32 stays Int32 (exact values); Bool + Bool is Float32 for add, which
+    a Bool carrier cannot hold, so the scatter refuses with TypeError before any work and changes nothing."""
+    dt = getattr(DType, dtype)
+    if dt is DType.Bool:
+        values = [bool(x) for x in rng.integers(0, 2, 6)]
+        compact_np = np.array([True, False, True, True])
+        as_np = np.bool_
+    else:
+        values = [int(x) for x in rng.integers(-50, 50, 6)]
+        compact_np = rng.integers(-50, 50, 4).astype(np.int32)
+        as_np = np.int32
+    c, full = small_tiled(dt, values, (3,), (2,))
+    compact = friendly.tensor(compact_np, dtype=dt)
+    sel = TileSelection([[2, 0]])
+    selected = np.array(values, dtype=as_np)[[4, 5, 0, 1]]
+    # The central operation's rule, on the same values.
+    central = sw.add(compact, compact)
+    if dt is DType.Bool:
+        assert central.dtype() is F32  # add never returns Bool: True + True is 2.0
+        np.testing.assert_array_equal(np.asarray(central), 2 * compact_np.astype(np.float32))
+        w = Tiled.__new__(Tiled)  # assert_rejected's view of the carrier: its full tensor and its values
+        w.carrier, w.full, w.values = c, full, np.array(values, dtype=np.float32)
+        before_compact = (np.array(np.asarray(compact), copy=True), compact.version)
+        err = assert_rejected(lambda: c.scatter(compact, full, sel, reduction="add"), TypeError,
+                              "reduction 'add' of Bool values gives Float32", w, extra=[compact])
+        assert "replace" in str(err)
+        np.testing.assert_array_equal(np.asarray(compact), before_compact[0])
+        assert compact.version == before_compact[1]
+        # replace keeps the dtype, and works with exact values.
+        replaced = c.scatter(compact, full, sel).wait()
+        assert replaced.dtype() is DType.Bool
+        assert [replaced[i] for i in (4, 5, 0, 1)] == compact_np.tolist()
+        return
+    assert central.dtype() is DType.Int32
+    added = c.scatter(compact, full, sel, reduction="add").wait()
+    assert added.dtype() is DType.Int32 and added.carrier.dtype() is DType.Int32
+    model = (selected.astype(np.int64) + compact_np.astype(np.int64)).tolist()
+    got = [added[i] for i in (4, 5, 0, 1)]
+    assert got == model and all(type(x) is int for x in got)
+    assert added.carrier.tile_state((1,)).location == "invalid"
+
+
 def test_project_after_replace_scatter(rng):
     for make in (expert_weight, expert_first_weight):
         w = make(rng)

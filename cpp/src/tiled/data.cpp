@@ -552,6 +552,17 @@ CompletionPtr<TensorPtr> scatter(const std::shared_ptr<TiledEvictable>& c, const
   compact->carrier->check_live("scatter it");
   if (compact->dtype() != c->dtype())
     raise<TypeError>("scatter: compact dtype ", compact->dtype().name(), " does not match ", c->dtype().name());
+  if (add) {
+    // "add" combines like the central add: its result dtype must be the one the fresh carrier keeps
+    // (Bool + Bool is Float32 there, never a Bool), so a sum that cannot keep it is refused before any work.
+    const Operand operands[] = {Operand::of(templ), Operand::of(compact)};
+    const DType& sum = result_dtype(OpId::Add, operands, {});
+    if (sum != c->dtype())
+      raise<TypeError>("scatter: reduction 'add' of ", c->dtype().name(), " values gives ", sum.name(),
+                       " values (as add does), which a ", c->dtype().name(),
+                       " TiledEvictable cannot hold; use reduction 'replace', or scatter into a ", sum.name(),
+                       " carrier");
+  }
   c->check_footprints(*templ);
   std::vector<int64_t> src = bind_selection(*c, sel);
   std::vector<int64_t> cshape = compact_shape(*c, sel);
