@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "strideweave/errors.hpp"
+#include "strideweave/fork.hpp"
 
 namespace sw {
 
@@ -82,8 +83,14 @@ class MappingCache {
   MappingCache() {
     // fork() copies the cache with its lock in whatever state another thread left it; holding the lock across
     // fork() gives the child an unlocked, consistent cache (and no trimmer: start_trimmer starts its own).
-    pthread_atfork([] { mapping_cache().mutex_.lock(); }, [] { mapping_cache().mutex_.unlock(); },
-                   [] { mapping_cache().mutex_.unlock(); });
+    // Taken last (Note [Fork safety]): a thread holding a tile table may be allocating from the cache.
+    // The trimmer waits on wake_ in the parent: the child makes it afresh.
+    on_fork(
+        ForkLevel::MappingCache, [] { mapping_cache().mutex_.lock(); }, [] { mapping_cache().mutex_.unlock(); },
+        [] {
+          new (&mapping_cache().wake_) std::condition_variable();
+          mapping_cache().mutex_.unlock();
+        });
   }
 
   // A cached mapping of exactly `len` bytes, or null.

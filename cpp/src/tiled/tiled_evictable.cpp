@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <functional>
+#include <new>
 #include <sstream>
 #include <thread>
 
@@ -58,6 +59,7 @@ struct TiledEvictable::Work {
   ResidencyPlanC plan;
   CompletionPtr<std::monostate> ready;
   bool ended = false;
+  uint64_t generation = fork_generation();  // work begun before fork() has no pins in a child (Note [Fork safety])
 };
 
 // ---------------------------------------------------------------- construction
@@ -152,9 +154,74 @@ TiledEvictable::TiledEvictable(CarrierPtr primary, CarrierPtr secondary, std::ve
   secondary_ = std::move(secondary);
   primary_claim_ = std::move(pc);
   secondary_claim_ = std::move(sc);
+  register_for_fork();  // last: a constructor that throws has nothing to unregister
 }
 
-TiledEvictable::~TiledEvictable() = default;
+TiledEvictable::~TiledEvictable() { unregister_for_fork(); }
+
+// ---------------------------------------------------------------- fork (Note [Fork safety], fork.hpp)
+
+namespace {
+// The live tile tables, in an intrusive list (TiledEvictable::fork_prev_/fork_next_) under this mutex, which
+// the prepare step holds across fork(): no carrier is made or destroyed in between.
+std::mutex& tile_tables_mutex() {
+  static auto* m = new std::mutex();  // never destroyed: carriers may be destroyed during static destruction
+  return *m;
+}
+TiledEvictable* g_tile_tables = nullptr;  // under tile_tables_mutex()
+}  // namespace
+
+void TiledEvictable::register_for_fork() {
+  static const bool registered =
+      (on_fork(ForkLevel::TileTables, lock_tile_tables, unlock_tile_tables, restart_tile_tables_in_child), true);
+  (void)registered;
+  std::lock_guard lock(tile_tables_mutex());
+  fork_next_ = g_tile_tables;
+  if (fork_next_) fork_next_->fork_prev_ = this;
+  g_tile_tables = this;
+}
+
+void TiledEvictable::unregister_for_fork() noexcept {
+  std::lock_guard lock(tile_tables_mutex());
+  if (fork_prev_) fork_prev_->fork_next_ = fork_next_;
+  else g_tile_tables = fork_next_;
+  if (fork_next_) fork_next_->fork_prev_ = fork_prev_;
+}
+
+// No thread takes the registry's mutex while it holds a tile table's, and two tile tables are only ever
+// taken together through std::scoped_lock (which never blocks while it holds one), so taking them one by
+// one here cannot deadlock.
+void TiledEvictable::lock_tile_tables() {
+  tile_tables_mutex().lock();
+  for (TiledEvictable* c = g_tile_tables; c; c = c->fork_next_) {
+    c->mutex_.lock();
+    c->footprint_cache_mutex_.lock();
+  }
+}
+
+void TiledEvictable::unlock_tile_tables() {
+  for (TiledEvictable* c = g_tile_tables; c; c = c->fork_next_) {
+    c->footprint_cache_mutex_.unlock();
+    c->mutex_.unlock();
+  }
+  tile_tables_mutex().unlock();
+}
+
+// In the child: the requests and work in flight at fork() run only in the parent, so their pending marks,
+// pins and counts are forgotten (each tile keeps its state from before them, as after a failed request),
+// and idle_cv_ is made afresh (a release() waiting on it in the parent is a phantom here).
+void TiledEvictable::restart_tile_tables_in_child() {
+  for (TiledEvictable* c = g_tile_tables; c; c = c->fork_next_) {
+    for (Tile& t : c->tiles_) {
+      t.pending = 0;
+      t.pins = 0;
+    }
+    c->active_requests_ = 0;
+    c->active_work_ = 0;
+    new (&c->idle_cv_) std::condition_variable();
+  }
+  unlock_tile_tables();
+}
 
 // Note [Tile table limits]. The constructor builds its tile table eagerly: one entry and one list of
 // footprint runs per tile (10**7 one-run tiles take about 0.8 GB and 5 s), 24 bytes a run. An extent
@@ -722,7 +789,7 @@ void TiledEvictable::end_work(const std::shared_ptr<Work>& work) {
   std::vector<int64_t> evict;
   {
     std::lock_guard lock(mutex_);
-    if (work->ended) return;
+    if (work->ended || work->generation != fork_generation()) return;
     work->ended = true;
     for (int64_t i : work->tiles) tiles_[i].pins--;
     active_work_--;

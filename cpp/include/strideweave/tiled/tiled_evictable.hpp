@@ -33,6 +33,7 @@
 
 #include "strideweave/carrier.hpp"
 #include "strideweave/completion.hpp"
+#include "strideweave/fork.hpp"
 #include "strideweave/tensor.hpp"
 
 namespace sw {
@@ -208,6 +209,13 @@ class TiledEvictable final : public DependentCarrier {
   void ensure_secondary_storage();
   void check_table_size() const;  // Note [Tile table limits]
   [[noreturn]] void pending_conflict(int64_t index, const char* what) const;
+  // Note [Fork safety] (fork.hpp): every live tile table is locked across fork(); in the child, the requests
+  // and work in flight are forgotten.
+  void register_for_fork();
+  void unregister_for_fork() noexcept;
+  static void lock_tile_tables();
+  static void unlock_tile_tables();
+  static void restart_tile_tables_in_child();
 
   std::vector<int64_t> grid_, tile_, logical_;
   int64_t tile_count_ = 0, tile_size_ = 0, total_ = 0;
@@ -229,6 +237,8 @@ class TiledEvictable final : public DependentCarrier {
   std::condition_variable idle_cv_;  // notified when active_requests_ or active_work_ drops
   mutable std::mutex footprint_cache_mutex_;
   mutable std::vector<std::pair<Layout, int64_t>> footprint_cache_;  // compatible (layout, offset) pairs
+  TiledEvictable* fork_prev_ = nullptr;  // the list of live tile tables (register_for_fork)
+  TiledEvictable* fork_next_ = nullptr;
 };
 
 }  // namespace sw
