@@ -389,15 +389,45 @@ def test_backpropagate_through_project_then_operation(rng):
         st = gc.tile_state(t)
         assert st.valid and st.location == "implicit"
     np.testing.assert_allclose(np_of(g), expected, rtol=1e-5, atol=1e-6)
-    # The projection node validates the version it saved.
-    compact2 = c.project(w.full, sel).wait()
-    w.full[(0, 0, 3)] = 1.0
-    with pytest.raises(RuntimeError, match="modified in-place"):
-        sw.reduce_sum(compact2, "a b c -> a").backward(gradient=cot_tensor(np.ones(w.tile[0], np.float32)))
+    # The projection's VJP reads no values of the full tensor, so a write to it in between changes nothing
+    # (Note [A projection saves no values]): see test_projection_backward_ignores_writes_to_the_full_tensor.
 
 
 def cot_tensor(values) -> Tensor:
     return cpu_tensor(values)
+
+
+@pytest.mark.parametrize("tiles", [[4], [4, 2]], ids=["one-tile", "two-tiles"])
+def test_projection_backward_ignores_writes_to_the_full_tensor(rng, tiles):
+    """A projection's backward needs the full tensor's geometry, not its values: writing a slot of the full carrier
+    (in a projected tile and in another) between forward and backward leaves backward working, with exact
+    gradients. An operation whose VJP reads its saved inputs (elementwise_mul of the full tiled tensor with
+    itself) still refuses with "modified in-place", changing nothing."""
+    w = expert_weight(rng, experts=6)
+    c = w.carrier
+    sel = TileSelection([[0], [0], tiles])
+    p = c.project(w.full, sel).wait()
+    weights = rng.standard_normal(p.layout.shape.extents).astype(np.float32)
+    loss = sw.reduce_sum(sw.elementwise_mul(p, cpu_tensor(weights)), "a b c ->")
+    v0 = w.full.version
+    w.full[(0, 0, tiles[0])] = 5.0  # a projected tile
+    w.carrier[c.size() - 1] = -3.0  # tile (0, 0, 5): not projected
+    assert w.full.version == v0 + 2
+    loss.backward()
+    expected = np.zeros_like(w.values)
+    expected[region_index(w.tile, sel.per_axis)] = weights  # d(sum(p * W))/dp = W, exactly
+    np.testing.assert_array_equal(np_of(w.full.grad), expected)
+
+    # elementwise_mul saves its operands (its VJP reads each): a write in between is refused.
+    w2 = expert_weight(rng, experts=3)
+    y = sw.reduce_sum(sw.elementwise_mul(w2.full, w2.full), "a b c ->")
+    v1 = w2.full.version
+    w2.carrier[0] = 7.0
+    before = tiled_snapshot(w2.carrier)
+    with pytest.raises(RuntimeError, match=rf"modified in-place.*version {v1}.*version {v1 + 1}"):
+        y.backward()
+    assert w2.full.grad is None
+    assert tiled_snapshot(w2.carrier) == before
 
 
 def test_accumulate_overlapping_projections(rng):
@@ -645,6 +675,60 @@ def test_scatter_a_compact_result(rng):
     )
     assert added.carrier.tile_state((0, 0, 1)).location == "invalid"
     assert added.carrier.version == 1
+
+
+def small_tiled(dtype, values, grid, tile):
+    """A 1-D TiledEvictable of `dtype` over CPU tiers (FileBacked stores no Bool), every tile secondary-valid."""
+    n = len(values)
+    sec = sw.CPU(n, dtype=dtype)
+    for s, v in enumerate(values):
+        sec[s] = v
+    c = TiledEvictable(sw.CPU(0, dtype=dtype), sec, grid, tile)
+    return c, Tensor(c, 0, Layout(Shape(n), Stride(1)))
+
+
+@pytest.mark.parametrize("dtype", ["Bool", "Int32"])
+def test_scatter_add_follows_the_central_add_dtype_rule(dtype, rng):
+    """reduction="add" is add's sum: Int32 + Int32 stays Int32 (exact values); Bool + Bool is Float32 for add, which
+    a Bool carrier cannot hold, so the scatter refuses with TypeError before any work and changes nothing."""
+    dt = getattr(DType, dtype)
+    if dt is DType.Bool:
+        values = [bool(x) for x in rng.integers(0, 2, 6)]
+        compact_np = np.array([True, False, True, True])
+        as_np = np.bool_
+    else:
+        values = [int(x) for x in rng.integers(-50, 50, 6)]
+        compact_np = rng.integers(-50, 50, 4).astype(np.int32)
+        as_np = np.int32
+    c, full = small_tiled(dt, values, (3,), (2,))
+    compact = friendly.tensor(compact_np, dtype=dt)
+    sel = TileSelection([[2, 0]])
+    selected = np.array(values, dtype=as_np)[[4, 5, 0, 1]]
+    # The central operation's rule, on the same values.
+    central = sw.add(compact, compact)
+    if dt is DType.Bool:
+        assert central.dtype() is F32  # add never returns Bool: True + True is 2.0
+        np.testing.assert_array_equal(np.asarray(central), 2 * compact_np.astype(np.float32))
+        w = Tiled.__new__(Tiled)  # assert_rejected's view of the carrier: its full tensor and its values
+        w.carrier, w.full, w.values = c, full, np.array(values, dtype=np.float32)
+        before_compact = (np.array(np.asarray(compact), copy=True), compact.version)
+        err = assert_rejected(lambda: c.scatter(compact, full, sel, reduction="add"), TypeError,
+                              "reduction 'add' of Bool values gives Float32", w, extra=[compact])
+        assert "replace" in str(err)
+        np.testing.assert_array_equal(np.asarray(compact), before_compact[0])
+        assert compact.version == before_compact[1]
+        # replace keeps the dtype, and works with exact values.
+        replaced = c.scatter(compact, full, sel).wait()
+        assert replaced.dtype() is DType.Bool
+        assert [replaced[i] for i in (4, 5, 0, 1)] == compact_np.tolist()
+        return
+    assert central.dtype() is DType.Int32
+    added = c.scatter(compact, full, sel, reduction="add").wait()
+    assert added.dtype() is DType.Int32 and added.carrier.dtype() is DType.Int32
+    model = (selected.astype(np.int64) + compact_np.astype(np.int64)).tolist()
+    got = [added[i] for i in (4, 5, 0, 1)]
+    assert got == model and all(type(x) is int for x in got)
+    assert added.carrier.tile_state((1,)).location == "invalid"
 
 
 def test_project_after_replace_scatter(rng):

@@ -5,8 +5,85 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
+#include <new>
 
 namespace sw {
+
+// ---------------------------------------------------------------- fork (Note [Fork safety], fork.hpp)
+
+void CompletionBase::adopt() const {
+  // The parent's waiters may be listed in the condition variable, and no thread here will ever confirm their
+  // wake-up: it is made afresh (the old state is dropped, never destroyed), before any waiter of this process
+  // can use it (every one adopts first, under the lock).
+  new (&cv_) std::condition_variable();
+  generation_ = fork_generation();
+  if (done_) return;  // set before fork(): the value is this process's too
+  done_ = true;
+  failed_by_fork_ = true;
+  error_ = std::make_exception_ptr(RuntimeError(
+      "this request was created before fork() in the parent process, and its work runs only there: it cannot "
+      "complete in this child process (created before fork); make the request again in the child"));
+  // Continuations and help belong to the parent's work: neither run nor destroyed here (destroying their
+  // captures could run anything, on state that work left half-done).
+  if (!callbacks_.empty()) (void)new std::vector<std::function<void()>>(std::move(callbacks_));
+  if (help_) (void)new std::function<void()>(std::move(help_));
+  callbacks_.clear();
+  help_ = nullptr;
+}
+
+namespace {
+constexpr size_t kProcessPools = 4;
+std::array<std::atomic<Executor*>, kProcessPools> g_process_pools{};
+// The pools whose queues the prepare step locked (a pool made meanwhile is not unlocked by mistake); only the
+// forking thread uses it, one fork() at a time.
+std::array<Executor*, kProcessPools> g_locked{};
+}  // namespace
+
+Executor* Executor::process_pool(std::string name, size_t threads, int nice) {
+  auto* e = new Executor(std::move(name), threads, nice);
+  static std::atomic<size_t> next{0};
+  g_process_pools[next.fetch_add(1)].store(e, std::memory_order_release);
+  static const bool registered =
+      (on_fork(ForkLevel::Executors, lock_process_pools, unlock_process_pools, restart_process_pools_in_child), true);
+  (void)registered;
+  return e;
+}
+
+void Executor::lock_process_pools() {
+  for (size_t i = 0; i < kProcessPools; ++i) {
+    g_locked[i] = g_process_pools[i].load(std::memory_order_acquire);
+    if (g_locked[i]) g_locked[i]->mutex_.lock();
+  }
+}
+
+void Executor::unlock_process_pools() {
+  for (size_t i = kProcessPools; i-- > 0;)
+    if (Executor* e = g_locked[i]) e->mutex_.unlock();
+}
+
+void Executor::restart_process_pools_in_child() {
+  for (size_t i = kProcessPools; i-- > 0;)
+    if (Executor* e = g_locked[i]) {
+      e->restart_in_child();
+      e->mutex_.unlock();
+    }
+}
+
+// Under mutex_, in the child: none of the parent's threads exists here. Their std::thread objects (joinable:
+// destroying one would terminate the process) and the queued work (the parent's, which runs there) are dropped
+// without being destroyed; the counts start from zero, and the next submit starts a thread.
+void Executor::restart_in_child() {
+  if (!threads_.empty()) (void)new std::vector<std::thread>(std::move(threads_));
+  if (!queue_.empty()) (void)new std::deque<std::function<void()>>(std::move(queue_));
+  threads_.clear();
+  queue_.clear();
+  idle_ = 0;
+  busy_ = 0;
+  new (&cv_) std::condition_variable();  // the parent's idle threads wait on them (see CompletionBase::adopt)
+  new (&idle_cv_) std::condition_variable();
+}
 
 Executor::Executor(std::string name, size_t threads, int nice)
     : name_(std::move(name)), max_threads_(std::max<size_t>(1, threads)), nice_(nice) {}
@@ -101,19 +178,19 @@ constexpr int kBackgroundNice = 19;
 
 // Intentionally leaked: pools must outlive every static object that may submit work.
 Executor& Executor::io() {
-  static Executor* e = new Executor("sw-io", std::max<size_t>(4, hardware()), kBackgroundNice);
+  static Executor* e = process_pool("sw-io", std::max<size_t>(4, hardware()), kBackgroundNice);
   return *e;
 }
 Executor& Executor::device_reads() {
-  static Executor* e = new Executor("sw-read", std::max<size_t>(4, hardware()));
+  static Executor* e = process_pool("sw-read", std::max<size_t>(4, hardware()));
   return *e;
 }
 Executor& Executor::select() {
-  static Executor* e = new Executor("sw-select", hardware());
+  static Executor* e = process_pool("sw-select", hardware());
   return *e;
 }
 Executor& Executor::moves() {
-  static Executor* e = new Executor("sw-move", std::max<size_t>(4, hardware()), kBackgroundNice);
+  static Executor* e = process_pool("sw-move", std::max<size_t>(4, hardware()), kBackgroundNice);
   return *e;
 }
 

@@ -12,8 +12,10 @@
 #include <cstdint>
 #include <cstring>
 #include <mutex>
+#include <new>
 
 #include "strideweave/errors.hpp"
+#include "strideweave/fork.hpp"
 
 namespace sw::io {
 
@@ -82,7 +84,18 @@ struct Gate {
   std::array<int64_t, 4> waiting{};
 };
 Gate& gate() {
-  static Gate* g = new Gate();  // never destroyed: library threads may still pass through at exit
+  static Gate* g = [] {
+    auto* made = new Gate();  // never destroyed: library threads may still pass through at exit
+    // An I/O thread passing the gate holds its lock for a moment (Note [Fork safety]): the lock is held across
+    // fork(); the child forgets the parent's blocked calls and their condition variable.
+    on_fork(ForkLevel::TestGate, [] { gate().m.lock(); }, [] { gate().m.unlock(); }, [] {
+      Gate& child = gate();
+      new (&child.cv) std::condition_variable();
+      child.waiting.fill(0);
+      child.m.unlock();
+    });
+    return made;
+  }();
   return *g;
 }
 std::atomic<bool> g_gate_armed{false};

@@ -434,5 +434,94 @@ TEST(Executor, BackgroundPoolsRunTheirWorkAtNiceness19) {
   EXPECT_EQ(getpriority(PRIO_PROCESS, static_cast<id_t>(gettid())), own) << "the caller's niceness changed";
 }
 
+// ---------------------------------------------------------------- fork() (Note [Fork safety])
+
+#if defined(__SANITIZE_THREAD__)
+#define SW_SKIP_FORK_UNDER_TSAN() GTEST_SKIP() << "ThreadSanitizer does not run threads in a child of a threaded fork()"
+#else
+#define SW_SKIP_FORK_UNDER_TSAN() (void)0
+#endif
+
+// Whether `c` failed with RuntimeError naming fork().
+bool failed_by_fork(const CompletionBase& c) {
+  try {
+    if (auto e = c.error()) std::rethrow_exception(e);
+  } catch (const RuntimeError& e) {
+    return std::string(e.what()).find("created before fork") != std::string::npos;
+  } catch (...) {
+  }
+  return false;
+}
+
+// Every process pool has started threads, and one of them runs work the test holds, when the process forks.
+// In the child: each pool runs new work (afresh: the parent's threads are not there), the completion of the
+// held work fails at once with RuntimeError "created before fork" (done, wait, value, a continuation), a
+// late set of it is ignored, and a completion set before fork() keeps its value. In the parent the held work
+// completes normally.
+TEST(ForkSafety, AChildsPoolsStartAfreshAndInheritedCompletionsFail) {
+  SW_SKIP_FORK_UNDER_TSAN();
+  Executor* pools[] = {&Executor::io(), &Executor::device_reads(), &Executor::select(), &Executor::moves()};
+  for (Executor* e : pools) {  // started threads, now idle
+    auto c = std::make_shared<Completion<int>>();
+    e->submit([c] { c->set_value(1); });
+    ASSERT_EQ(c->value(), 1);
+  }
+  std::promise<void> entered;
+  auto gate = std::make_shared<Completion<bool>>();
+  auto in_flight = std::make_shared<Completion<int>>();
+  Executor::io().submit([&entered, gate, in_flight] {
+    entered.set_value();
+    gate->wait();
+    in_flight->set_value(42);
+  });
+  entered.get_future().wait();  // a pool thread runs the held work
+  auto set_before = std::make_shared<Completion<int>>();
+  set_before->set_value(7);
+
+  const int code = run_in_forked_child([&] {
+    if (set_before->value() != 7) return 2;
+    if (!in_flight->done()) return 3;  // fails at once, it does not hang
+    if (!failed_by_fork(*in_flight)) return 4;
+    try {
+      (void)in_flight->value();
+      return 5;
+    } catch (const RuntimeError&) {
+    }
+    bool ran = false;
+    in_flight->then([&] { ran = true; });
+    if (!ran) return 6;
+    in_flight->set_value(1);  // the parent's work cannot finish here; a late set is ignored
+    if (!failed_by_fork(*in_flight)) return 7;
+    for (Executor* e : pools) {
+      auto c = std::make_shared<Completion<int>>();
+      e->submit([c] { c->set_value(5); });
+      if (!c->wait_for(std::chrono::seconds(30)) || c->value() != 5) return 8;
+    }
+    // Many at once: the pool grows in the child as it does anywhere.
+    std::vector<CompletionPtr<int>> many;
+    for (int i = 0; i < 16; ++i) {
+      many.push_back(std::make_shared<Completion<int>>());
+      Executor::io().submit([c = many.back(), i] { c->set_value(i); });
+    }
+    for (int i = 0; i < 16; ++i)
+      if (many[static_cast<size_t>(i)]->value() != i) return 9;
+    return 0;
+  });
+  gate->set_value(true);
+  EXPECT_EQ(in_flight->value(), 42) << "the parent's work completes normally";
+  EXPECT_EQ(code, 0) << "the forked child failed check " << code << " (142: it hung)";
+}
+
+// A completion created in the child is the child's own: it completes there as anywhere.
+TEST(ForkSafety, CompletionsCreatedInTheChildWorkNormally) {
+  SW_SKIP_FORK_UNDER_TSAN();
+  const int code = run_in_forked_child([] {
+    auto c = std::make_shared<Completion<int>>();
+    Executor::select().submit([c] { c->set_value(3); });
+    return c->value() == 3 && !c->error() ? 0 : 2;
+  });
+  EXPECT_EQ(code, 0);
+}
+
 }  // namespace
 }  // namespace sw

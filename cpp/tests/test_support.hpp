@@ -10,6 +10,7 @@
 //  * TestRoute: a TransferRouteIface whose transfers stay pending until the
 //    test completes or fails each one (TensorStore's mock_kvstore idea), so
 //    pending states and failures are tested without sleeps.
+//  * run_in_forked_child(): runs a check in a child of fork(), bounded by a timeout.
 // Header-only; not a *_test.cpp, so CMake builds no executable from it.
 #pragma once
 
@@ -17,7 +18,10 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <sys/wait.h>
+
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -25,6 +29,7 @@
 #include <cstring>
 #include <deque>
 #include <exception>
+#include <functional>
 #include <iostream>
 #include <memory>
 #include <mutex>
@@ -365,6 +370,32 @@ inline TestRoute& test_route() {
     return r;
   }();
   return *route;
+}
+
+// ---------------------------------------------------------------- fork()
+
+// Runs `child` in a child made by fork() (only the calling thread exists there) and returns its exit code:
+// 0 when it returned 0, its non-zero return (which check failed), or 128 + the signal that ended it; a child
+// that hangs is ended by SIGALRM after `timeout_s` (128 + 14). The child leaves with _exit: no destructor and
+// no test framework code runs there.
+inline int run_in_forked_child(const std::function<int()>& child, unsigned timeout_s = 60) {
+  const pid_t pid = fork();
+  if (pid < 0) return -1;
+  if (pid == 0) {
+    alarm(timeout_s);
+    int code = 1;
+    try {
+      code = child();
+    } catch (...) {
+      code = 99;
+    }
+    _exit(code);
+  }
+  int status = 0;
+  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  return WIFSIGNALED(status) ? 128 + WTERMSIG(status) : -1;
 }
 
 }  // namespace testing_support

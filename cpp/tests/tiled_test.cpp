@@ -1393,6 +1393,54 @@ TEST_F(TiledTest, StressReleaseRacesWithRequests) {
 
 // ---------------------------------------------------------------- Note [Letting go before completing]
 
+// Note [Fork safety]: a child of fork() made while a promotion is queued on the (blocked) I/O threads and a work
+// request pins a tile forgets both: the inherited handle fails at once with "created before fork", no tile is
+// pending or pinned there, and the child's own promotions and evictions run on its own pools with exact values.
+// The parent's requests complete normally.
+TEST_F(TiledTest, AForkedChildForgetsRequestsInFlightAndRunsItsOwn) {
+#if defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "ThreadSanitizer does not run threads in a child of a threaded fork()";
+#endif
+  Tiled te = make_tiled({4}, {4});
+  const auto values = seeded(F32(), 16, 0);
+  te->promote_async({3})->value();  // tile I/O: the I/O pool has threads
+  auto work = te->begin_work({2}, "operation");
+  ready_of(work)->value();  // tile 2 resident and pinned
+  Done held;
+  int code = -1;
+  {
+    IoBlock block;
+    held = te->promote_async({0, 1});
+    ASSERT_FALSE(held->done());
+    code = run_in_forked_child([&] {
+      if (!held->done() || !held->error()) return 2;
+      try {
+        std::rethrow_exception(held->error());
+      } catch (const RuntimeError& e) {
+        if (!contains(e.what(), "created before fork")) return 3;
+      }
+      if (te->has_incomplete_work()) return 4;  // no pending mark, no pin, no count left
+      te->promote_async({0, 1})->value();
+      for (int64_t t = 0; t < 4; ++t)
+        if (state(*te, t).location != TileLocation::Primary) return 5;
+      te->evict_async({0, 1, 2, 3})->value();  // tile 2 is no longer pinned here
+      for (int64_t t = 0; t < 4; ++t)
+        if (state(*te, t).location != TileLocation::Secondary) return 6;
+      te->promote_async({1, 2})->value();
+      if (snapshot(*te) != values) return 7;
+      return 0;
+    });
+    block.open();
+    held->value();
+  }
+  EXPECT_EQ(code, 0) << "the forked child failed check " << code << " (142: it hung)";
+  EXPECT_EQ(state(*te, 0).location, TileLocation::Primary);
+  EXPECT_SW_THROW(RuntimeError, "pinned", te->evict_async({2}));  // the parent's work still pins it
+  te->end_work(work);
+  te->evict_async({0, 1, 2, 3})->value();
+  EXPECT_EQ(snapshot(*te), values);
+}
+
 TEST_F(TiledTest, AWaitedRequestHoldsNoReferenceToTheCarrier) {
   // A tiled gradient adds in place only when its holder owns the carrier alone; so once a residency request's
   // handle reports completion, the request's transfers must no longer hold the carrier. Each round waits and

@@ -87,7 +87,9 @@ PyType_Slot await_slots[] = {{Py_tp_traverse, (void*)await_traverse}, {Py_tp_cle
 void bind_completion(nb::module_& m) {
   nb::class_<AwaitHandle>(m, "AwaitResult", nb::type_slots(await_slots), nb::is_weak_referenceable(),
                           "A one-shot completion created by the framework: `done` and `wait()`. wait() returns the "
-                          "same object (or raises the same exception) every time; handles never cancel work.")
+                          "same object (or raises the same exception) every time; handles never cancel work. In a child "
+                          "of fork(), a handle whose work was in flight at the fork is done and raises RuntimeError "
+                          "('created before fork'): that work runs only in the parent.")
       .def("__init__", [](AwaitHandle*, nb::args, nb::kwargs) {
         sw::raise<sw::TypeError>("AwaitResult handles are created by the framework, not constructed directly");
       })

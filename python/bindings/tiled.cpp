@@ -361,7 +361,9 @@ void bind_tiled(nb::module_& m) {
         return tensor_handle<AwaitMove>(sw::scatter(c, ct, tt, sel, r == "add"));
       }, nb::arg("compact").none(), nb::arg("template").none(), nb::arg("selection").none(),
          nb::arg("reduction").none() = "replace",
-         "Writes `compact` into the selected tiles of a fresh full-shaped TiledEvictable; returns an AwaitMove.")
+         "Writes `compact` into the selected tiles of a fresh full-shaped TiledEvictable; returns an AwaitMove. "
+         "reduction='add' adds the template's selected values as `add` does; where add's result dtype is not "
+         "the carrier's (Bool + Bool is Float32) it raises TypeError before any work.")
       .def("_check_footprints", [](const TiledEvictable& c, const sw::TensorImpl& t) { c.check_footprints(t); });
   // The most tiles a TiledEvictable has (Note [Tile table limits]): a selection naming more is out of every grid.
   m.attr("_TILED_MAX_TILES") = TiledEvictable::kMaxTiles;

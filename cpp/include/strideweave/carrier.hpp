@@ -44,6 +44,7 @@
 #include <vector>
 
 #include "strideweave/dtype.hpp"
+#include "strideweave/fork.hpp"
 
 namespace sw {
 
@@ -207,7 +208,8 @@ class Carrier : public std::enable_shared_from_this<Carrier> {
   std::atomic<uint64_t> version_{0};
   std::atomic<int> claims_{0};
   std::atomic<bool> released_{false};
-  mutable std::mutex state_mutex_;  // serialises release with claims; guards owners_
+  // Serialises release with claims; guards owners_. A striped lock, held across fork() (Note [Fork safety]).
+  std::mutex& state_mutex_ = detail::carrier_state_lock(this);
   std::vector<std::string> owners_;
   std::shared_ptr<StorageProviderIface> provider_;
   bool provider_released_ = false;

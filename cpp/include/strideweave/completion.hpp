@@ -14,6 +14,10 @@
 // state: a dropped handle neither blocks nor cancels it. The pools are never
 // destroyed (their threads outlive static destruction safely).
 //
+// After fork(), a child starts every pool afresh, and a completion created
+// before fork() that was not yet set fails there with RuntimeError "created
+// before fork" (Note [Fork safety] in fork.hpp).
+//
 // Note [Drain at exit]: work captures shared_ptrs to objects that the Python
 // face owns; dropping the last one takes the GIL. A pool thread that does so
 // while the interpreter finalizes is killed inside a noexcept destructor
@@ -39,20 +43,28 @@
 #include <vector>
 
 #include "strideweave/errors.hpp"
+#include "strideweave/fork.hpp"
 
 namespace sw {
 
 class CompletionBase {
  public:
-  virtual ~CompletionBase() = default;
+  virtual ~CompletionBase() {
+    if (inherited()) {  // its condition variable and continuations are the parent's (Note [Fork safety])
+      std::lock_guard lock(mutex_);
+      adopt();
+    }
+  }
   bool done() const {
     std::lock_guard lock(mutex_);
+    if (inherited()) adopt();
     return done_;
   }
   // Blocks until terminal. The first waiter that finds help (see set_help) runs it first.
   void wait() const {
     help();
     std::unique_lock lock(mutex_);
+    if (inherited()) adopt();
     cv_.wait(lock, [&] { return done_; });
   }
   // Runs the help (see set_help) if no other waiter took it and the completion is not terminal; returns at once
@@ -61,6 +73,7 @@ class CompletionBase {
     std::function<void()> work;
     {
       std::lock_guard lock(mutex_);
+      if (inherited()) adopt();
       if (done_) return;
       work.swap(help_);
     }
@@ -77,16 +90,22 @@ class CompletionBase {
   // wake-up back. At most one waiter runs it; wait_for never does (it would not
   // be bounded by the timeout). Dropped, unrun, when the completion is set.
   void set_help(std::function<void()> help) {
-    std::lock_guard lock(mutex_);
-    if (!done_) help_ = std::move(help);
+    {
+      std::lock_guard lock(mutex_);
+      if (inherited()) adopt();
+      if (!done_) help_.swap(help);
+    }
+    // The help replaced (or refused) is destroyed here, without the lock: its captures may hold anything.
   }
   // True when terminal within `timeout`.
   bool wait_for(std::chrono::milliseconds timeout) const {
     std::unique_lock lock(mutex_);
+    if (inherited()) adopt();
     return cv_.wait_for(lock, timeout, [&] { return done_; });
   }
   std::exception_ptr error() const {
     std::lock_guard lock(mutex_);
+    if (inherited()) adopt();
     return error_;
   }
   void set_error(std::exception_ptr e) { finish(std::move(e)); }
@@ -94,6 +113,7 @@ class CompletionBase {
   void then(std::function<void()> cb) {
     {
       std::lock_guard lock(mutex_);
+      if (inherited()) adopt();
       if (!done_) {
         callbacks_.push_back(std::move(cb));
         return;
@@ -114,6 +134,8 @@ class CompletionBase {
     std::function<void()> help;  // destroyed after the lock, with no waiter left to run it
     {
       std::lock_guard lock(mutex_);
+      if (inherited()) adopt();
+      if (failed_by_fork_) return;  // its work, inherited from the parent, is not this process's (Note [Fork safety])
       SW_ASSERT(!done_, "a completion was set twice");
       store();
       error_ = std::move(e);
@@ -124,13 +146,21 @@ class CompletionBase {
     cv_.notify_all();
     for (auto& cb : cbs) cb();
   }
-  mutable std::mutex mutex_;
+  // A striped lock, held across fork() (Note [Fork safety]); critical sections under it take no other lock.
+  std::mutex& mutex_ = detail::completion_lock(this);
 
  private:
+  // Under the lock: whether this completion was created before the fork() that made this process.
+  bool inherited() const noexcept { return generation_ != fork_generation(); }
+  // Under the lock, in a child of fork(): see Note [Fork safety].
+  void adopt() const;
+
   mutable std::condition_variable cv_;
-  bool done_ = false;
-  std::exception_ptr error_;
-  std::vector<std::function<void()>> callbacks_;
+  mutable uint64_t generation_ = fork_generation();  // under the lock
+  mutable bool done_ = false;
+  mutable bool failed_by_fork_ = false;
+  mutable std::exception_ptr error_;
+  mutable std::vector<std::function<void()>> callbacks_;
   mutable std::function<void()> help_;  // Note [Waiters help]
 };
 
@@ -183,6 +213,12 @@ class Executor {
 
  private:
   void run();
+  // Note [Fork safety]: the process pools' queues are locked across fork(); the child's pool starts afresh.
+  static Executor* process_pool(std::string name, size_t threads, int nice = 0);
+  static void lock_process_pools();
+  static void unlock_process_pools();
+  static void restart_process_pools_in_child();
+  void restart_in_child();
   std::string name_;
   size_t max_threads_;
   int nice_;

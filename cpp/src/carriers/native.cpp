@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "strideweave/errors.hpp"
+#include "strideweave/fork.hpp"
 
 namespace sw {
 
@@ -81,15 +82,15 @@ class MappingCache {
 
   MappingCache() {
     // fork() copies the cache with its lock in whatever state another thread left it; holding the lock across
-    // fork() gives the child an unlocked, consistent cache. The child has no trimmer (start_trimmer starts its
-    // own), and its copy of the condition variable still counts the parent's trimmer as a waiter: glibc's
-    // wait would then wait for that phantom waiter forever, so the child starts from a fresh one.
-    pthread_atfork([] { mapping_cache().mutex_.lock(); }, [] { mapping_cache().mutex_.unlock(); },
-                   [] {
-                     MappingCache& c = mapping_cache();
-                     new (&c.wake_) std::condition_variable();  // the old one is abandoned, never destroyed
-                     c.mutex_.unlock();
-                   });
+    // fork() gives the child an unlocked, consistent cache (and no trimmer: start_trimmer starts its own).
+    // Taken last (Note [Fork safety]): a thread holding a tile table may be allocating from the cache.
+    // The trimmer waits on wake_ in the parent: the child makes it afresh.
+    on_fork(
+        ForkLevel::MappingCache, [] { mapping_cache().mutex_.lock(); }, [] { mapping_cache().mutex_.unlock(); },
+        [] {
+          new (&mapping_cache().wake_) std::condition_variable();
+          mapping_cache().mutex_.unlock();
+        });
   }
 
   // A cached mapping of exactly `len` bytes, or null.

@@ -210,6 +210,14 @@ TensorPtr scatter_add_gradient(const std::shared_ptr<TiledEvictable>& c, const T
   return make_tensor(fresh, primal->offset, primal->layout);
 }
 
+// Note [A projection saves no values]: a projection's VJP scatter-adds the
+// cotangent into a fresh gradient laid out like the full tensor; it reads the
+// full tensor's offset, layout and carrier geometry (never changed by writes),
+// never its values. So the node saves nothing, and backward checks no version
+// for it: a slot written between forward and backward, in a projected tile or
+// another, cannot make the gradient wrong, and must not make backward fail with
+// "modified in-place". Nodes whose VJP does read saved values (mul, relu,
+// matmul, ...; saves_inputs in ops.cpp) still save and check them.
 struct ProjectionNode final : Node {
   std::shared_ptr<TiledEvictable> carrier;
   TileSelectionC selection;
@@ -383,7 +391,7 @@ CompletionPtr<TensorPtr> project_for(const std::shared_ptr<TiledEvictable>& c, c
         node->inputs = {tensor};
         node->carrier = c;
         node->selection = sel;
-        node->save(tensor);
+        // Nothing is saved (Note [A projection saves no values]): the VJP reads only the full tensor's geometry.
         attach_node(node, result);
       }
     } catch (...) {
@@ -562,6 +570,17 @@ CompletionPtr<TensorPtr> scatter(const std::shared_ptr<TiledEvictable>& c, const
   compact->carrier->check_live("scatter it");
   if (compact->dtype() != c->dtype())
     raise<TypeError>("scatter: compact dtype ", compact->dtype().name(), " does not match ", c->dtype().name());
+  if (add) {
+    // "add" combines like the central add: its result dtype must be the one the fresh carrier keeps
+    // (Bool + Bool is Float32 there, never a Bool), so a sum that cannot keep it is refused before any work.
+    const Operand operands[] = {Operand::of(templ), Operand::of(compact)};
+    const DType& sum = result_dtype(OpId::Add, operands, {});
+    if (sum != c->dtype())
+      raise<TypeError>("scatter: reduction 'add' of ", c->dtype().name(), " values gives ", sum.name(),
+                       " values (as add does), which a ", c->dtype().name(),
+                       " TiledEvictable cannot hold; use reduction 'replace', or scatter into a ", sum.name(),
+                       " carrier");
+  }
   c->check_footprints(*templ);
   std::vector<int64_t> src = bind_selection(*c, sel);
   std::vector<int64_t> cshape = compact_shape(*c, sel);

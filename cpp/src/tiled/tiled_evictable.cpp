@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <functional>
+#include <new>
 #include <sstream>
 #include <thread>
 
@@ -102,6 +103,7 @@ struct TiledEvictable::Work {
   ResidencyPlanC plan;
   CompletionPtr<std::monostate> ready;
   bool ended = false;
+  uint64_t generation = fork_generation();  // work begun before fork() has no pins in a child (Note [Fork safety])
 };
 
 // ---------------------------------------------------------------- construction
@@ -202,9 +204,11 @@ TiledEvictable::TiledEvictable(CarrierPtr primary, CarrierPtr secondary, std::ve
     std::lock_guard lock(named.m);
     named.live.push_back(this);
   }
+  register_for_fork();  // last: a constructor that throws has nothing to unregister
 }
 
 TiledEvictable::~TiledEvictable() {
+  unregister_for_fork();
   if (named_file_.empty()) return;
   {
     auto& named = named_file_carriers();
@@ -222,6 +226,70 @@ TiledEvictable::~TiledEvictable() {
     if (tiles > 0 && report) report(discard_warning(tiles, "as it is destroyed (collected)"));
   } catch (...) {  // a destructor reports what it can and never throws
   }
+}
+
+// ---------------------------------------------------------------- fork (Note [Fork safety], fork.hpp)
+
+namespace {
+// The live tile tables, in an intrusive list (TiledEvictable::fork_prev_/fork_next_) under this mutex, which
+// the prepare step holds across fork(): no carrier is made or destroyed in between.
+std::mutex& tile_tables_mutex() {
+  static auto* m = new std::mutex();  // never destroyed: carriers may be destroyed during static destruction
+  return *m;
+}
+TiledEvictable* g_tile_tables = nullptr;  // under tile_tables_mutex()
+}  // namespace
+
+void TiledEvictable::register_for_fork() {
+  static const bool registered =
+      (on_fork(ForkLevel::TileTables, lock_tile_tables, unlock_tile_tables, restart_tile_tables_in_child), true);
+  (void)registered;
+  std::lock_guard lock(tile_tables_mutex());
+  fork_next_ = g_tile_tables;
+  if (fork_next_) fork_next_->fork_prev_ = this;
+  g_tile_tables = this;
+}
+
+void TiledEvictable::unregister_for_fork() noexcept {
+  std::lock_guard lock(tile_tables_mutex());
+  if (fork_prev_) fork_prev_->fork_next_ = fork_next_;
+  else g_tile_tables = fork_next_;
+  if (fork_next_) fork_next_->fork_prev_ = fork_prev_;
+}
+
+// No thread takes the registry's mutex while it holds a tile table's, and two tile tables are only ever
+// taken together through std::scoped_lock (which never blocks while it holds one), so taking them one by
+// one here cannot deadlock.
+void TiledEvictable::lock_tile_tables() {
+  tile_tables_mutex().lock();
+  for (TiledEvictable* c = g_tile_tables; c; c = c->fork_next_) {
+    c->mutex_.lock();
+    c->footprint_cache_mutex_.lock();
+  }
+}
+
+void TiledEvictable::unlock_tile_tables() {
+  for (TiledEvictable* c = g_tile_tables; c; c = c->fork_next_) {
+    c->footprint_cache_mutex_.unlock();
+    c->mutex_.unlock();
+  }
+  tile_tables_mutex().unlock();
+}
+
+// In the child: the requests and work in flight at fork() run only in the parent, so their pending marks,
+// pins and counts are forgotten (each tile keeps its state from before them, as after a failed request),
+// and idle_cv_ is made afresh (a release() waiting on it in the parent is a phantom here).
+void TiledEvictable::restart_tile_tables_in_child() {
+  for (TiledEvictable* c = g_tile_tables; c; c = c->fork_next_) {
+    for (Tile& t : c->tiles_) {
+      t.pending = 0;
+      t.pins = 0;
+    }
+    c->active_requests_ = 0;
+    c->active_work_ = 0;
+    new (&c->idle_cv_) std::condition_variable();
+  }
+  unlock_tile_tables();
 }
 
 // Note [Tile table limits]. The constructor builds its tile table eagerly: one entry and one list of
@@ -950,7 +1018,7 @@ std::exception_ptr TiledEvictable::end_work(const std::shared_ptr<Work>& work, s
   std::exception_ptr failure;  // the deferred eviction's, refused before any transfer or failed in one
   {
     std::lock_guard lock(mutex_);
-    if (work->ended) return work_error;
+    if (work->ended || work->generation != fork_generation()) return work_error;
     work->ended = true;
     for (int64_t i : work->tiles) tiles_[i].pins--;
     if (!is_released()) {  // a release waiting for this work drops every tile anyway

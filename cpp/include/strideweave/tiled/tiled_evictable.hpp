@@ -36,6 +36,7 @@
 
 #include "strideweave/carrier.hpp"
 #include "strideweave/completion.hpp"
+#include "strideweave/fork.hpp"
 #include "strideweave/tensor.hpp"
 
 namespace sw {
@@ -283,6 +284,13 @@ class TiledEvictable final : public DependentCarrier {
   void end_hold_locked(std::span<const int64_t> tiles, uint64_t hold);
   // Tile::pending of a tile a gradient sum holds: the sum's id with this bit set (never a request's id).
   static constexpr uint64_t kSumHold = uint64_t{1} << 63;
+  // Note [Fork safety] (fork.hpp): every live tile table is locked across fork(); in the child, the requests
+  // and work in flight are forgotten.
+  void register_for_fork();
+  void unregister_for_fork() noexcept;
+  static void lock_tile_tables();
+  static void unlock_tile_tables();
+  static void restart_tile_tables_in_child();
 
   std::vector<int64_t> grid_, tile_, logical_;
   int64_t tile_count_ = 0, tile_size_ = 0, total_ = 0;
@@ -309,6 +317,8 @@ class TiledEvictable final : public DependentCarrier {
   std::atomic<bool> exit_reported_{false};
   mutable std::mutex footprint_cache_mutex_;
   mutable std::vector<std::pair<Layout, int64_t>> footprint_cache_;  // compatible (layout, offset) pairs
+  TiledEvictable* fork_prev_ = nullptr;  // the list of live tile tables (register_for_fork)
+  TiledEvictable* fork_next_ = nullptr;
 };
 
 }  // namespace sw
