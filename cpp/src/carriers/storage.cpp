@@ -38,6 +38,52 @@ std::string temp_dir() {
   const char* t = std::getenv("TMPDIR");
   return (t && *t) ? t : "/tmp";
 }
+
+// Note [Files changed under a carrier]: a named file may be removed, renamed,
+// replaced (os.replace of a new file over its name) or truncated by someone
+// else while a carrier has it open. Reads of a truncated file fail (Note [A
+// short read is an error] in io.cpp); writes, though, would "succeed": into the
+// orphaned inode, where the values never reach the name, or past the end of a
+// truncated file, re-extending it with a hole where other values were. So a
+// named file is checked before a batch of writes (an eviction request, a move
+// into it, one public slot write): one fstat of the open file (its link count
+// and size) and one stat of its name (the same device and inode), never per
+// slot or per run. Any change fails the write with RuntimeError naming the file
+// before anything is written or marked clean. Anonymous files have no name to
+// check.
+struct stat stat_open_file(int fd, const std::string& name) {
+  struct stat st;
+  if (::fstat(fd, &st) < 0) raise<RuntimeError>("fstat of ", name, " failed: ", std::strerror(errno));
+  return st;
+}
+
+void check_file_intact(int fd, const std::string& name, const std::string& absolute, int64_t need_bytes,
+                       const char* what, const char* action) {
+  const struct stat open_st = stat_open_file(fd, name);
+  struct stat path_st;
+  if (::stat(absolute.c_str(), &path_st) < 0) {
+    const int e = errno;
+    if (open_st.st_nlink == 0)
+      raise<RuntimeError>(what, " file ", name, " was deleted while in use; cannot ", action,
+                          ": the values would go to the deleted file, not to ", name);
+    raise<RuntimeError>(what, " file ", name, " is no longer there (stat failed: ", std::strerror(e),
+                        "): it was removed or renamed while in use; cannot ", action,
+                        ": the values would not reach ", name);
+  }
+  if (path_st.st_dev != open_st.st_dev || path_st.st_ino != open_st.st_ino)
+    raise<RuntimeError>(what, " file ", name, " was replaced by another file while in use; cannot ", action,
+                        ": the values would go to the file it replaced, not to ", name);
+  if (S_ISREG(open_st.st_mode) && open_st.st_size < need_bytes)
+    raise<RuntimeError>(what, " file ", name, " was truncated while in use: it has ", open_st.st_size,
+                        " bytes but must hold ", need_bytes, "; cannot ", action);
+}
+
+// The path to stat for the check above: absolute, so that a later chdir does not change what it names.
+std::string absolute_path(const std::string& path) {
+  std::error_code ec;
+  std::filesystem::path p = std::filesystem::absolute(path, ec);
+  return ec ? path : p.string();
+}
 }  // namespace
 
 // ---------------------------------------------------------------- copy_slots
@@ -85,6 +131,7 @@ FileBackedCarrier::FileBackedCarrier(const std::string& filename, const DType& d
     }
   } else {
     path_ = filename;
+    absolute_ = absolute_path(filename);
     fd_ = io::open_file(path_, is_mutable ? (O_RDWR | O_CREAT) : (O_RDONLY | O_CREAT));
   }
   struct stat st;
@@ -106,6 +153,11 @@ void FileBackedCarrier::close_file() noexcept {
   direct_fd_ = -1;
   if (anonymous_ && !path_.empty()) ::unlink(path_.c_str());
   anonymous_ = false;
+}
+
+void FileBackedCarrier::check_storage_intact(const char* action) const {
+  if (anonymous_ || fd_ < 0) return;  // the library's own file: nobody else renames or replaces it
+  check_file_intact(fd_, path_, absolute_, slots_ * static_cast<int64_t>(slot_bytes(dtype())), "FileBacked", action);
 }
 
 int FileBackedCarrier::direct_fd() const noexcept {
@@ -157,6 +209,7 @@ void FileBackedCarrier::do_release() { close_file(); }
 // ---------------------------------------------------------------- BlockDevice
 
 BlockDevice::BlockDevice(const std::string& path) : path_(path) {
+  absolute_ = absolute_path(path);
   fd_ = io::try_open_file(path, O_RDWR | O_DIRECT);
   direct_ = fd_ >= 0;
   if (fd_ == -EINVAL) {
@@ -183,6 +236,11 @@ BlockDevice::BlockDevice(const std::string& path) : path_(path) {
 
 BlockDevice::~BlockDevice() {
   if (fd_ >= 0) ::close(fd_);
+}
+
+void BlockDevice::check_intact(const char* action) const {
+  // Note [Files changed under a carrier]: a preallocated file may be deleted, replaced or truncated too.
+  check_file_intact(fd_, path_, absolute_, capacity_, "BlockDevice", action);
 }
 
 int64_t BlockDevice::free_bytes() const {
@@ -317,6 +375,8 @@ void BlockDeviceCarrier::write_slots(int64_t start, int64_t count, const void* i
 
 bool BlockDeviceCarrier::supports_storage_dtype(const DType& dtype) const { return file_dtype(dtype); }
 
+void BlockDeviceCarrier::check_storage_intact(const char* action) const { device_->check_intact(action); }
+
 void BlockDeviceCarrier::grow(int64_t slots, bool zero) {
   if (slots_ != 0) raise<ValueError>("BlockDeviceCarrier is not allocatable (size ", slots_, " != 0)");
   auto fresh = device_->allocate(slots, dtype(), true, !zero);
@@ -399,6 +459,7 @@ void EvictableCarrier::evict() {
   check_live("evict");
   std::lock_guard lock(mutex_);
   if (evicted_) return;
+  secondary_->check_storage_intact("evict to it");  // Note [Files changed under a carrier]
   if (secondary_->size() == 0) secondary_->grow(slots_, false);
   copy_slots(*primary_, 0, *secondary_, 0, slots_);
   // Replace the resident primary storage by an empty carrier of its kind.

@@ -5,7 +5,8 @@
 // FileBacked   slots live in a file, read and written with pread/pwrite (one
 //              call per contiguous run). An empty filename makes an anonymous
 //              temporary file removed on release. Starts at the file's size,
-//              grows (zero-filled, by ftruncate) when allocated. Float32/Int32.
+//              grows (zero-filled, by ftruncate) when allocated.
+//              Float32/Int32.
 // BlockDevice  an arena over a block device or a preallocated file, read and
 //              written with direct (O_DIRECT), 4096-byte-aligned I/O when the
 //              filesystem allows it; `allocate` hands out 4096-aligned extents
@@ -45,6 +46,9 @@ class FileBackedCarrier final : public Carrier {
   void grow(int64_t slots, bool zero) override;
   CarrierPtr allocate_like(int64_t slots, bool is_mutable, const DType& dtype, bool empty) const override;
   bool allows_elementwise_fallback() const override { return true; }
+  // A named file: RuntimeError when it was deleted, renamed, replaced or truncated since it was opened
+  // (Note [Files changed under a carrier] in storage.cpp). An anonymous one: nothing to check.
+  void check_storage_intact(const char* action) const override;
 
   const std::string& filename() const noexcept { return path_; }
   bool is_anonymous() const noexcept { return anonymous_; }
@@ -60,6 +64,7 @@ class FileBackedCarrier final : public Carrier {
   void close_file() noexcept;
   int direct_fd() const noexcept;
   std::string path_;
+  std::string absolute_;  // a named file's path made absolute, for check_storage_intact
   bool anonymous_ = false;
   int fd_ = -1;
   int64_t slots_ = 0;
@@ -84,6 +89,8 @@ class BlockDevice : public std::enable_shared_from_this<BlockDevice> {
   int64_t capacity_bytes() const noexcept { return capacity_; }
   int64_t free_bytes() const;
   bool is_direct() const noexcept { return direct_; }
+  // RuntimeError when the device file was deleted, renamed, replaced or truncated since it was opened.
+  void check_intact(const char* action) const;
 
   // Byte-addressed I/O; unaligned ranges go through aligned bounce buffers.
   void read(int64_t offset, size_t bytes, void* out) const;
@@ -94,6 +101,7 @@ class BlockDevice : public std::enable_shared_from_this<BlockDevice> {
   int64_t reserve(int64_t bytes);     // returns an aligned extent start
   void give_back(int64_t start, int64_t bytes) noexcept;
   std::string path_;
+  std::string absolute_;
   int fd_ = -1;
   bool direct_ = false;
   int64_t capacity_ = 0;
@@ -114,6 +122,7 @@ class BlockDeviceCarrier final : public Carrier {
   void grow(int64_t slots, bool zero) override;
   CarrierPtr allocate_like(int64_t slots, bool is_mutable, const DType& dtype, bool empty) const override;
   bool allows_elementwise_fallback() const override { return true; }
+  void check_storage_intact(const char* action) const override;
   const std::shared_ptr<BlockDevice>& device() const noexcept { return device_; }
   int64_t device_offset() const noexcept { return start_; }
 
