@@ -209,3 +209,75 @@ def test_anonymous_secondaries_are_not_checked_against_a_name(tmp_path):
     c[9] = -9.0
     c.evict(ALL)  # an anonymous file has no name (its link count is 0 by design): evictions just work
     assert c[9] == -9.0 and c[10] == 10.0
+
+
+# ================================================================ U7: anonymous files leave nothing behind
+
+
+ENDINGS = {
+    "SIGKILL": "os.kill(os.getpid(), signal.SIGKILL)",
+    "os._exit": "os._exit(3)",
+    "abort": "resource.setrlimit(resource.RLIMIT_CORE, (0, 0)); os.abort()",
+    "uncollected cycle": "gc.disable(); cycle = [c, full]; cycle.append(cycle); del c, full, cycle; sys.exit(0)",
+}
+
+CHILD = """
+    import gc, os, resource, signal, sys
+    import numpy as np
+    import strideweave as sw
+    from strideweave import Tensor
+    from strideweave.carriers.tiled_evictable import TiledEvictable, TileSet
+    if {fallback}:
+        import errno
+        sw._core._io_inject("open", errno.EOPNOTSUPP, count=-1)  # as a file system without O_TMPFILE
+    # Tensor-sized anonymous files of every origin: FileBacked(), a move into one, an anonymous secondary
+    # grown by an eviction, and allocate_like.
+    anon = sw.FileBacked().allocate_like(1 << 16)
+    moved = sw.move(sw.friendly.tensor(np.arange(1 << 16, dtype=np.float32)), sw.FileBacked())
+    c = TiledEvictable(sw.CPU(1 << 16), sw.FileBacked(), (4,), (1 << 14,))
+    full = Tensor(c, 0, sw.column_major(1 << 16))
+    c[5] = 5.0
+    c.evict(TileSet([(0,), (1,), (2,), (3,)]))
+    like = c.allocate_like(c.size())
+    print("while running:", sorted(os.listdir(os.environ["TMPDIR"])), flush=True)
+    {ending}
+"""
+
+
+@pytest.mark.parametrize("fallback", [False, True], ids=["O_TMPFILE", "create+unlink"])
+@pytest.mark.parametrize("ending", ENDINGS)
+def test_a_process_that_ends_abruptly_leaves_no_anonymous_file(tmp_path, ending, fallback):
+    private = tmp_path / "tmp"
+    private.mkdir()
+    script = tmp_path / "child.py"
+    script.write_text(textwrap.dedent(CHILD).format(fallback=fallback, ending=ENDINGS[ending]))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, TMPDIR=str(private)))
+    assert "while running: []" in proc.stdout, (proc.stdout, proc.stderr[-2000:])  # never visible at all
+    if ending == "uncollected cycle":
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    else:
+        assert proc.returncode != 0  # it really ended abruptly
+    assert os.listdir(private) == []
+
+
+def _open_files():
+    fds = "/proc/self/fd"
+    out = set()
+    for fd in os.listdir(fds):
+        try:
+            out.add(os.readlink(os.path.join(fds, fd)))
+        except OSError:  # closed meanwhile
+            pass
+    return out
+
+
+def test_an_anonymous_filename_says_what_the_kernel_calls_the_open_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    fb = sw.FileBacked()
+    assert fb.is_anonymous()
+    assert fb.filename.startswith(str(tmp_path) + "/") and fb.filename.endswith(" (deleted)")
+    assert not os.path.exists(fb.filename) and os.listdir(tmp_path) == []
+    assert fb.filename in _open_files()
+    fb.release()
+    assert fb.filename not in _open_files()

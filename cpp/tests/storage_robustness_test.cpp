@@ -286,5 +286,93 @@ TEST(ChangedFile, AnonymousFilesAndIntactNamedFilesPassTheCheck) {
   EXPECT_EQ(float_at(tmp.path(), 1), 2.0f);
 }
 
+// ================================================================ anonymous files leave no name
+
+// A private TMPDIR for one test, restored (and removed) afterwards.
+class PrivateTmpdir {
+ public:
+  PrivateTmpdir() {
+    std::string pattern = temp_dir() + "/sw-anon-XXXXXX";
+    std::vector<char> buf(pattern.begin(), pattern.end());
+    buf.push_back('\0');
+    if (!::mkdtemp(buf.data())) throw std::runtime_error("mkdtemp failed");
+    dir_ = buf.data();
+    const char* old = std::getenv("TMPDIR");
+    had_ = old != nullptr;
+    if (had_) old_ = old;
+    ::setenv("TMPDIR", dir_.c_str(), 1);
+  }
+  ~PrivateTmpdir() {
+    if (had_) ::setenv("TMPDIR", old_.c_str(), 1);
+    else ::unsetenv("TMPDIR");
+    for (const auto& e : entries()) ::unlink((dir_ + "/" + e).c_str());
+    ::rmdir(dir_.c_str());
+  }
+  const std::string& dir() const { return dir_; }
+  std::vector<std::string> entries() const {
+    std::vector<std::string> out;
+    if (DIR* d = ::opendir(dir_.c_str())) {
+      while (dirent* e = ::readdir(d))
+        if (std::string(e->d_name) != "." && std::string(e->d_name) != "..") out.emplace_back(e->d_name);
+      ::closedir(d);
+    }
+    return out;
+  }
+
+ private:
+  std::string dir_, old_;
+  bool had_ = false;
+};
+
+std::string fd_link(int fd) {
+  char buf[4096];
+  const std::string self = "/proc/self/fd/" + std::to_string(fd);
+  const ssize_t n = ::readlink(self.c_str(), buf, sizeof buf);
+  return n > 0 ? std::string(buf, static_cast<size_t>(n)) : std::string();
+}
+
+TEST(AnonymousFiles, NeverHaveANameInTheDirectory) {
+  PrivateTmpdir tmp;
+  auto c = std::make_shared<FileBackedCarrier>("", F32(), true);
+  EXPECT_TRUE(c->is_anonymous());
+  EXPECT_TRUE(tmp.entries().empty()) << "nothing in TMPDIR from the moment it exists";
+  c->grow(1 << 16, true);
+  fill_slots(*c);
+  EXPECT_EQ(c->get(12345), value_for(F32(), 12345));
+  EXPECT_TRUE(tmp.entries().empty());
+  // filename() is what the kernel calls the open file: in TMPDIR, deleted.
+  EXPECT_EQ(c->filename(), fd_link(c->fd()));
+  EXPECT_EQ(c->filename().rfind(tmp.dir() + "/", 0), 0u) << c->filename();
+  EXPECT_TRUE(has(c->filename(), " (deleted)")) << c->filename();
+  // Copies made by allocate_like (tiles, gradients, staging) are anonymous too.
+  auto like = c->allocate_like(64, true, F32(), false);
+  EXPECT_TRUE(tmp.entries().empty());
+  c->release();
+  like->release();
+  EXPECT_TRUE(tmp.entries().empty());
+}
+
+TEST(AnonymousFiles, WhereTheFileSystemRefusesOTmpfileTheFileIsUnlinkedAtOnce) {
+  PrivateTmpdir tmp;
+  io::inject(io::Op::Open, EOPNOTSUPP, 1);  // the O_TMPFILE open is refused as a file system without it would
+  auto c = std::make_shared<FileBackedCarrier>("", F32(), true);
+  io::clear_faults();
+  EXPECT_TRUE(tmp.entries().empty()) << "created with mkostemp and unlinked before use";
+  EXPECT_TRUE(has(c->filename(), tmp.dir() + "/strideweave-")) << c->filename();
+  EXPECT_TRUE(has(c->filename(), " (deleted)")) << c->filename();
+  c->grow(100, true);
+  c->set(99, F(4.5));
+  EXPECT_EQ(c->get(99), F(4.5));
+}
+
+TEST(AnonymousFiles, AFailedOpenNamesTheErrnoAndLeavesNothing) {
+  PrivateTmpdir tmp;
+  io::inject(io::Op::Open, EMFILE, 1);
+  EXPECT_SW_THROW(RuntimeError, "open of an anonymous FileBacked file in " + tmp.dir() + " failed",
+                  FileBackedCarrier("", F32(), true));
+  io::clear_faults();
+  EXPECT_TRUE(tmp.entries().empty());
+}
+
 }  // namespace
 }  // namespace sw

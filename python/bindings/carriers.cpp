@@ -224,7 +224,11 @@ void bind_carriers(nb::module_& m) {
         if (!filename.is_none() && path.empty()) sw::raise<sw::ValueError>("FileBacked filename must not be empty");
         new (self) sw::FileBackedCarrier(path, dt, is_mutable);
       }, nb::arg("filename") = nb::none(), nb::kw_only(), nb::arg("mutable") = true, nb::arg("dtype") = nb::none())
-      .def_prop_ro("filename", [](const sw::FileBackedCarrier& c) { return c.filename(); })
+      .def_prop_ro("filename", [](const sw::FileBackedCarrier& c) { return c.filename(); },
+                   "The file's name. An anonymous file (FileBacked() without a name) never has a name in the "
+                   "directory (removed as it is created, so nothing is left behind however the process ends); its "
+                   "filename is what the kernel calls the open file, as /proc/<pid>/fd and lsof show it "
+                   "('/tmp/#1234 (deleted)'): a description, not a path to open.")
       .def("is_anonymous", &sw::FileBackedCarrier::is_anonymous);
 
   nb::class_<sw::BlockDevice>(m, "BlockDevice",

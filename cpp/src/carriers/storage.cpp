@@ -39,6 +39,43 @@ std::string temp_dir() {
   return (t && *t) ? t : "/tmp";
 }
 
+// Note [Anonymous files leave no name]: a file the library makes for itself
+// (FileBacked() with no name, so every anonymous tier, per-tile buffer and
+// staging file) is never visible in the temporary directory: it is created
+// with O_TMPFILE, an inode with no name at all, or, where the file system
+// refuses O_TMPFILE (EOPNOTSUPP; EISDIR from kernels before 3.11), created
+// with mkostemp and unlinked before anything else happens. Its storage then
+// lives exactly as long as its descriptors, and the kernel frees it when the
+// process ends however it ends: SIGKILL, os._exit, a crash, or a reference
+// cycle nobody collects. (Removing the file on release, as this once did,
+// left a tensor-sized file behind each of those.) With the fallback the name
+// exists for the microseconds between mkostemp and unlink. Having no name, the
+// file is described by what the kernel calls the open file
+// (/proc/self/fd/<n>: "/tmp/#1234 (deleted)", as lsof shows it), which is what
+// filename() returns and error messages say.
+int open_anonymous(const std::string& dir, std::string& name) {
+  int fd = io::try_open_file(dir, O_TMPFILE | O_RDWR, 0600);  // counts as one open for faults and the gate
+  if (fd == -EOPNOTSUPP || fd == -EISDIR) {
+    std::string pattern = dir + "/strideweave-XXXXXX";
+    std::vector<char> buf(pattern.begin(), pattern.end());
+    buf.push_back('\0');
+    fd = ::mkostemp(buf.data(), O_CLOEXEC);
+    if (fd < 0) io::raise_failure(io::Op::Open, "an anonymous FileBacked file in " + dir, errno);
+    if (::unlink(buf.data()) < 0) {
+      const int e = errno;
+      ::close(fd);
+      raise<RuntimeError>("unlink of the new anonymous FileBacked file ", buf.data(), " failed: ", std::strerror(e));
+    }
+  } else if (fd < 0) {
+    io::raise_failure(io::Op::Open, "an anonymous FileBacked file in " + dir, -fd);
+  }
+  char link[4096];
+  const std::string self = "/proc/self/fd/" + std::to_string(fd);
+  const ssize_t n = ::readlink(self.c_str(), link, sizeof link);
+  name = n > 0 ? std::string(link, static_cast<size_t>(n)) : dir + "/(anonymous file)";
+  return fd;
+}
+
 // Note [Files changed under a carrier]: a named file may be removed, renamed,
 // replaced (os.replace of a new file over its name) or truncated by someone
 // else while a carrier has it open. Reads of a truncated file fail (Note [A
@@ -115,20 +152,8 @@ FileBackedCarrier::FileBackedCarrier(const std::string& filename, const DType& d
     : Carrier(&file_backed_kind(), dtype, is_mutable) {
   if (!file_dtype(dtype)) raise<TypeError>("FileBacked stores Float32 and Int32, not ", dtype.name());
   if (filename.empty()) {
-    std::string pattern = temp_dir() + "/strideweave-XXXXXX";
-    std::vector<char> buf(pattern.begin(), pattern.end());
-    buf.push_back('\0');
-    int fd = ::mkostemp(buf.data(), O_CLOEXEC);
-    if (fd < 0) raise<RuntimeError>("cannot create an anonymous FileBacked file in ", temp_dir(), ": ", std::strerror(errno));
-    ::close(fd);
-    path_ = buf.data();
     anonymous_ = true;
-    try {
-      fd_ = io::open_file(path_, O_RDWR);
-    } catch (...) {
-      ::unlink(path_.c_str());
-      throw;
-    }
+    fd_ = open_anonymous(temp_dir(), path_);  // Note [Anonymous files leave no name]
   } else {
     path_ = filename;
     absolute_ = absolute_path(filename);
@@ -146,17 +171,16 @@ FileBackedCarrier::FileBackedCarrier(const std::string& filename, const DType& d
 FileBackedCarrier::~FileBackedCarrier() { close_file(); }
 
 void FileBackedCarrier::close_file() noexcept {
+  // An anonymous file has no name (Note [Anonymous files leave no name]): closing it frees its storage.
   if (fd_ >= 0) ::close(fd_);
   fd_ = -1;
   std::call_once(direct_once_, [] {});  // never opened after this
   if (direct_fd_ >= 0) ::close(direct_fd_);
   direct_fd_ = -1;
-  if (anonymous_ && !path_.empty()) ::unlink(path_.c_str());
-  anonymous_ = false;
 }
 
 void FileBackedCarrier::check_storage_intact(const char* action) const {
-  if (anonymous_ || fd_ < 0) return;  // the library's own file: nobody else renames or replaces it
+  if (anonymous_ || fd_ < 0) return;  // nothing else can reach an anonymous file by a name
   check_file_intact(fd_, path_, absolute_, slots_ * static_cast<int64_t>(slot_bytes(dtype())), "FileBacked", action);
 }
 

@@ -4,8 +4,9 @@
 //
 // FileBacked   slots live in a file, read and written with pread/pwrite (one
 //              call per contiguous run). An empty filename makes an anonymous
-//              temporary file removed on release. Starts at the file's size,
-//              grows (zero-filled, by ftruncate) when allocated.
+//              temporary file that never has a name in the directory (Note
+//              [Anonymous files leave no name] in storage.cpp). Starts at the
+//              file's size, grows (zero-filled, by ftruncate) when allocated.
 //              Float32/Int32.
 // BlockDevice  an arena over a block device or a preallocated file, read and
 //              written with direct (O_DIRECT), 4096-byte-aligned I/O when the
@@ -50,6 +51,8 @@ class FileBackedCarrier final : public Carrier {
   // (Note [Files changed under a carrier] in storage.cpp). An anonymous one: nothing to check.
   void check_storage_intact(const char* action) const override;
 
+  // The name given; for an anonymous file, which has none, what the kernel calls the open file
+  // ("/tmp/#1234 (deleted)", as /proc/<pid>/fd and lsof show it): a description, never a path to open.
   const std::string& filename() const noexcept { return path_; }
   bool is_anonymous() const noexcept { return anonymous_; }
   int fd() const noexcept { return fd_; }
