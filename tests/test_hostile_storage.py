@@ -281,3 +281,72 @@ def test_an_anonymous_filename_says_what_the_kernel_calls_the_open_file(tmp_path
     assert fb.filename in _open_files()
     fb.release()
     assert fb.filename not in _open_files()
+
+
+# ================================================================ U12a: paths and allocations
+
+
+def test_an_immutable_file_backed_never_creates_a_missing_file(tmp_path):
+    missing = tmp_path / "missing.f32"
+    with pytest.raises(RuntimeError, match=r"missing\.f32 failed: No such file or directory \(ENOENT\)"):
+        sw.FileBacked(missing, mutable=False)
+    assert not missing.exists()
+    sw.FileBacked(missing).release()  # a mutable one still creates it
+    assert missing.exists()
+
+
+@pytest.mark.parametrize("make", [
+    lambda p: sw.FileBacked(p),
+    lambda p: sw.FileBacked(p, mutable=False),
+    lambda p: sw.BlockDevice(p),
+], ids=["FileBacked", "FileBacked immutable", "BlockDevice"])
+def test_a_path_with_an_embedded_nul_is_a_value_error(tmp_path, make):
+    prefix = tmp_path / "data.bin"
+    with open(prefix, "wb") as f:
+        f.truncate(1 << 16)  # what the part before the NUL names: must stay untouched
+    missing = tmp_path / "never"
+    for bad in (str(prefix) + "\0.tail", str(missing) + "\0x"):
+        with pytest.raises(ValueError, match="embedded NUL byte"):
+            make(bad)
+    assert not missing.exists() and os.path.getsize(prefix) == 1 << 16
+
+
+class AddressSpaceLimit:
+    """Limits the address space to what the process maps now plus `headroom` bytes (restored on exit): an
+    allocation larger than the headroom fails whatever the machine's overcommit policy."""
+
+    def __init__(self, headroom):
+        self.headroom = headroom
+
+    def __enter__(self):
+        self.old = resource.getrlimit(resource.RLIMIT_AS)
+        with open("/proc/self/statm") as f:
+            mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        soft = mapped + self.headroom
+        if self.old[1] != resource.RLIM_INFINITY:
+            soft = min(soft, self.old[1])
+        resource.setrlimit(resource.RLIMIT_AS, (soft, self.old[1]))
+
+    def __exit__(self, *exc):
+        resource.setrlimit(resource.RLIMIT_AS, self.old)
+
+
+def test_an_allocation_that_cannot_be_had_is_a_memory_error_saying_what_and_how_much():
+    with AddressSpaceLimit(1 << 30):
+        with pytest.raises(MemoryError, match=r"allocating 4398046511104 bytes for a CPU carrier failed"):
+            sw.CPU(2**40)
+        empty = sw.CPU(0)
+        with pytest.raises(MemoryError, match=r"allocating 4398046511104 bytes for a CPU carrier"):
+            empty.allocate_like(2**40)
+        with pytest.raises(MemoryError, match=r"allocating \d+ bytes for a Generic carrier"):
+            sw.Generic([]).allocate_like(2**40)
+    assert empty.size() == 0 and not empty.is_released()
+
+
+def test_a_failed_anonymous_open_names_the_directory_and_the_errno(tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    core._io_inject("open", errno.EMFILE, count=1)
+    with pytest.raises(RuntimeError, match=r"open of an anonymous FileBacked file in .* failed: .*\(EMFILE\)"):
+        sw.FileBacked()
+    core._io_clear()
+    assert os.listdir(tmp_path) == []

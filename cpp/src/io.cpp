@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstring>
 #include <mutex>
+#include <string_view>
 
 #include "strideweave/errors.hpp"
 
@@ -148,7 +149,16 @@ int64_t calls(Op op) { return g_faults[static_cast<int>(op)].calls.load(); }
 
 void raise_failure(Op op, const std::string& what, int error) { fail(op, what, error); }
 
+void check_path(const std::string& path, const char* what) {
+  const size_t nul = path.find('\0');
+  if (nul == std::string::npos) return;
+  // The system call would see only the part before the NUL: another file than the one named.
+  raise<ValueError>(what, " ", std::string_view(path).substr(0, nul), "\\0", std::string_view(path).substr(nul + 1),
+                    " contains an embedded NUL byte (at position ", nul, ")");
+}
+
 int try_open_file(const std::string& path, int flags, int mode) {
+  check_path(path, "path");
   pass_gate(Op::Open);
   if (int e = injected(Op::Open)) return -e;
   int fd;

@@ -374,5 +374,74 @@ TEST(AnonymousFiles, AFailedOpenNamesTheErrnoAndLeavesNothing) {
   EXPECT_TRUE(tmp.entries().empty());
 }
 
+// ================================================================ paths and immutable files
+
+TEST(Paths, AnEmbeddedNulIsAValueErrorAndOpensNothing) {
+  TempPath tmp("sw-nul");
+  const std::string prefix = tmp.path();  // exists: what a truncated path would open
+  const std::string bad = prefix + std::string(1, '\0') + "tail";
+  EXPECT_SW_THROW(ValueError, "embedded NUL byte", FileBackedCarrier(bad, F32(), true));
+  EXPECT_SW_THROW(ValueError, "FileBacked filename", FileBackedCarrier(bad, F32(), false));
+  EXPECT_SW_THROW(ValueError, "BlockDevice path", BlockDevice(bad));
+  EXPECT_SW_THROW(ValueError, "embedded NUL byte", io::open_file(bad, O_RDONLY));
+  const std::string missing = temp_dir() + "/sw-nul-never-" + std::to_string(::getpid());
+  EXPECT_SW_THROW(ValueError, "embedded NUL byte",
+                  FileBackedCarrier(missing + std::string(1, '\0') + "x", F32(), true));
+  EXPECT_FALSE(file_exists(missing)) << "the part before the NUL was not created";
+  EXPECT_EQ(file_size(prefix), 0);
+}
+
+TEST(Paths, AnImmutableFileBackedNeverCreatesAMissingFile) {
+  const std::string missing = temp_dir() + "/sw-immutable-missing-" + std::to_string(::getpid());
+  EXPECT_SW_THROW(RuntimeError, "open of " + missing + " failed: No such file or directory (ENOENT)",
+                  FileBackedCarrier(missing, F32(), false));
+  EXPECT_SW_THROW(RuntimeError, "creates none", FileBackedCarrier(missing, F32(), false));
+  EXPECT_FALSE(file_exists(missing));
+  // A mutable one still creates it.
+  { FileBackedCarrier created(missing, F32(), true); }
+  EXPECT_TRUE(file_exists(missing));
+  ::unlink(missing.c_str());
+}
+
+// ================================================================ allocation failures
+
+// Limits the address space to what the process maps now plus `headroom` bytes, for the scope: an allocation
+// larger than the headroom fails whatever the machine's overcommit policy.
+class AddressSpaceLimit {
+ public:
+  explicit AddressSpaceLimit(size_t headroom) {
+    ::getrlimit(RLIMIT_AS, &old_);
+    size_t pages = 0;
+    std::ifstream("/proc/self/statm") >> pages;
+    rlimit r = old_;
+    r.rlim_cur = static_cast<rlim_t>(pages) * static_cast<rlim_t>(::sysconf(_SC_PAGESIZE)) + headroom;
+    if (old_.rlim_max != RLIM_INFINITY && r.rlim_cur > old_.rlim_max) r.rlim_cur = old_.rlim_max;
+    ::setrlimit(RLIMIT_AS, &r);
+  }
+  ~AddressSpaceLimit() { ::setrlimit(RLIMIT_AS, &old_); }
+
+ private:
+  rlimit old_{};
+};
+
+TEST(Allocation, AFailedAllocationIsAMemoryErrorSayingWhatAndHowMuch) {
+  constexpr int64_t kSlots = int64_t{1} << 40;  // 4 TiB of Float32
+  {
+    AddressSpaceLimit limit(size_t{1} << 30);
+    EXPECT_SW_THROW(MemoryError, "allocating 4398046511104 bytes for a CPU carrier failed",
+                    CPUCarrier(kSlots, F32(), true, false));
+    auto empty = std::make_shared<CPUCarrier>(0, F32(), true, false);
+    EXPECT_SW_THROW(MemoryError, "allocating 4398046511104 bytes for a CPU carrier", empty->grow(kSlots, true));
+    EXPECT_EQ(empty->size(), 0) << "a failed grow changes nothing";
+    EXPECT_SW_THROW(MemoryError, "bytes for a bounce buffer", AlignedBuffer(size_t{1} << 42, false, "a bounce buffer"));
+    try {
+      CPUCarrier c(kSlots, F32(), true, false);
+      ADD_FAILURE() << "4 TiB were mapped under a 1 GiB headroom";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::Memory);  // the kind the bindings map to Python's MemoryError
+    }
+  }
+}
+
 }  // namespace
 }  // namespace sw

@@ -217,7 +217,9 @@ void bind_carriers(nb::module_& m) {
          nb::arg("empty") = false);
 
   nb::class_<sw::FileBackedCarrier, Carrier>(m, "FileBacked", nb::is_final(),
-                                             "FileBacked(filename=None, *, mutable=True, dtype=DType.Float32): slots in a file.")
+                                             "FileBacked(filename=None, *, mutable=True, dtype=DType.Float32): slots in a "
+                                             "file. A mutable one opens or creates `filename`; mutable=False opens an "
+                                             "existing file and creates none; no filename makes an anonymous file.")
       .def("__init__", [](sw::FileBackedCarrier* self, nb::handle filename, bool is_mutable, nb::handle dtype) {
         const sw::DType& dt = dtype_or(dtype, sw::DType::Float32());
         std::string path = filename.is_none() ? std::string() : path_of(filename);

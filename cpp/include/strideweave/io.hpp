@@ -37,6 +37,9 @@ void hold(Op op);
 void unhold();
 int64_t held_waiting(Op op);
 
+// ValueError when `path` holds an embedded NUL byte (the kernel would see only the part before it, another
+// file); `what` names the argument ("FileBacked filename"). Every open below checks it too.
+void check_path(const std::string& path, const char* what);
 int open_file(const std::string& path, int flags, int mode = 0644);
 // As open_file, but a failure returns -errno instead of raising (for callers
 // that handle one errno themselves); raise_failure raises the usual error.

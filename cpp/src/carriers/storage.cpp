@@ -155,15 +155,30 @@ FileBackedCarrier::FileBackedCarrier(const std::string& filename, const DType& d
     anonymous_ = true;
     fd_ = open_anonymous(temp_dir(), path_);  // Note [Anonymous files leave no name]
   } else {
+    io::check_path(filename, "FileBacked filename");
     path_ = filename;
     absolute_ = absolute_path(filename);
-    fd_ = io::open_file(path_, is_mutable ? (O_RDWR | O_CREAT) : (O_RDONLY | O_CREAT));
+    if (is_mutable) {
+      fd_ = io::open_file(path_, O_RDWR | O_CREAT);
+    } else {
+      // An immutable FileBacked reads a file that exists; it never creates one (an empty new file would be an
+      // allocatable carrier that can never be written).
+      fd_ = io::try_open_file(path_, O_RDONLY);
+      if (fd_ == -ENOENT)
+        raise<RuntimeError>("open of ", path_, " failed: ", std::strerror(ENOENT),
+                            " (ENOENT): FileBacked(mutable=False) opens an existing file and creates none");
+      if (fd_ < 0) io::raise_failure(io::Op::Open, path_, -fd_);
+    }
   }
   struct stat st;
   if (::fstat(fd_, &st) < 0) {
     int e = errno;
     close_file();
     raise<RuntimeError>("fstat of ", path_, " failed: ", std::strerror(e));
+  }
+  if (S_ISDIR(st.st_mode)) {  // a read-only open of a directory succeeds; its reads would not
+    close_file();
+    io::raise_failure(io::Op::Open, path_, EISDIR);
   }
   slots_ = static_cast<int64_t>(st.st_size) / static_cast<int64_t>(slot_bytes(dtype));
 }
@@ -233,6 +248,7 @@ void FileBackedCarrier::do_release() { close_file(); }
 // ---------------------------------------------------------------- BlockDevice
 
 BlockDevice::BlockDevice(const std::string& path) : path_(path) {
+  io::check_path(path, "BlockDevice path");
   absolute_ = absolute_path(path);
   fd_ = io::try_open_file(path, O_RDWR | O_DIRECT);
   direct_ = fd_ >= 0;

@@ -7,6 +7,7 @@
 //              temporary file that never has a name in the directory (Note
 //              [Anonymous files leave no name] in storage.cpp). Starts at the
 //              file's size, grows (zero-filled, by ftruncate) when allocated.
+//              An immutable one opens an existing file and creates none.
 //              Float32/Int32.
 // BlockDevice  an arena over a block device or a preallocated file, read and
 //              written with direct (O_DIRECT), 4096-byte-aligned I/O when the
@@ -34,7 +35,8 @@ const CarrierKind& evictable_kind();
 
 class FileBackedCarrier final : public Carrier {
  public:
-  // Opens (or creates) `filename`; an empty name makes an anonymous temporary file.
+  // Opens (or, when mutable, creates) `filename`; an empty name makes an anonymous temporary file.
+  // ValueError for a name with an embedded NUL byte.
   FileBackedCarrier(const std::string& filename, const DType& dtype, bool is_mutable);
   ~FileBackedCarrier() override;
 
@@ -82,6 +84,7 @@ class BlockDeviceCarrier;
 class BlockDevice : public std::enable_shared_from_this<BlockDevice> {
  public:
   static constexpr int64_t kBlock = 4096;
+  // ValueError for a path with an embedded NUL byte.
   explicit BlockDevice(const std::string& path);
   ~BlockDevice();
   BlockDevice(const BlockDevice&) = delete;
