@@ -1026,22 +1026,36 @@ def test_cpu_construction():
 # ============================================================ kind-specific: FileBacked
 
 
-def test_anonymous_file_is_removed_on_release():
+def _open_files():
+    fds = "/proc/self/fd"
+    out = set()
+    for fd in os.listdir(fds):
+        try:
+            out.add(os.readlink(os.path.join(fds, fd)))
+        except OSError:  # closed meanwhile
+            pass
+    return out
+
+
+def test_anonymous_file_has_no_name_and_is_closed_on_release():
+    """An anonymous file is never in the directory; its filename is what the kernel calls the open file."""
     c = fill(sw.FileBacked().allocate_like(4), [1.0, 2.0, 3.0, 4.0])
     assert c.is_anonymous()
     path = c.filename
-    assert os.path.exists(path) and os.path.getsize(path) == 16
+    assert path.endswith(" (deleted)") and not os.path.exists(path)
+    assert path in _open_files()
+    assert read_all(c) == [1.0, 2.0, 3.0, 4.0]
     c.release()
-    assert not os.path.exists(path)
+    assert path not in _open_files()
 
 
-def test_anonymous_file_is_removed_when_the_carrier_is_dropped():
+def test_anonymous_file_is_closed_when_the_carrier_is_dropped():
     c = sw.FileBacked().allocate_like(4)
     path = c.filename
-    assert os.path.exists(path)
+    assert path in _open_files() and not os.path.exists(path)
     del c
     gc.collect()
-    assert not os.path.exists(path)
+    assert path not in _open_files()
 
 
 def test_named_file_persists_and_reopening_sees_the_values(tmp_path):

@@ -19,7 +19,10 @@ Counting, three independent ways (practices: "Lifetimes proven by counting"):
   allocation and release (one record per carrier, like ``ListCarrier`` in
   test_carriers.py) and whose route ``LedgerCarrier -> LedgerCarrier`` stays
   pending until the test opens a gate.
-* Anonymous ``FileBacked`` files, which exist exactly while their carrier does.
+* Anonymous ``FileBacked`` files, which are open exactly while their carrier
+  lives (they never have a name in the directory: ``is_open`` finds them among
+  the process's descriptors by the name the kernel gives them, their
+  ``filename``).
 
 Nothing sleeps to pace the engine: requests are held in flight with the
 test-only I/O gate (``_io_hold(op)`` blocks every call of ``op`` until
@@ -83,6 +86,19 @@ def eventually(predicate, what, timeout=DEADLINE_S):
         if time.monotonic() > end:
             raise AssertionError(f"not within {timeout} s: {what}")
         time.sleep(0.002)
+
+
+def is_open(filename):
+    """Whether this process has `filename` open: an anonymous FileBacked's filename is what the kernel calls
+    its open file ('/tmp/#1234 (deleted)'), as /proc/self/fd shows it."""
+    fds = "/proc/self/fd"
+    for fd in os.listdir(fds):
+        try:
+            if os.readlink(os.path.join(fds, fd)) == filename:
+                return True
+        except OSError:  # closed meanwhile
+            pass
+    return False
 
 
 def held(op, n=1):
@@ -278,10 +294,10 @@ def test_dropped_projection_handle_tensor_and_carrier(arena):
     held("pread")
     del h, full, c
     gc.collect()
-    assert os.path.exists(path)  # the carrier (and its secondary file) is still alive
+    assert is_open(path)  # the carrier (and its secondary file) is still alive
     core._io_unhold()
     eventually(lambda: arena.in_use == 0, "every tile buffer and the compact result returned")
-    eventually(lambda: not os.path.exists(path), "the anonymous secondary file removed")
+    eventually(lambda: not is_open(path), "the anonymous secondary file closed")
 
 
 def test_dropped_residency_handles_promotion_and_dirty_eviction_complete(arena):
@@ -726,9 +742,9 @@ def blocking_policy(result):
 
 
 def collected(ref, path=None):
-    """Collects garbage; true once `ref` is dead (and `path`, an anonymous file, removed)."""
+    """Collects garbage; true once `ref` is dead (and `path`, an anonymous file's filename, closed)."""
     gc.collect()
-    return ref() is None and (path is None or not os.path.exists(path))
+    return ref() is None and (path is None or not is_open(path))
 
 
 def test_policy_cycle_frees_tiles_and_file(arena):
@@ -760,7 +776,7 @@ def test_policy_shared_through_allocate_like_keeps_the_cycle_until_the_sharers_a
     del c, policy, staged
     for _ in range(3):
         gc.collect()
-    assert ref() is not None and os.path.exists(path)
+    assert ref() is not None and is_open(path)
     full = Tensor(g, 0, sw.column_major(8))
     compact = g.project(full, TileSelection([[1]])).wait()  # the policy is asked, and is whole
     assert [compact[i] for i in range(4)] == [0.0] * 4
@@ -823,8 +839,8 @@ def test_policy_plans_run_while_garbage_is_collected(arena):
     for _ in range(3):
         gc.collect()
     assert a_ref() is None  # A's cycle went while B's plan was running; its file goes with its secondary tier
-    eventually(lambda: not os.path.exists(a_path), "A's file removed")
-    assert b_ref() is not None and os.path.exists(b_path)
+    eventually(lambda: not is_open(a_path), "A's file closed")
+    assert b_ref() is not None and is_open(b_path)
     go.set()
     worker.join(DEADLINE_S)
     assert not worker.is_alive()

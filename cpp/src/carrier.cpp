@@ -189,6 +189,7 @@ void Carrier::set(int64_t slot, const Value& value) {
   check_writable("write");
   check_index(slot);
   Value v = dtype().convert(value);
+  check_storage_intact("write to it");  // a named file still at its name (Note [Files changed under a carrier])
   write_value(slot, v);
   bump_version();
 }

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <mutex>
 #include <new>
+#include <string_view>
 
 #include "strideweave/errors.hpp"
 #include "strideweave/fork.hpp"
@@ -161,7 +162,16 @@ int64_t calls(Op op) { return g_faults[static_cast<int>(op)].calls.load(); }
 
 void raise_failure(Op op, const std::string& what, int error) { fail(op, what, error); }
 
+void check_path(const std::string& path, const char* what) {
+  const size_t nul = path.find('\0');
+  if (nul == std::string::npos) return;
+  // The system call would see only the part before the NUL: another file than the one named.
+  raise<ValueError>(what, " ", std::string_view(path).substr(0, nul), "\\0", std::string_view(path).substr(nul + 1),
+                    " contains an embedded NUL byte (at position ", nul, ")");
+}
+
 int try_open_file(const std::string& path, int flags, int mode) {
+  check_path(path, "path");
   pass_gate(Op::Open);
   if (int e = injected(Op::Open)) return -e;
   int fd;
@@ -178,22 +188,34 @@ int open_file(const std::string& path, int flags, int mode) {
 
 namespace {
 
-// Reads with pread until done; the part past the end of the file reads as zeros.
-void pread_buffered(int fd, char* p, size_t bytes, int64_t offset, const std::string& what) {
-  while (bytes > 0) {
-    ssize_t n = ::pread(fd, p, bytes, offset);
+// Reads with pread until done or the end of the file; returns the bytes read (fewer than asked only at the end).
+size_t pread_buffered(int fd, char* p, size_t bytes, int64_t offset, const std::string& what) {
+  size_t done = 0;
+  while (done < bytes) {
+    ssize_t n = ::pread(fd, p + done, bytes - done, offset + static_cast<int64_t>(done));
     if (n < 0) {
       if (errno == EINTR) continue;
       fail(Op::Pread, what, errno);
     }
-    if (n == 0) {  // past the end of the file: the rest reads as zeros
-      std::memset(p, 0, bytes);
-      return;
-    }
-    p += n;
-    bytes -= static_cast<size_t>(n);
-    offset += n;
+    if (n == 0) break;  // the end of the file
+    done += static_cast<size_t>(n);
   }
+  return done;
+}
+
+// Note [A short read is an error]: every caller reads slots that its file must
+// hold (FileBacked sizes itself from the file and grows it with ftruncate; a
+// BlockDevice's capacity is within the file), so the end of the file before the
+// last byte asked for means the file changed under the carrier: truncated by
+// someone else while in use. Zero-filling the rest (as this once did) handed
+// out zeros for lost values, let a promotion mark them clean, and a later
+// eviction wrote the file out again with a hole where they were. Zeros come
+// only from tiles declared implicit; a short read fails before anything is
+// published, like any other read error.
+[[noreturn]] void short_read(const std::string& what, int64_t offset, size_t expected, size_t got) {
+  raise<RuntimeError>("pread of ", what, " at offset ", offset, " expected ", expected, " bytes but got ", got,
+                      ": the file ends at ", offset + static_cast<int64_t>(got),
+                      " (was it truncated while in use?)");
 }
 
 // cachestat(2) (Linux 6.5): how many pages of a range the page cache holds, without reading or prefetching them.
@@ -242,8 +264,8 @@ void pread_full(int fd, void* buf, size_t bytes, int64_t offset, const std::stri
       mostly_uncached(fd, bytes, offset)) {
     const size_t head = (kAlign - static_cast<uint64_t>(offset) % kAlign) % kAlign;
     size_t mid = (bytes - head) / kAlign * kAlign;
-    pread_buffered(fd, p, head, offset, what);
-    size_t done = head;
+    size_t done = pread_buffered(fd, p, head, offset, what);
+    if (done < head) short_read(what, offset, bytes, done);
     while (mid > 0) {
       ssize_t n = ::pread(direct_fd, p + done, mid, offset + static_cast<int64_t>(done));
       if (n < 0 && errno == EINTR) continue;
@@ -253,10 +275,14 @@ void pread_full(int fd, void* buf, size_t bytes, int64_t offset, const std::stri
       mid -= static_cast<size_t>(n);
       if (static_cast<size_t>(n) % kAlign != 0) break;  // a short read at the end of the file
     }
-    pread_buffered(fd, p + done, bytes - done, offset + static_cast<int64_t>(done), what);
+    // The rest, and whatever the direct read left: the end of the file before `bytes` is an error
+    // (Note [A short read is an error]).
+    done += pread_buffered(fd, p + done, bytes - done, offset + static_cast<int64_t>(done), what);
+    if (done < bytes) short_read(what, offset, bytes, done);
     return;
   }
-  pread_buffered(fd, p, bytes, offset, what);
+  const size_t done = pread_buffered(fd, p, bytes, offset, what);
+  if (done < bytes) short_read(what, offset, bytes, done);
 }
 
 void pwrite_full(int fd, const void* buf, size_t bytes, int64_t offset, const std::string& what) {

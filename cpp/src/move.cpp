@@ -194,6 +194,7 @@ CompletionPtr<TensorPtr> move_async(const TensorPtr& tensor, const CarrierPtr& d
       const Carrier& src = *tensor->carrier;
       switch (route_kind) {
         case RouteKind::Builtin:
+          destination->check_storage_intact("move into it");  // Note [Files changed under a carrier]
           if (grow) destination->grow(need, !tensor->layout.is_contiguous());
           for (const Run& r : tensor->layout.runs())
             copy_slots(src, tensor->offset + r.offset, *destination, r.offset, r.length);
@@ -205,6 +206,7 @@ CompletionPtr<TensorPtr> move_async(const TensorPtr& tensor, const CarrierPtr& d
           }
           break;
         case RouteKind::Fallback: {
+          destination->check_storage_intact("move into it");
           if (grow) destination->grow(need, true);
           const FlatLayout& flat = tensor->layout.flat();
           const int64_t n = tensor->layout.size();

@@ -223,12 +223,15 @@ TEST_F(IoTest, RealKernelErrorsAreReportedTheSameWay) {
 
 // ---------------------------------------------------------------- full transfers
 
-TEST_F(IoTest, ReadsPastTheEndAreZeros) {
+// Note [A short read is an error]: every caller reads bytes its file must hold.
+TEST_F(IoTest, ReadsPastTheEndFailNamingTheFileOffsetAndCounts) {
   char buf[24];
   std::memset(buf, 'x', sizeof buf);
-  io::pread_full(fd_, buf, 24, 8, tmp_.path());
+  EXPECT_SW_THROW(RuntimeError, "pread of " + tmp_.path() + " at offset 8 expected 24 bytes but got 8",
+                  io::pread_full(fd_, buf, 24, 8, tmp_.path()));
+  EXPECT_SW_THROW(RuntimeError, "at offset 40 expected 4 bytes but got 0", io::pread_full(fd_, buf, 4, 40, tmp_.path()));
+  io::pread_full(fd_, buf, 8, 8, tmp_.path());  // up to the last byte: fine
   EXPECT_EQ(std::string(buf, 8), "89abcde" + std::string(1, '\0'));
-  for (int k = 8; k < 24; ++k) EXPECT_EQ(buf[k], 0) << k;
 }
 
 TEST_F(IoTest, WritesExtendTheFile) {
@@ -345,12 +348,16 @@ TEST(ColdReads, UnalignedAndPastTheEndColdReadsAreRightToo) {
   auto want = cold::write_cold(tmp.path(), 2 * cold::kTile + 3);  // not a whole number of pages
   FileBackedCarrier file(tmp.path(), DType::Float32(), false);
   std::vector<float> got(static_cast<size_t>(cold::kTile + 1000));
-  // Starts 5 floats into a page (a buffered head, then the aligned middle) and runs 997 floats past the end.
+  // Starts 5 floats into a page (a buffered head, then the aligned middle) and ends at the file's last float.
   const int64_t start = cold::kTile + 5;
-  file.read_slots(start, cold::kTile + 1000, got.data());
   const int64_t inside = 2 * cold::kTile + 3 - start;
+  file.read_slots(start, inside, got.data());
   EXPECT_TRUE(std::equal(got.begin(), got.begin() + inside, want.begin() + start));
-  EXPECT_TRUE(std::all_of(got.begin() + inside, got.end(), [](float x) { return x == 0.0f; }));
+  // 997 floats past the end: an error, never zeros (Note [A short read is an error]).
+  cold::write_cold(tmp.path(), 2 * cold::kTile + 3);
+  EXPECT_SW_THROW(RuntimeError, "expected " + std::to_string((cold::kTile + 1000) * 4) + " bytes but got " +
+                                    std::to_string(inside * 4),
+                  file.read_slots(start, cold::kTile + 1000, got.data()));
   // A destination whose alignment differs from the file offset's: read through pread, right all the same.
   cold::write_cold(tmp.path(), 2 * cold::kTile + 3);
   std::vector<float> odd(static_cast<size_t>(cold::kTile + 1));

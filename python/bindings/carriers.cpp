@@ -217,14 +217,20 @@ void bind_carriers(nb::module_& m) {
          nb::arg("empty") = false);
 
   nb::class_<sw::FileBackedCarrier, Carrier>(m, "FileBacked", nb::is_final(),
-                                             "FileBacked(filename=None, *, mutable=True, dtype=DType.Float32): slots in a file.")
+                                             "FileBacked(filename=None, *, mutable=True, dtype=DType.Float32): slots in a "
+                                             "file. A mutable one opens or creates `filename`; mutable=False opens an "
+                                             "existing file and creates none; no filename makes an anonymous file.")
       .def("__init__", [](sw::FileBackedCarrier* self, nb::handle filename, bool is_mutable, nb::handle dtype) {
         const sw::DType& dt = dtype_or(dtype, sw::DType::Float32());
         std::string path = filename.is_none() ? std::string() : path_of(filename);
         if (!filename.is_none() && path.empty()) sw::raise<sw::ValueError>("FileBacked filename must not be empty");
         new (self) sw::FileBackedCarrier(path, dt, is_mutable);
       }, nb::arg("filename") = nb::none(), nb::kw_only(), nb::arg("mutable") = true, nb::arg("dtype") = nb::none())
-      .def_prop_ro("filename", [](const sw::FileBackedCarrier& c) { return c.filename(); })
+      .def_prop_ro("filename", [](const sw::FileBackedCarrier& c) { return c.filename(); },
+                   "The file's name. An anonymous file (FileBacked() without a name) never has a name in the "
+                   "directory (removed as it is created, so nothing is left behind however the process ends); its "
+                   "filename is what the kernel calls the open file, as /proc/<pid>/fd and lsof show it "
+                   "('/tmp/#1234 (deleted)'): a description, not a path to open.")
       .def("is_anonymous", &sw::FileBackedCarrier::is_anonymous)
       .def("flush", [](sw::FileBackedCarrier& c) {
         swpy::GilRelease nogil;

@@ -23,6 +23,7 @@ void set_python_error(std::exception_ptr p) {
       case sw::ErrorKind::Index: type = PyExc_IndexError; break;
       case sw::ErrorKind::NotImplemented: type = PyExc_NotImplementedError; break;
       case sw::ErrorKind::Overflow: type = PyExc_OverflowError; break;
+      case sw::ErrorKind::Memory: type = PyExc_MemoryError; break;
       case sw::ErrorKind::Internal: type = PyExc_SystemError; break;
     }
     PyErr_SetString(type, e.what());

@@ -155,6 +155,11 @@ class Carrier : public std::enable_shared_from_this<Carrier> {
   // bypasses the page cache); the engine then reads them on Executor::device_reads().
   virtual bool read_waits_on_device(int64_t, int64_t) const { return false; }
   virtual void write_slots(int64_t start, int64_t count, const void* in);
+  // Storage that lives under a name in the file system checks that the name still leads to it and that it still
+  // holds its slots, and raises RuntimeError naming the file and `action` otherwise; other carriers have nothing
+  // to check. One check (a system call or two) covers a batch of writes: callers check once per eviction
+  // request, move or public slot write, never per slot (Note [Files changed under a carrier] in storage.cpp).
+  virtual void check_storage_intact(const char* /*action*/) const {}
   // Raw pointer to slot 0 for native host memory, else nullptr: for reading.
   virtual const std::byte* native_data() const noexcept { return nullptr; }
   // The same memory for writing. A carrier that shares its memory copy-on-write

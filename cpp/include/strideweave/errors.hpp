@@ -1,8 +1,9 @@
 // strideweave/errors.hpp — the one error model of the engine.
 //
-// Every public failure is a C++ exception of one of six kinds, each mapped to
+// Every public failure is a C++ exception of one of seven kinds, each mapped to
 // the Python built-in of the same name by python/bindings/errors.cpp (the only
-// translation point). Messages carry context: they name the object and the
+// translation point). MemoryError says what could not be allocated and how
+// much ("allocating 4398046511104 bytes for a CPU carrier ... failed"). Messages carry context: they name the object and the
 // rule that was broken, e.g.
 //   "tile (1, 0) of TiledEvictable: pinned by a running projection; wait for it".
 // Broken internal invariants throw InternalError through SW_ASSERT; those are
@@ -18,7 +19,7 @@
 
 namespace sw {
 
-enum class ErrorKind { Type, Value, Runtime, Index, NotImplemented, Overflow, Internal };
+enum class ErrorKind { Type, Value, Runtime, Index, NotImplemented, Overflow, Memory, Internal };
 
 class Error : public std::runtime_error {
  public:
@@ -41,6 +42,7 @@ SW_DEFINE_ERROR(RuntimeError, Runtime)
 SW_DEFINE_ERROR(IndexError, Index)
 SW_DEFINE_ERROR(NotImplementedError, NotImplemented)
 SW_DEFINE_ERROR(OverflowError, Overflow)
+SW_DEFINE_ERROR(MemoryError, Memory)
 SW_DEFINE_ERROR(InternalError, Internal)
 #undef SW_DEFINE_ERROR
 

@@ -6,7 +6,8 @@
 // the next `count` calls of `op` (after skipping `after` calls) fail with that
 // errno instead of reaching the kernel. Failures raise RuntimeError naming the
 // operation, the file and strerror ("pwrite of /tmp/x failed: No space left on
-// device (ENOSPC)"). Full reads and writes loop over short transfers and EINTR.
+// device (ENOSPC)"). Full reads and writes loop over short transfers and EINTR;
+// a read that meets the end of the file early fails (the file was truncated).
 //
 // Thread-safety: the fault table is atomic; wrappers are safe from any thread.
 #pragma once
@@ -36,12 +37,16 @@ void hold(Op op);
 void unhold();
 int64_t held_waiting(Op op);
 
+// ValueError when `path` holds an embedded NUL byte (the kernel would see only the part before it, another
+// file); `what` names the argument ("FileBacked filename"). Every open below checks it too.
+void check_path(const std::string& path, const char* what);
 int open_file(const std::string& path, int flags, int mode = 0644);
 // As open_file, but a failure returns -errno instead of raising (for callers
 // that handle one errno themselves); raise_failure raises the usual error.
 int try_open_file(const std::string& path, int flags, int mode = 0644);
 [[noreturn]] void raise_failure(Op op, const std::string& what, int error);
-// Reads `bytes` at `offset`; the part past the end of the file reads as zeros. With `direct_fd` (the same file
+// Reads `bytes` at `offset`; the end of the file before the last of them is an error (RuntimeError naming the
+// file, the offset and the bytes expected and got: Note [A short read is an error] in io.cpp). With `direct_fd` (the same file
 // opened with O_DIRECT), a read of at least kDirectMin bytes that the page cache holds none of bypasses it
 // (Note [Cold reads bypass the page cache] in io.cpp). One call counts as one pread for faults and the gate.
 inline constexpr size_t kDirectMin = size_t{1} << 20;

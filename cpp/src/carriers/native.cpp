@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
@@ -259,7 +260,13 @@ size_t trim_mapping_cache(std::chrono::steady_clock::time_point now) { return ma
 
 // ---------------------------------------------------------------- AlignedBuffer
 
-AlignedBuffer::AlignedBuffer(size_t bytes, bool zero) : bytes_(bytes) {
+namespace {
+[[noreturn]] void allocation_failed(size_t bytes, const char* what, int error) {
+  raise<MemoryError>("allocating ", bytes, " bytes for ", what, " failed: ", std::strerror(error));
+}
+}  // namespace
+
+AlignedBuffer::AlignedBuffer(size_t bytes, bool zero, const char* what) : bytes_(bytes) {
   if (bytes == 0) return;
   if (bytes >= kMapThreshold) {
     // Anonymous mappings are zero-filled by the kernel; huge pages make first touch cheap.
@@ -277,7 +284,7 @@ AlignedBuffer::AlignedBuffer(size_t bytes, bool zero) : bytes_(bytes) {
     }
     const size_t slack = huge ? kHugePage : 0;
     void* p = mmap(nullptr, len + slack, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) throw std::bad_alloc();
+    if (p == MAP_FAILED) allocation_failed(bytes, what, errno);
     auto base = reinterpret_cast<uintptr_t>(p);
     uintptr_t aligned = huge ? (base + kHugePage - 1) & ~(kHugePage - 1) : base;
     if (aligned > base) munmap(p, aligned - base);
@@ -291,7 +298,7 @@ AlignedBuffer::AlignedBuffer(size_t bytes, bool zero) : bytes_(bytes) {
   }
   size_t len = (bytes + 63) / 64 * 64;
   data_ = static_cast<std::byte*>(std::aligned_alloc(64, len));
-  if (!data_) throw std::bad_alloc();
+  if (!data_) allocation_failed(bytes, what, ENOMEM);
   if (zero) std::memset(data_, 0, len);
 }
 
@@ -339,7 +346,15 @@ GenericCarrier::GenericCarrier(int64_t slots, const DType& dtype, bool is_mutabl
     : Carrier(&generic_kind(), dtype, is_mutable), slots_(slots) {
   check_slots("Generic", slots);
   check_storage_dtype("Generic", dtype);
-  values_.assign(static_cast<size_t>(slots), zero());
+  assign_zeros(slots);
+}
+
+void GenericCarrier::assign_zeros(int64_t slots) {
+  try {
+    values_.assign(static_cast<size_t>(slots), zero());
+  } catch (const std::bad_alloc&) {
+    allocation_failed(static_cast<size_t>(slots) * sizeof(Value), "a Generic carrier", ENOMEM);
+  }
 }
 
 Value GenericCarrier::zero() const {
@@ -365,7 +380,7 @@ void GenericCarrier::write_slots(int64_t start, int64_t count, const void* in) {
 void GenericCarrier::grow(int64_t slots, bool) {
   check_slots("Generic", slots);
   if (slots_ != 0) raise<ValueError>("Generic carrier is not allocatable (size ", slots_, " != 0)");
-  values_.assign(static_cast<size_t>(slots), zero());
+  assign_zeros(slots);
   slots_ = slots;
 }
 
@@ -384,7 +399,7 @@ CPUCarrier::CPUCarrier(int64_t slots, const DType& dtype, bool is_mutable, bool 
     : Carrier(&cpu_kind(), dtype, is_mutable), slots_(slots) {
   check_slots("CPU", slots);
   check_storage_dtype("CPU", dtype);
-  buffer_ = std::make_shared<AlignedBuffer>(static_cast<size_t>(slots) * slot_bytes(dtype), !empty);
+  buffer_ = std::make_shared<AlignedBuffer>(static_cast<size_t>(slots) * slot_bytes(dtype), !empty, "a CPU carrier");
 }
 
 CPUCarrier::CPUCarrier(ShareTag, const CPUCarrier& source, std::shared_ptr<AlignedBuffer> buffer)
@@ -426,7 +441,7 @@ void CPUCarrier::set_buffer(std::shared_ptr<AlignedBuffer> buffer) noexcept {
 
 void CPUCarrier::unshare() {
   if (buffer_->holders.load(std::memory_order_acquire) <= 1) return;
-  auto fresh = std::make_shared<AlignedBuffer>(buffer_->bytes(), false);
+  auto fresh = std::make_shared<AlignedBuffer>(buffer_->bytes(), false, "a private copy of shared CPU memory");
   if (buffer_->bytes()) std::memcpy(fresh->data(), buffer_->data(), buffer_->bytes());
   set_buffer(std::move(fresh));
 }
@@ -459,7 +474,7 @@ void CPUCarrier::write_value(int64_t slot, const Value& v) {
 void CPUCarrier::grow(int64_t slots, bool zero) {
   check_slots("CPU", slots);
   if (slots_ != 0) raise<ValueError>("CPU carrier is not allocatable (size ", slots_, " != 0)");
-  set_buffer(std::make_shared<AlignedBuffer>(static_cast<size_t>(slots) * slot_bytes(dtype()), zero));
+  set_buffer(std::make_shared<AlignedBuffer>(static_cast<size_t>(slots) * slot_bytes(dtype()), zero, "a CPU carrier"));
   slots_ = slots;
 }
 

@@ -38,6 +38,89 @@ std::string temp_dir() {
   const char* t = std::getenv("TMPDIR");
   return (t && *t) ? t : "/tmp";
 }
+
+// Note [Anonymous files leave no name]: a file the library makes for itself
+// (FileBacked() with no name, so every anonymous tier, per-tile buffer and
+// staging file) is never visible in the temporary directory: it is created
+// with O_TMPFILE, an inode with no name at all, or, where the file system
+// refuses O_TMPFILE (EOPNOTSUPP; EISDIR from kernels before 3.11), created
+// with mkostemp and unlinked before anything else happens. Its storage then
+// lives exactly as long as its descriptors, and the kernel frees it when the
+// process ends however it ends: SIGKILL, os._exit, a crash, or a reference
+// cycle nobody collects. (Removing the file on release, as this once did,
+// left a tensor-sized file behind each of those.) With the fallback the name
+// exists for the microseconds between mkostemp and unlink. Having no name, the
+// file is described by what the kernel calls the open file
+// (/proc/self/fd/<n>: "/tmp/#1234 (deleted)", as lsof shows it), which is what
+// filename() returns and error messages say.
+int open_anonymous(const std::string& dir, std::string& name) {
+  int fd = io::try_open_file(dir, O_TMPFILE | O_RDWR, 0600);  // counts as one open for faults and the gate
+  if (fd == -EOPNOTSUPP || fd == -EISDIR) {
+    std::string pattern = dir + "/strideweave-XXXXXX";
+    std::vector<char> buf(pattern.begin(), pattern.end());
+    buf.push_back('\0');
+    fd = ::mkostemp(buf.data(), O_CLOEXEC);
+    if (fd < 0) io::raise_failure(io::Op::Open, "an anonymous FileBacked file in " + dir, errno);
+    if (::unlink(buf.data()) < 0) {
+      const int e = errno;
+      ::close(fd);
+      raise<RuntimeError>("unlink of the new anonymous FileBacked file ", buf.data(), " failed: ", std::strerror(e));
+    }
+  } else if (fd < 0) {
+    io::raise_failure(io::Op::Open, "an anonymous FileBacked file in " + dir, -fd);
+  }
+  char link[4096];
+  const std::string self = "/proc/self/fd/" + std::to_string(fd);
+  const ssize_t n = ::readlink(self.c_str(), link, sizeof link);
+  name = n > 0 ? std::string(link, static_cast<size_t>(n)) : dir + "/(anonymous file)";
+  return fd;
+}
+
+// Note [Files changed under a carrier]: a named file may be removed, renamed,
+// replaced (os.replace of a new file over its name) or truncated by someone
+// else while a carrier has it open. Reads of a truncated file fail (Note [A
+// short read is an error] in io.cpp); writes, though, would "succeed": into the
+// orphaned inode, where the values never reach the name, or past the end of a
+// truncated file, re-extending it with a hole where other values were. So a
+// named file is checked before a batch of writes (an eviction request, a move
+// into it, one public slot write): one fstat of the open file (its link count
+// and size) and one stat of its name (the same device and inode), never per
+// slot or per run. Any change fails the write with RuntimeError naming the file
+// before anything is written or marked clean. Anonymous files have no name to
+// check.
+struct stat stat_open_file(int fd, const std::string& name) {
+  struct stat st;
+  if (::fstat(fd, &st) < 0) raise<RuntimeError>("fstat of ", name, " failed: ", std::strerror(errno));
+  return st;
+}
+
+void check_file_intact(int fd, const std::string& name, const std::string& absolute, int64_t need_bytes,
+                       const char* what, const char* action) {
+  const struct stat open_st = stat_open_file(fd, name);
+  struct stat path_st;
+  if (::stat(absolute.c_str(), &path_st) < 0) {
+    const int e = errno;
+    if (open_st.st_nlink == 0)
+      raise<RuntimeError>(what, " file ", name, " was deleted while in use; cannot ", action,
+                          ": the values would go to the deleted file, not to ", name);
+    raise<RuntimeError>(what, " file ", name, " is no longer there (stat failed: ", std::strerror(e),
+                        "): it was removed or renamed while in use; cannot ", action,
+                        ": the values would not reach ", name);
+  }
+  if (path_st.st_dev != open_st.st_dev || path_st.st_ino != open_st.st_ino)
+    raise<RuntimeError>(what, " file ", name, " was replaced by another file while in use; cannot ", action,
+                        ": the values would go to the file it replaced, not to ", name);
+  if (S_ISREG(open_st.st_mode) && open_st.st_size < need_bytes)
+    raise<RuntimeError>(what, " file ", name, " was truncated while in use: it has ", open_st.st_size,
+                        " bytes but must hold ", need_bytes, "; cannot ", action);
+}
+
+// The path to stat for the check above: absolute, so that a later chdir does not change what it names.
+std::string absolute_path(const std::string& path) {
+  std::error_code ec;
+  std::filesystem::path p = std::filesystem::absolute(path, ec);
+  return ec ? path : p.string();
+}
 }  // namespace
 
 // ---------------------------------------------------------------- copy_slots
@@ -69,23 +152,23 @@ FileBackedCarrier::FileBackedCarrier(const std::string& filename, const DType& d
     : Carrier(&file_backed_kind(), dtype, is_mutable) {
   if (!file_dtype(dtype)) raise<TypeError>("FileBacked stores Float32 and Int32, not ", dtype.name());
   if (filename.empty()) {
-    std::string pattern = temp_dir() + "/strideweave-XXXXXX";
-    std::vector<char> buf(pattern.begin(), pattern.end());
-    buf.push_back('\0');
-    int fd = ::mkostemp(buf.data(), O_CLOEXEC);
-    if (fd < 0) raise<RuntimeError>("cannot create an anonymous FileBacked file in ", temp_dir(), ": ", std::strerror(errno));
-    ::close(fd);
-    path_ = buf.data();
     anonymous_ = true;
-    try {
-      fd_ = io::open_file(path_, O_RDWR);
-    } catch (...) {
-      ::unlink(path_.c_str());
-      throw;
-    }
+    fd_ = open_anonymous(temp_dir(), path_);  // Note [Anonymous files leave no name]
   } else {
+    io::check_path(filename, "FileBacked filename");
     path_ = filename;
-    fd_ = io::open_file(path_, is_mutable ? (O_RDWR | O_CREAT) : (O_RDONLY | O_CREAT));
+    absolute_ = absolute_path(filename);
+    if (is_mutable) {
+      fd_ = io::open_file(path_, O_RDWR | O_CREAT);
+    } else {
+      // An immutable FileBacked reads a file that exists; it never creates one (an empty new file would be an
+      // allocatable carrier that can never be written).
+      fd_ = io::try_open_file(path_, O_RDONLY);
+      if (fd_ == -ENOENT)
+        raise<RuntimeError>("open of ", path_, " failed: ", std::strerror(ENOENT),
+                            " (ENOENT): FileBacked(mutable=False) opens an existing file and creates none");
+      if (fd_ < 0) io::raise_failure(io::Op::Open, path_, -fd_);
+    }
   }
   struct stat st;
   if (::fstat(fd_, &st) < 0) {
@@ -93,19 +176,27 @@ FileBackedCarrier::FileBackedCarrier(const std::string& filename, const DType& d
     close_file();
     raise<RuntimeError>("fstat of ", path_, " failed: ", std::strerror(e));
   }
+  if (S_ISDIR(st.st_mode)) {  // a read-only open of a directory succeeds; its reads would not
+    close_file();
+    io::raise_failure(io::Op::Open, path_, EISDIR);
+  }
   slots_ = static_cast<int64_t>(st.st_size) / static_cast<int64_t>(slot_bytes(dtype));
 }
 
 FileBackedCarrier::~FileBackedCarrier() { close_file(); }
 
 void FileBackedCarrier::close_file() noexcept {
+  // An anonymous file has no name (Note [Anonymous files leave no name]): closing it frees its storage.
   if (fd_ >= 0) ::close(fd_);
   fd_ = -1;
   std::call_once(direct_once_, [] {});  // never opened after this
   if (direct_fd_ >= 0) ::close(direct_fd_);
   direct_fd_ = -1;
-  if (anonymous_ && !path_.empty()) ::unlink(path_.c_str());
-  anonymous_ = false;
+}
+
+void FileBackedCarrier::check_storage_intact(const char* action) const {
+  if (anonymous_ || fd_ < 0) return;  // nothing else can reach an anonymous file by a name
+  check_file_intact(fd_, path_, absolute_, slots_ * static_cast<int64_t>(slot_bytes(dtype())), "FileBacked", action);
 }
 
 int FileBackedCarrier::direct_fd() const noexcept {
@@ -157,6 +248,8 @@ void FileBackedCarrier::do_release() { close_file(); }
 // ---------------------------------------------------------------- BlockDevice
 
 BlockDevice::BlockDevice(const std::string& path) : path_(path) {
+  io::check_path(path, "BlockDevice path");
+  absolute_ = absolute_path(path);
   fd_ = io::try_open_file(path, O_RDWR | O_DIRECT);
   direct_ = fd_ >= 0;
   if (fd_ == -EINVAL) {
@@ -183,6 +276,11 @@ BlockDevice::BlockDevice(const std::string& path) : path_(path) {
 
 BlockDevice::~BlockDevice() {
   if (fd_ >= 0) ::close(fd_);
+}
+
+void BlockDevice::check_intact(const char* action) const {
+  // Note [Files changed under a carrier]: a preallocated file may be deleted, replaced or truncated too.
+  check_file_intact(fd_, path_, absolute_, capacity_, "BlockDevice", action);
 }
 
 int64_t BlockDevice::free_bytes() const {
@@ -317,6 +415,8 @@ void BlockDeviceCarrier::write_slots(int64_t start, int64_t count, const void* i
 
 bool BlockDeviceCarrier::supports_storage_dtype(const DType& dtype) const { return file_dtype(dtype); }
 
+void BlockDeviceCarrier::check_storage_intact(const char* action) const { device_->check_intact(action); }
+
 void BlockDeviceCarrier::grow(int64_t slots, bool zero) {
   if (slots_ != 0) raise<ValueError>("BlockDeviceCarrier is not allocatable (size ", slots_, " != 0)");
   auto fresh = device_->allocate(slots, dtype(), true, !zero);
@@ -399,6 +499,7 @@ void EvictableCarrier::evict() {
   check_live("evict");
   std::lock_guard lock(mutex_);
   if (evicted_) return;
+  secondary_->check_storage_intact("evict to it");  // Note [Files changed under a carrier]
   if (secondary_->size() == 0) secondary_->grow(slots_, false);
   copy_slots(*primary_, 0, *secondary_, 0, slots_);
   // Replace the resident primary storage by an empty carrier of its kind.

@@ -338,6 +338,7 @@ CompletionPtr<TensorPtr> project_for(const std::shared_ptr<TiledEvictable>& c, c
     if (dest->size() < need && !dest->is_allocatable())
       raise<ValueError>("project: the destination's capacity is ", dest->size(), " slots but the projection needs ",
                         need, " and it is not allocatable");
+    dest->check_storage_intact("project into it");  // Note [Files changed under a carrier] (storage.cpp)
   }
   const bool record = is_grad_enabled() && tensor->is_differentiable();
   // Work starts: one request pins the tiles and promotes the missing ones.

@@ -660,6 +660,34 @@ void TiledEvictable::start_request(const std::shared_ptr<Request>& r, bool inlin
   r->staged.resize(n);
   r->wrote.assign(n, 0);
   r->remaining.store(n);
+  // Each tile's state when the request starts (its pending mark keeps it so until the commit).
+  struct Start {
+    TileLocation loc;
+    bool needs_write;
+    CarrierPtr buffer;
+  };
+  std::vector<Start> start(n);
+  bool writes = false;
+  {
+    std::lock_guard lock(mutex_);
+    for (size_t k = 0; k < n; ++k) {
+      const Tile& t = tiles_[r->tiles[k]];
+      start[k] = {t.loc, t.dirty || !t.secondary_valid, t.buffer};
+      writes = writes || (!r->promote && start[k].needs_write);
+    }
+  }
+  if (writes) {
+    // Once per eviction request, before any tile is written: a named secondary file that was deleted, replaced
+    // or truncated fails the whole request, which then changes nothing (Note [Files changed under a carrier]).
+    try {
+      secondary_->check_storage_intact("evict tiles to it");
+    } catch (...) {
+      r->error = std::current_exception();
+      r->remaining.store(0);
+      commit(r);
+      return;
+    }
+  }
   // Queued work holds a reference (through the request); a carrier no shared_ptr owns yet runs its transfers
   // inline.
   // Counted before it is taken, and uncounted after it is dropped (Note [Requests' own references]).
@@ -685,16 +713,9 @@ void TiledEvictable::start_request(const std::shared_ptr<Request>& r, bool inlin
   std::vector<std::function<void()>> chain;
   for (size_t k = 0; k < n; ++k) {
     const int64_t index = r->tiles[k];
-    TileLocation loc;
-    bool needs_write = false;
-    CarrierPtr buffer;
-    {
-      std::lock_guard lock(mutex_);
-      const Tile& t = tiles_[index];
-      loc = t.loc;
-      needs_write = t.dirty || !t.secondary_valid;
-      buffer = t.buffer;
-    }
+    const TileLocation loc = start[k].loc;
+    const bool needs_write = start[k].needs_write;
+    CarrierPtr buffer = std::move(start[k].buffer);
     auto job = [this, r, k, index, loc, needs_write, buffer]() mutable {
       TiledEvictable* me = this;
       CarrierPtr staged;

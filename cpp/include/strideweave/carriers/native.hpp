@@ -20,11 +20,13 @@
 namespace sw {
 
 // Owning aligned host buffer. Zero-filled on request; otherwise its contents are
-// unspecified (a recycled large mapping keeps its previous bytes).
+// unspecified (a recycled large mapping keeps its previous bytes). When the
+// memory cannot be had it throws MemoryError "allocating <bytes> bytes for
+// <what> failed: ..." (`what` names the buffer's use: "a CPU carrier").
 class AlignedBuffer {
  public:
   AlignedBuffer() = default;
-  AlignedBuffer(size_t bytes, bool zero);
+  AlignedBuffer(size_t bytes, bool zero, const char* what = "a host buffer");
   ~AlignedBuffer();
   AlignedBuffer(AlignedBuffer&& o) noexcept;
   AlignedBuffer& operator=(AlignedBuffer&& o) noexcept;
@@ -82,6 +84,7 @@ class GenericCarrier final : public Carrier {
 
  private:
   Value zero() const;
+  void assign_zeros(int64_t slots);  // MemoryError naming the bytes when the vector cannot be had
   int64_t slots_;
   std::vector<Value> values_;  // one converted Value per slot: obviously correct, deliberately simple
 };

@@ -4,8 +4,11 @@
 //
 // FileBacked   slots live in a file, read and written with pread/pwrite (one
 //              call per contiguous run). An empty filename makes an anonymous
-//              temporary file removed on release. Starts at the file's size,
-//              grows (zero-filled, by ftruncate) when allocated. Float32/Int32.
+//              temporary file that never has a name in the directory (Note
+//              [Anonymous files leave no name] in storage.cpp). Starts at the
+//              file's size, grows (zero-filled, by ftruncate) when allocated.
+//              An immutable one opens an existing file and creates none.
+//              Float32/Int32.
 // BlockDevice  an arena over a block device or a preallocated file, read and
 //              written with direct (O_DIRECT), 4096-byte-aligned I/O when the
 //              filesystem allows it; `allocate` hands out 4096-aligned extents
@@ -32,7 +35,8 @@ const CarrierKind& evictable_kind();
 
 class FileBackedCarrier final : public Carrier {
  public:
-  // Opens (or creates) `filename`; an empty name makes an anonymous temporary file.
+  // Opens (or, when mutable, creates) `filename`; an empty name makes an anonymous temporary file.
+  // ValueError for a name with an embedded NUL byte.
   FileBackedCarrier(const std::string& filename, const DType& dtype, bool is_mutable);
   ~FileBackedCarrier() override;
 
@@ -45,10 +49,15 @@ class FileBackedCarrier final : public Carrier {
   void grow(int64_t slots, bool zero) override;
   CarrierPtr allocate_like(int64_t slots, bool is_mutable, const DType& dtype, bool empty) const override;
   bool allows_elementwise_fallback() const override { return true; }
+  // A named file: RuntimeError when it was deleted, renamed, replaced or truncated since it was opened
+  // (Note [Files changed under a carrier] in storage.cpp). An anonymous one: nothing to check.
+  void check_storage_intact(const char* action) const override;
 
   // fsync of the file: every completed write is durable. RuntimeError when released.
   void flush() override;
 
+  // The name given; for an anonymous file, which has none, what the kernel calls the open file
+  // ("/tmp/#1234 (deleted)", as /proc/<pid>/fd and lsof show it): a description, never a path to open.
   const std::string& filename() const noexcept { return path_; }
   bool is_anonymous() const noexcept { return anonymous_; }
   int fd() const noexcept { return fd_; }
@@ -63,6 +72,7 @@ class FileBackedCarrier final : public Carrier {
   void close_file() noexcept;
   int direct_fd() const noexcept;
   std::string path_;
+  std::string absolute_;  // a named file's path made absolute, for check_storage_intact
   bool anonymous_ = false;
   int fd_ = -1;
   int64_t slots_ = 0;
@@ -77,6 +87,7 @@ class BlockDeviceCarrier;
 class BlockDevice : public std::enable_shared_from_this<BlockDevice> {
  public:
   static constexpr int64_t kBlock = 4096;
+  // ValueError for a path with an embedded NUL byte.
   explicit BlockDevice(const std::string& path);
   ~BlockDevice();
   BlockDevice(const BlockDevice&) = delete;
@@ -87,6 +98,8 @@ class BlockDevice : public std::enable_shared_from_this<BlockDevice> {
   int64_t capacity_bytes() const noexcept { return capacity_; }
   int64_t free_bytes() const;
   bool is_direct() const noexcept { return direct_; }
+  // RuntimeError when the device file was deleted, renamed, replaced or truncated since it was opened.
+  void check_intact(const char* action) const;
 
   // Byte-addressed I/O; unaligned ranges go through aligned bounce buffers.
   void read(int64_t offset, size_t bytes, void* out) const;
@@ -99,6 +112,7 @@ class BlockDevice : public std::enable_shared_from_this<BlockDevice> {
   int64_t reserve(int64_t bytes);     // returns an aligned extent start
   void give_back(int64_t start, int64_t bytes) noexcept;
   std::string path_;
+  std::string absolute_;
   int fd_ = -1;
   bool direct_ = false;
   int64_t capacity_ = 0;
@@ -121,6 +135,7 @@ class BlockDeviceCarrier final : public Carrier {
   bool allows_elementwise_fallback() const override { return true; }
   // fsync of the device: every completed write to the extent is durable. RuntimeError when released.
   void flush() override;
+  void check_storage_intact(const char* action) const override;
   const std::shared_ptr<BlockDevice>& device() const noexcept { return device_; }
   int64_t device_offset() const noexcept { return start_; }
 
