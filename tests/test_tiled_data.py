@@ -863,6 +863,26 @@ def test_add_scatter_gradients_reach_both_inputs(rng):
     np.testing.assert_array_equal(np_of(seed.full), seed_values)
 
 
+@pytest.mark.parametrize("reduction", ["replace", "add"])
+def test_scatter_saves_compact_and_refuses_backward_after_it_was_written(rng, reduction):
+    w = expert_weight(rng, experts=5)
+    c = w.carrier
+    sel = TileSelection([[0], [0], [1, 3]])
+    compact = cpu_tensor(rng.standard_normal((3, 4, 2)).astype(np.float32))
+    result = c.scatter(compact, w.full, sel, reduction=reduction).wait()
+    v0 = compact.version
+    compact[(0, 0, 0)] = 1.0  # written in place after the scatter saved it
+    with pytest.raises(RuntimeError, match="modified in-place") as info:
+        result.backward(gradient=Tiled(np.ones_like(w.values), w.grid, w.tile).full)
+    assert f"version {v0}" in str(info.value) and f"version {v0 + 1}" in str(info.value)
+    assert compact.grad is None and w.full.grad is None  # nothing accumulated
+    # Without the write, the same backward runs.
+    compact2 = cpu_tensor(rng.standard_normal((3, 4, 2)).astype(np.float32))
+    result2 = c.scatter(compact2, w.full, sel, reduction=reduction).wait()
+    result2.backward(gradient=Tiled(np.ones_like(w.values), w.grid, w.tile).full)
+    np.testing.assert_array_equal(np.asarray(compact2.grad), np.ones((3, 4, 2), np.float32))
+
+
 # ================================================================ Accept a within-tile permutation
 
 
