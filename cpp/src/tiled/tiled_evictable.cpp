@@ -59,6 +59,7 @@ std::exception_ptr error_like(const std::exception_ptr& model, std::string messa
       case ErrorKind::Index: return std::make_exception_ptr(IndexError(std::move(message)));
       case ErrorKind::NotImplemented: return std::make_exception_ptr(NotImplementedError(std::move(message)));
       case ErrorKind::Overflow: return std::make_exception_ptr(OverflowError(std::move(message)));
+      case ErrorKind::Memory: return std::make_exception_ptr(MemoryError(std::move(message)));
       case ErrorKind::Internal: return std::make_exception_ptr(InternalError(std::move(message)));
     }
   } catch (...) {
