@@ -8,7 +8,6 @@
 #include "strideweave/errors.hpp"
 #include "strideweave/grad_mode.hpp"
 #include "strideweave/ops.hpp"
-#include "strideweave/tiled/data.hpp"
 
 namespace sw {
 
@@ -48,15 +47,21 @@ OpBackend* materializing_backend(const Carrier& c) {
   return b && b->materializes() ? b : nullptr;
 }
 
-// a + b as a gradient of a's kind. For a materializing kind (TiledEvictable) both
-// are read densely as backward work, added on the compute carrier, and the sum
-// is turned back into a gradient of a's kind, geometry and layout (a summed
-// tiled gradient stays tiled, and all-zero tiles stay implicit).
+// Note [Gradients of a kind]: how two gradients add, and whether a leaf's .grad
+// can take a contribution in place, depend on the carrier kind (a tiled
+// gradient adds tile by tile and keeps all-zero tiles implicit), as PyTorch's
+// AccumulateGrad belongs to a node rather than to the engine. So the engine
+// asks the backend of the gradient's kind (OpBackend::add_gradients and
+// accumulate_in_place) and includes nothing of any kind; what it does itself is
+// the generic rule: a kind that computes on dense copies reads both densely as
+// backward work, adds them on the compute carrier and turns the sum back into a
+// gradient of a's kind, geometry and layout; others add with the central add.
 TensorPtr add_grads(const TensorPtr& a, const TensorPtr& b) {
+  if (&b->carrier->kind() == &a->carrier->kind())
+    if (OpBackend* backend = backend_for(a->carrier->kind()))
+      if (TensorPtr sum = backend->add_gradients(a, b)) return sum;
   OpBackend* m = materializing_backend(*a->carrier);
   if (m && &b->carrier->kind() == &a->carrier->kind()) {
-    // Tiled gradients of one geometry and layout add tile by tile (no dense temporary).
-    if (tiled_gradients_compatible(a, b)) return add_tiled_gradients(a, b);
     std::vector<Operand> dense{Operand::of(m->materialize_for_backward(a)), Operand::of(m->materialize_for_backward(b))};
     return m->gradient_from_dense(a, call_op(OpId::Add, dense));
   }
@@ -93,20 +98,11 @@ void accumulate_into(TensorImpl& t, const TensorPtr& g, bool owned) {
     std::lock_guard lock(t.mutex);
     current = t.grad;
   }
-  // A tiled .grad that only this leaf holds (no Python reference, no saved
-  // copy: the tensor is referenced by t.grad and `current`, its carrier by the
-  // tensor alone, apart from its own residency requests) accumulates in place, tile by tile: the cost is the tiles `g`
-  // touches, not the full extent. See Note [Tiled gradient accumulation].
-  if (current && tiled_gradients_compatible(current, g) && current.use_count() == 2 &&
-      current->carrier->is_mutable() && !current->carrier->is_owned()) {
-    auto& acc = static_cast<TiledEvictable&>(*current->carrier);
-    const bool share = owned && g->carrier.use_count() == 1;  // g's tile buffers die with g
-    // Residency requests of other tiles may be under way (Note [Requests' own references]); accumulate_tiles
-    // refuses a tile that one is transitioning.
-    if (acc.only_reference_is(current->carrier) &&
-        acc.accumulate_tiles(static_cast<TiledEvictable&>(*g->carrier), share))
-      return;
-  }
+  // The kind may add `g` into a .grad that only this leaf holds in place (Note [Gradients of a kind]): `current`
+  // is held here once, beside t.grad.
+  if (current && &g->carrier->kind() == &current->carrier->kind())
+    if (OpBackend* backend = backend_for(current->carrier->kind()))
+      if (backend->accumulate_in_place(current, g, owned)) return;
   TensorPtr value = current ? on_leaf_kind(t, add_grads(current, g), /*owned=*/true) : on_leaf_kind(t, g, owned);
   std::lock_guard lock(t.mutex);
   t.grad = value;

@@ -81,6 +81,16 @@ class OpBackend {
   virtual bool materializes() const { return false; }
   virtual TensorPtr materialize_for_backward(const TensorPtr& input) { return input; }
   virtual TensorPtr gradient_from_dense(const TensorPtr& input, const TensorPtr& dense_grad) { return dense_grad; }
+
+  // Gradient accumulation belongs to the kind (Note [Gradients of a kind] in autograd.cpp); the autograd engine
+  // asks the backend of the gradient's kind and knows no kind itself.
+  // a + b, two gradients of this backend's kind (a's carrier), as a gradient of a's kind, geometry and layout;
+  // null to let the engine add them with the central add (the default).
+  virtual TensorPtr add_gradients(const TensorPtr& a, const TensorPtr& b) { return nullptr; }
+  // Adds `g` into `current`, a leaf's .grad of this backend's kind, in place; false (the default) when it
+  // cannot, and the engine then stores a fresh sum. The engine holds `current` exactly once beside the leaf's
+  // .grad (so `current.use_count() == 2` means nobody else holds that tensor); `owned`: nobody else holds `g`.
+  virtual bool accumulate_in_place(const TensorPtr& current, const TensorPtr& g, bool owned) { return false; }
 };
 
 void register_backend(const CarrierKind* kind, std::shared_ptr<OpBackend> backend);

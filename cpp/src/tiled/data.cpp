@@ -690,6 +690,25 @@ class TiledBackend final : public OpBackend {
     GradModeGuard off(false);  // one outer node: the caller records it
     return call_op(id, dense, options);
   }
+  // Tiled gradients of one geometry and layout add tile by tile (no dense temporary); others: the engine's rule.
+  TensorPtr add_gradients(const TensorPtr& a, const TensorPtr& b) override {
+    return tiled_gradients_compatible(a, b) ? add_tiled_gradients(a, b) : nullptr;
+  }
+  // A tiled .grad that only its leaf holds (no Python reference, no saved copy: the tensor is referenced by the
+  // leaf's .grad and the engine's `current`, its carrier by the tensor alone, apart from its own residency
+  // requests) accumulates in place, tile by tile: the cost is the tiles `g` touches, not the full extent. See
+  // Note [Tiled gradient accumulation].
+  bool accumulate_in_place(const TensorPtr& current, const TensorPtr& g, bool owned) override {
+    if (!tiled_gradients_compatible(current, g) || current.use_count() != 2 || !current->carrier->is_mutable() ||
+        current->carrier->is_owned())
+      return false;
+    auto& acc = static_cast<TiledEvictable&>(*current->carrier);
+    const bool share = owned && g->carrier.use_count() == 1;  // g's tile buffers die with g
+    // Residency requests of other tiles may be under way (Note [Requests' own references]); accumulate_tiles
+    // refuses a tile that one is transitioning.
+    return acc.only_reference_is(current->carrier) &&
+           acc.accumulate_tiles(static_cast<TiledEvictable&>(*g->carrier), share);
+  }
 };
 
 }  // namespace
