@@ -4,7 +4,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
-#include "strideweave/carriers/storage.hpp"
+#include "strideweave/carriers/native.hpp"
 #include "strideweave/errors.hpp"
 #include "strideweave/grad_mode.hpp"
 #include "strideweave/ops.hpp"
@@ -38,6 +38,13 @@ struct OfferedSinks {
 }  // namespace
 
 std::span<GradientSink* const> offered_sinks() { return t_offered; }
+
+namespace {
+thread_local bool t_grad_enabled = true;  // grad mode: per thread, on by default
+}  // namespace
+
+bool is_grad_enabled() noexcept { return t_grad_enabled; }
+void set_grad_enabled(bool enabled) noexcept { t_grad_enabled = enabled; }
 
 namespace {
 
@@ -335,7 +342,7 @@ struct MoveNode final : Node {
     // Move a private dense copy back along the reverse route (a move consumes its source).
     TensorPtr copy = expand_dense(g, g->layout.shape());
     CarrierPtr dest = source_prototype->allocate_like(0, true, DType::Float32(), true);
-    return {move(copy, dest)};
+    return {move_to(copy, dest)};
   }
 };
 

@@ -11,8 +11,6 @@
 namespace sw {
 
 namespace {
-thread_local bool t_grad_enabled = true;
-
 std::mutex g_routes_mutex;
 // Intentionally leaked: routes may hold language-binding objects that must not be destroyed at exit.
 auto& g_routes = *new std::map<std::pair<const CarrierKind*, const CarrierKind*>, std::shared_ptr<TransferRouteIface>>();
@@ -60,9 +58,6 @@ std::string no_route(const CarrierKind* s, const CarrierKind* d, const std::stri
 // the public API (Carrier::TransferWrites). A failed or unsupported prepare
 // ends the claims before the error is raised, so the carriers are as before.
 }  // namespace
-
-bool is_grad_enabled() noexcept { return t_grad_enabled; }
-void set_grad_enabled(bool enabled) noexcept { t_grad_enabled = enabled; }
 
 void register_route(const CarrierKind* source, const CarrierKind* destination,
                     std::shared_ptr<TransferRouteIface> route) {

@@ -1,4 +1,4 @@
-// Carrier conformance (spec/substrate.md §4, strideweave/carrier.hpp): one
+// Carrier conformance (docs/guide.md, "Carriers", strideweave/carrier.hpp): one
 // parameterised suite that every carrier kind runs — Generic, CPU, FileBacked
 // (anonymous), BlockDeviceCarrier (a BlockDevice over a preallocated temp
 // file), Evictable (CPU primary + FileBacked secondary) and a user-defined

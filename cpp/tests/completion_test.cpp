@@ -1,4 +1,4 @@
-// Completion<T> and Executor (strideweave/completion.hpp, spec/substrate.md §6).
+// Completion<T> and Executor (strideweave/completion.hpp, docs/guide.md, "Movement").
 // Completions are set once; callbacks run once, without internal locks held;
 // executors are bounded, lazily started, and run work whose handle was dropped.
 // Synchronisation is by completions, promises and joins: no sleeps.

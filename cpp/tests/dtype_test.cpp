@@ -1,4 +1,4 @@
-// DType singletons and the element conversion rules (spec/substrate.md §3,
+// DType singletons and the element conversion rules (docs/guide.md, "DTypes",
 // strideweave/dtype.hpp).
 #include <gtest/gtest.h>
 

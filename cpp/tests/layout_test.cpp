@@ -1,7 +1,7 @@
 // Layout algebra tested over whole domains (design/practices.md): every layout
 // function is checked for every coordinate of many random nested shapes against
 // naive references written independently here, plus the worked examples and
-// error cases of spec/substrate.md §2.
+// error cases of docs/guide.md, "Layouts".
 //
 // The random seed is printed; set SW_TEST_SEED=<n> to replay a run.
 #include <gtest/gtest.h>
@@ -496,7 +496,7 @@ TEST(LayoutProperty, ColumnAndRowMajorOfRandomShapes) {
   }
 }
 
-// ---------------------------------------------------------------- worked examples of §2
+// ---------------------------------------------------------------- worked examples of the layout rules
 
 TEST(Shape, ColexOrdering) {
   const Shape s = Shape::of({3, 4});

@@ -1,4 +1,4 @@
-// sw::move_async (strideweave/move.hpp, spec/substrate.md §6).
+// sw::move_async (strideweave/move.hpp, docs/guide.md, "Movement").
 //
 //  * Ordered checks: each one raises before work — values, versions, claims
 //    and release state of every input unchanged, the prepare step of a
@@ -69,7 +69,7 @@ void expect_holds(const TensorPtr& result, const std::vector<Value>& expected) {
 void expect_movable(const TensorPtr& t) {
   const std::vector<Value> expected = logical_values(*t);
   auto fresh = std::make_shared<CPUCarrier>(0, t->dtype(), true, false);
-  TensorPtr r = move(t, fresh);
+  TensorPtr r = move_to(t, fresh);
   EXPECT_EQ(r->carrier, fresh);
   expect_holds(r, expected);
   EXPECT_TRUE(t->carrier->is_released());
@@ -240,13 +240,13 @@ TEST_F(MoveChecks, MissingReverseRouteUnderGradMode) {
   const std::vector<Value> expected = logical_values(*ut);
   {
     GradModeGuard off(false);
-    TensorPtr r = move(ut, fb);
+    TensorPtr r = move_to(ut, fb);
     expect_holds(r, expected);
   }
   auto user_i32 = make_test_carrier(20, I32());
   fill_slots(*user_i32, 4);
   auto it = make_tensor(user_i32, 0, column_major(Shape::of({20})));
-  TensorPtr r = move(it, std::make_shared<FileBackedCarrier>("", I32(), true));
+  TensorPtr r = move_to(it, std::make_shared<FileBackedCarrier>("", I32(), true));
   EXPECT_EQ(r->carrier->get(19), value_for(I32(), 23));
 }
 
@@ -381,12 +381,12 @@ TEST(Move, BlockingMoveIsMoveAsyncWait) {
   auto t = make_tensor(src, 0, column_major(Shape::of({2, 3})));
   const auto expected = logical_values(*t);
   auto dst = std::make_shared<GenericCarrier>(0, F32(), true);
-  TensorPtr r = move(t, dst);
+  TensorPtr r = move_to(t, dst);
   expect_holds(r, expected);
   EXPECT_TRUE(src->is_released());
   // The result is an ordinary tensor: it can be moved on.
   auto fb = std::make_shared<FileBackedCarrier>("", F32(), true);
-  TensorPtr r2 = move(r, fb);
+  TensorPtr r2 = move_to(r, fb);
   expect_holds(r2, expected);
   EXPECT_TRUE(dst->is_released());
   EXPECT_EQ(fb->version(), 1u);
@@ -405,7 +405,7 @@ TEST(Move, ConcurrentRoundTripsKeepValues) {
       for (int r = 0; r < kRounds; ++r) {
         CarrierPtr next = (r % 2 == 0) ? CarrierPtr(std::make_shared<FileBackedCarrier>("", F32(), true))
                                        : CarrierPtr(std::make_shared<CPUCarrier>(0, F32(), true, false));
-        t = move(t, next);
+        t = move_to(t, next);
       }
       bool same = true;
       for (int64_t i = 0; i < 256; ++i) same = same && t->carrier->get(t->offset + t->layout.index(i)) == expected[i];
@@ -475,7 +475,7 @@ TEST_P(MoveFaults, FailureLeavesTheSourceLiveAndTheNextMoveSucceeds) {
   if (fc.dst_kind == 3 && fc.allocatable_destination)
     EXPECT_EQ(env_.device()->free_bytes(), free_before) << "a failed grow returns its extent";
 
-  TensorPtr r = move(t, dst);
+  TensorPtr r = move_to(t, dst);
   EXPECT_EQ(r->carrier, dst);
   expect_holds(r, expected);
   EXPECT_EQ(dst->version(), dst_version + 1);
@@ -510,7 +510,7 @@ TEST(MoveFaultsOnce, AOneShotFaultFailsOneMoveOnly) {
   io::inject(io::Op::Pwrite, EIO, 1);
   auto h = move_async(t, dst);
   EXPECT_SW_THROW(RuntimeError, "(EIO)", h->value());
-  TensorPtr r = move(t, dst);  // the fault was used up
+  TensorPtr r = move_to(t, dst);  // the fault was used up
   EXPECT_EQ(r->carrier->get(9), value_for(F32(), 10));
   io::clear_faults();
 }
@@ -776,7 +776,7 @@ TEST_F(TestRouteMoves, SubmitThatThrowsFailsTheRequest) {
   EXPECT_FALSE(dst->is_owned());
   EXPECT_EQ(dst->version(), 0u);
   test_route().reset(TestRoute::Mode::Synchronous);
-  expect_holds(move(t, dst), expected);
+  expect_holds(move_to(t, dst), expected);
 }
 
 TEST_F(TestRouteMoves, MovesIntoTheUserKind) {
@@ -807,12 +807,12 @@ TEST(FallbackRoute, ElementwiseBetweenFallbackCarriers) {
   const auto want = logical_values(*t);
   const int prepares = test_route().prepares.load();
   auto g = std::make_shared<GenericCarrier>(0, F32(), true);
-  TensorPtr r = move(t, g);
+  TensorPtr r = move_to(t, g);
   expect_holds(r, want);
   EXPECT_EQ(test_route().prepares.load(), prepares) << "no registered route is involved";
   EXPECT_EQ(user->release_calls.load(), 1);
   auto back = make_test_carrier(0, F32(), true, true);
-  TensorPtr r2 = move(r, back);
+  TensorPtr r2 = move_to(r, back);
   expect_holds(r2, want);
   EXPECT_TRUE(g->is_released());
 }

@@ -15,7 +15,7 @@ _NUMPY = {"Float32": np.float32, "Int32": np.int32, "Bool": np.bool_}
 
 
 def _wide_ints(arr: np.ndarray, dtype: DType) -> np.ndarray:
-    """NumPy keeps Python ints beyond 64 bits as objects; they are still ints (substrate §3)."""
+    """NumPy keeps Python ints beyond 64 bits as objects; they are still ints (docs/guide.md, "DTypes")."""
     items = arr.reshape(-1).tolist()
     if not items or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in items):
         return arr

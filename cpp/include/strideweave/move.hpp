@@ -66,7 +66,7 @@ using MoveNodeHook = std::function<void(const TensorPtr& source, const TensorPtr
 void set_move_node_hook(MoveNodeHook hook);
 
 CompletionPtr<TensorPtr> move_async(const TensorPtr& tensor, const CarrierPtr& destination);
-inline TensorPtr move(const TensorPtr& tensor, const CarrierPtr& destination) {
+inline TensorPtr move_to(const TensorPtr& tensor, const CarrierPtr& destination) {
   return move_async(tensor, destination)->value();
 }
 

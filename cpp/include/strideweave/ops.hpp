@@ -5,7 +5,7 @@
 // carries its name, arity and VJP; the table is guarded so a half-added
 // operation fails to compile (see kOpCount and the static_assert in ops.cpp).
 //
-// Semantics (substrate §8):
+// Semantics (docs/guide.md, "Operations and autograd"):
 //  - Operands are tensors; `mul` also takes a weak scalar on either side.
 //    Tensor operands share one exact carrier kind ("Tensor backing carriers
 //    must match", TypeError); there is no implicit movement.

@@ -329,6 +329,29 @@ void AlignedBuffer::reset() noexcept {
   bytes_ = 0;
 }
 
+// ---------------------------------------------------------------- copy_slots
+
+void copy_slots(const Carrier& src, int64_t src_start, Carrier& dst, int64_t dst_start, int64_t count) {
+  if (count <= 0) return;
+  const size_t w = slot_bytes(src.dtype());
+  if (const std::byte* s = src.native_data()) {
+    dst.write_slots(dst_start, count, s + static_cast<size_t>(src_start) * w);
+    return;
+  }
+  if (std::byte* d = dst.mutable_native_data()) {
+    src.read_slots(src_start, count, d + static_cast<size_t>(dst_start) * w);
+    return;
+  }
+  constexpr int64_t kChunkBytes = int64_t{8} << 20;
+  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / static_cast<int64_t>(w));
+  AlignedBuffer bounce(static_cast<size_t>(std::min(chunk, count)) * w, false);
+  for (int64_t done = 0; done < count; done += chunk) {
+    int64_t n = std::min(chunk, count - done);
+    src.read_slots(src_start + done, n, bounce.data());
+    dst.write_slots(dst_start + done, n, bounce.data());
+  }
+}
+
 // ---------------------------------------------------------------- kinds
 
 const CarrierKind& generic_kind() {

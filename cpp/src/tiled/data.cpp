@@ -622,10 +622,10 @@ CompletionPtr<TensorPtr> scatter(const std::shared_ptr<TiledEvictable>& c, const
         node->carrier = c;
         node->selection = sel;
         node->add = add;
-        // The scatter node saves `compact`, as the substrate's contract says (§9): a backward after it was
-        // written in place raises "modified in-place" with both versions, like any saved tensor. Its VJP reads
-        // no value of it (unlike Note [A projection saves no values], the contract decides here): the check
-        // tells a user that the values the result was built from are gone.
+        // The scatter node saves `compact`, as the public contract says (docs/guide.md, "TiledEvictable",
+        // Scatter): a backward after it was written in place raises "modified in-place" with both versions, like
+        // any saved tensor. Its VJP reads no value of it (unlike Note [A projection saves no values], the contract
+        // decides here): the check tells a user that the values the result was built from are gone.
         node->save(compact);
         if (compact->is_differentiable()) {
           node->inputs.push_back(compact);

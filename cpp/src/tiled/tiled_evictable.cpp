@@ -6,6 +6,7 @@
 #include <sstream>
 #include <thread>
 
+#include "strideweave/carriers/native.hpp"
 #include "strideweave/carriers/storage.hpp"
 #include "strideweave/errors.hpp"
 #include "../ops/strided.hpp"

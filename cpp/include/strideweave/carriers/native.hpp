@@ -63,6 +63,11 @@ std::chrono::steady_clock::duration set_mapping_cache_decay(std::chrono::steady_
 size_t mapping_cache_bytes();
 size_t trim_mapping_cache(std::chrono::steady_clock::time_point now);
 
+// Copies `count` slots between two carriers of one dtype in bulk (memcpy for
+// native memory, one read or write call per run otherwise): any two carriers,
+// whatever their kinds.
+void copy_slots(const Carrier& src, int64_t src_start, Carrier& dst, int64_t dst_start, int64_t count);
+
 const CarrierKind& generic_kind();
 const CarrierKind& cpu_kind();
 

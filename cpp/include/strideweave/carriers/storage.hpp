@@ -184,8 +184,4 @@ class EvictableCarrier final : public DependentCarrier {
   int64_t slots_ = 0;
 };
 
-// Copies `count` slots between two carriers of one dtype in bulk (memcpy for
-// native memory, one read or write call per run otherwise).
-void copy_slots(const Carrier& src, int64_t src_start, Carrier& dst, int64_t dst_start, int64_t count);
-
 }  // namespace sw

@@ -76,7 +76,7 @@ const CarrierKind& tiled_evictable_kind();
 
 class TiledEvictable final : public DependentCarrier {
  public:
-  // Validation order (substrate §10): tiers are non-dependent (any storage
+  // Validation order (docs/guide.md, "TiledEvictable"): tiers are non-dependent (any storage
   // kind, user kinds included), distinct, live, unowned carriers of one dtype; grid and tile shapes have one rank
   // and positive extents; the extent is at most 2**62, the tile table at most
   // kMaxTiles tiles and kMaxRuns footprint runs (ValueError, before anything
