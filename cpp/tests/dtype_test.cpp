@@ -11,35 +11,12 @@
 
 #include "strideweave/dtype.hpp"
 #include "strideweave/errors.hpp"
+#include "test_support.hpp"
 
 namespace sw {
 
-void PrintTo(const Value& v, std::ostream* os) {
-  *os << v.kind_name() << "(f=" << v.f << ", i=" << v.i << ", b=" << v.b << ")";
-}
-
 namespace {
 
-template <class E, class F>
-::testing::AssertionResult ThrowsWith(F&& f, std::string_view fragment) {
-  try {
-    f();
-  } catch (const E& e) {
-    if (std::string_view(e.what()).find(fragment) == std::string_view::npos)
-      return ::testing::AssertionFailure() << "message \"" << e.what() << "\" lacks \"" << fragment << "\"";
-    return ::testing::AssertionSuccess();
-  } catch (const std::exception& e) {
-    return ::testing::AssertionFailure() << "threw another exception type: " << e.what();
-  }
-  return ::testing::AssertionFailure() << "did not throw";
-}
-
-#define EXPECT_SW_THROW(Type, fragment, ...)                              \
-  do {                                                                    \
-    EXPECT_THROW((void)(__VA_ARGS__), Type);                              \
-    EXPECT_TRUE(ThrowsWith<Type>([&] { (void)(__VA_ARGS__); }, fragment)) \
-        << "for: " #__VA_ARGS__;                                          \
-  } while (0)
 
 const DType& F32() { return DType::Float32(); }
 const DType& I32() { return DType::Int32(); }

@@ -20,6 +20,7 @@
 
 #include "strideweave/errors.hpp"
 #include "strideweave/layout.hpp"
+#include "test_support.hpp"
 
 namespace sw {
 
@@ -31,55 +32,12 @@ void PrintTo(const Layout& l, std::ostream* os) { *os << "Layout(" << l.str() <<
 
 namespace {
 
+using testing_support::test_seed;
+using testing_support::Rng;
+
 // ---------------------------------------------------------------- helpers
 
 IntTuple T(std::initializer_list<IntTuple> children) { return IntTuple::tuple(children); }
-
-// Passes when `f` throws exactly E (or a subclass) whose message contains `fragment`.
-template <class E, class F>
-::testing::AssertionResult ThrowsWith(F&& f, std::string_view fragment) {
-  try {
-    f();
-  } catch (const E& e) {
-    if (std::string_view(e.what()).find(fragment) == std::string_view::npos)
-      return ::testing::AssertionFailure() << "message \"" << e.what() << "\" lacks \"" << fragment << "\"";
-    return ::testing::AssertionSuccess();
-  } catch (const std::exception& e) {
-    return ::testing::AssertionFailure() << "threw another exception type: " << e.what();
-  }
-  return ::testing::AssertionFailure() << "did not throw";
-}
-
-// Checks the type with EXPECT_THROW and the message with ThrowsWith.
-#define EXPECT_SW_THROW(Type, fragment, ...)                              \
-  do {                                                                    \
-    EXPECT_THROW((void)(__VA_ARGS__), Type);                              \
-    EXPECT_TRUE(ThrowsWith<Type>([&] { (void)(__VA_ARGS__); }, fragment)) \
-        << "for: " #__VA_ARGS__;                                          \
-  } while (0)
-
-uint64_t test_seed() {
-  static const uint64_t seed = [] {
-    uint64_t s;
-    const char* env = std::getenv("SW_TEST_SEED");
-    if (env && *env) {
-      s = std::strtoull(env, nullptr, 0);
-    } else {
-      s = static_cast<uint64_t>(std::chrono::system_clock::now().time_since_epoch().count()) % 1000000007ULL;
-    }
-    std::cout << "[ SEED     ] SW_TEST_SEED=" << s << (env && *env ? " (from environment)" : " (time-based; set SW_TEST_SEED to replay)")
-              << std::endl;
-    return s;
-  }();
-  return seed;
-}
-
-struct Rng {
-  std::mt19937_64 g;
-  explicit Rng(uint64_t seed) : g(seed) {}
-  int64_t uniform(int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(g); }
-  bool chance(double p) { return std::bernoulli_distribution(p)(g); }
-};
 
 // ---------------------------------------------------------------- independent references
 

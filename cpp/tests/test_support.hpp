@@ -119,6 +119,7 @@ struct Rng {
   std::mt19937_64 g;
   explicit Rng(uint64_t seed) : g(seed) {}
   int64_t uniform(int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(g); }
+  bool chance(double p) { return std::bernoulli_distribution(p)(g); }
 };
 
 // ---------------------------------------------------------------- files
