@@ -25,12 +25,12 @@ import gc
 import math
 import os
 import struct
-import time
 
 import pytest
 
 import strideweave as sw
 from forked import check_in_forked_child
+from waiting import eventually
 from strideweave import DType, Layout, Shape, Stride, Tensor
 from strideweave.carriers.extension import (
     CarrierDefinition,
@@ -1438,10 +1438,7 @@ def test_mapping_cache_gives_freed_memory_back_after_the_decay():
         assert sw.mapping_cache_bytes() == 4 << 20  # kept: freed less than an hour ago
         assert sw.set_mapping_cache_decay(0.02) == 3600.0
         # The trimming thread unmaps it about 20 ms after it was freed; a slow machine gets a minute.
-        deadline = time.monotonic() + 60
-        while sw.mapping_cache_bytes() and time.monotonic() < deadline:
-            time.sleep(0.001)
-        assert sw.mapping_cache_bytes() == 0
+        eventually(lambda: sw.mapping_cache_bytes() == 0, "the trimming thread unmapped the freed buffer", 60)
     finally:
         sw.set_mapping_cache_decay(previous)
         sw.set_mapping_cache_limit(previous_limit)
@@ -1462,10 +1459,8 @@ def test_mapping_cache_in_a_forked_child_gives_memory_back_and_reuses_it(long_de
             ok &= sw.mapping_cache_bytes() == 0
             del again
             sw.set_mapping_cache_decay(0.02)
-            deadline = time.monotonic() + 30
-            while sw.mapping_cache_bytes() and time.monotonic() < deadline:
-                time.sleep(0.001)
-            return ok and sw.mapping_cache_bytes() == 0
+            eventually(lambda: sw.mapping_cache_bytes() == 0, "the child's trimming thread unmapped the buffer")
+            return ok
 
         # A notify just before fork() leaves the parent's trimmer, woken but not yet running, counted as a waiter
         # in the child's copy of the condition variable: the child's own notify and wait must not wait for it.

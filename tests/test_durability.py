@@ -25,13 +25,13 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 import warnings
 
 import numpy as np
 import pytest
 
 import strideweave as sw
+from waiting import held
 from strideweave import Tensor
 from strideweave.carriers.tiled_evictable import (ResidencyPlan, TiledEvictable, TiledResidencyFacet, TileSelection,
                                                   TileSet)
@@ -48,14 +48,6 @@ def _clear():
     core._io_clear()
     yield
     core._io_clear()
-
-
-def held(op, n=1, timeout=30.0):
-    """Waits until `n` calls of `op` are blocked at the I/O gate (fails, never hangs, after `timeout`)."""
-    end = time.monotonic() + timeout
-    while core._io_held_waiting(op) < n:
-        assert time.monotonic() < end, f"no {op} call held within {timeout} s"
-        time.sleep(0.001)
 
 
 class Scene:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import time
 
 import numpy as np
 import pytest
@@ -32,6 +31,7 @@ from strideweave.carriers.tiled_evictable import TiledEvictable, TileSelection, 
 
 from forked import check_in_forked_child
 from pending_carrier import destination, pending_tensor, settle_all, take, wait_handle
+from waiting import held
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
 
@@ -60,14 +60,6 @@ def file_backed_tiled():
 
 def tile_values(values, t):
     return values[t * TILE:(t + 1) * TILE]
-
-
-def held(op, n=1, timeout=15.0):
-    """Waits until `n` calls of `op` are blocked at the I/O gate (polling an observable state, bounded)."""
-    end = time.monotonic() + timeout
-    while core._io_held_waiting(op) < n:
-        assert time.monotonic() < end, f"{n} {op} call(s) not held within {timeout} s"
-        time.sleep(0.002)
 
 
 def run_in_mp_fork(target, timeout=CHILD_TIMEOUT_S):

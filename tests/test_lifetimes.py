@@ -65,6 +65,7 @@ from strideweave.carriers.extension import (
     register_carrier_definition,
 )
 from strideweave.carriers.tiled_evictable import ResidencyPlan, TiledEvictable, TileSelection, TileSet
+from waiting import eventually, held
 
 F32 = DType.Float32
 core = sw._core
@@ -79,15 +80,6 @@ def _clear_io_hooks():
     core._io_clear()
 
 
-def eventually(predicate, what, timeout=DEADLINE_S):
-    """Polls `predicate` until true; fails (never hangs) after `timeout` seconds."""
-    end = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > end:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        time.sleep(0.002)
-
-
 def is_open(filename):
     """Whether this process has `filename` open: an anonymous FileBacked's filename is what the kernel calls
     its open file ('/tmp/#1234 (deleted)'), as /proc/self/fd shows it."""
@@ -99,11 +91,6 @@ def is_open(filename):
         except OSError:  # closed meanwhile
             pass
     return False
-
-
-def held(op, n=1):
-    """Waits until `n` calls of `op` are blocked at the I/O gate."""
-    eventually(lambda: core._io_held_waiting(op) >= n, f"{n} {op} call(s) held")
 
 
 def try_release(c):

@@ -22,6 +22,7 @@ import strideweave as sw
 from strideweave import friendly
 from strideweave.carriers.tiled_evictable import TiledEvictable, TileSelection, TileSet
 from strideweave.policies import LRUPolicy
+from waiting import held
 
 OUT, IN, E = 4, 3, 6
 
@@ -333,10 +334,7 @@ def test_backward_holds_the_gradient_tiles_it_adds_into(rng, held_io):
 
     t = threading.Thread(target=run, daemon=True)
     t.start()
-    deadline = time.monotonic() + 30
-    while held_io._io_held_waiting("pread") == 0:
-        assert time.monotonic() < deadline, "the sum never read its evicted tile"
-        time.sleep(0.001)
+    held("pread")  # the sum is reading its evicted tile back
     g = full.grad.carrier  # a reference taken while the sum runs, as another thread would
     states = [g.tile_state((0, e)) for e in range(E)]
     with pytest.raises(RuntimeError, match="being added into by a gradient sum.*wait"):
