@@ -30,6 +30,7 @@ import pytest
 
 import strideweave as sw
 from forked import check_in_forked_child
+from open_files import open_files
 from waiting import eventually
 from strideweave import DType, Layout, Shape, Stride, Tensor
 from strideweave.carriers.extension import (
@@ -1026,36 +1027,25 @@ def test_cpu_construction():
 # ============================================================ kind-specific: FileBacked
 
 
-def _open_files():
-    fds = "/proc/self/fd"
-    out = set()
-    for fd in os.listdir(fds):
-        try:
-            out.add(os.readlink(os.path.join(fds, fd)))
-        except OSError:  # closed meanwhile
-            pass
-    return out
-
-
 def test_anonymous_file_has_no_name_and_is_closed_on_release():
     """An anonymous file is never in the directory; its filename is what the kernel calls the open file."""
     c = fill(sw.FileBacked().allocate_like(4), [1.0, 2.0, 3.0, 4.0])
     assert c.is_anonymous()
     path = c.filename
     assert path.endswith(" (deleted)") and not os.path.exists(path)
-    assert path in _open_files()
+    assert path in open_files()
     assert read_all(c) == [1.0, 2.0, 3.0, 4.0]
     c.release()
-    assert path not in _open_files()
+    assert path not in open_files()
 
 
 def test_anonymous_file_is_closed_when_the_carrier_is_dropped():
     c = sw.FileBacked().allocate_like(4)
     path = c.filename
-    assert path in _open_files() and not os.path.exists(path)
+    assert path in open_files() and not os.path.exists(path)
     del c
     gc.collect()
-    assert path not in _open_files()
+    assert path not in open_files()
 
 
 def test_named_file_persists_and_reopening_sees_the_values(tmp_path):

@@ -43,11 +43,7 @@ N = TILES * TILE
 ALL = TileSet([(t,) for t in range(TILES)])
 
 
-@pytest.fixture(autouse=True)
-def _clear():
-    core._io_clear()
-    yield
-    core._io_clear()
+pytestmark = pytest.mark.usefixtures("clear_io_faults")
 
 
 class Scene:

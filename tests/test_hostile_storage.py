@@ -37,6 +37,7 @@ import pytest
 import strideweave as sw
 from strideweave import Tensor
 from strideweave.carriers.tiled_evictable import TiledEvictable, TileSelection, TileSet
+from open_files import open_files
 
 core = sw._core
 TILES, TILE = 4, 256  # 1 KiB tiles
@@ -44,11 +45,7 @@ N = TILES * TILE
 ALL = TileSet([(t,) for t in range(TILES)])
 
 
-@pytest.fixture(autouse=True)
-def _clear():
-    core._io_clear()
-    yield
-    core._io_clear()
+pytestmark = pytest.mark.usefixtures("clear_io_faults")
 
 
 class Scene:
@@ -261,26 +258,15 @@ def test_a_process_that_ends_abruptly_leaves_no_anonymous_file(tmp_path, ending,
     assert os.listdir(private) == []
 
 
-def _open_files():
-    fds = "/proc/self/fd"
-    out = set()
-    for fd in os.listdir(fds):
-        try:
-            out.add(os.readlink(os.path.join(fds, fd)))
-        except OSError:  # closed meanwhile
-            pass
-    return out
-
-
 def test_an_anonymous_filename_says_what_the_kernel_calls_the_open_file(tmp_path, monkeypatch):
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     fb = sw.FileBacked()
     assert fb.is_anonymous()
     assert fb.filename.startswith(str(tmp_path) + "/") and fb.filename.endswith(" (deleted)")
     assert not os.path.exists(fb.filename) and os.listdir(tmp_path) == []
-    assert fb.filename in _open_files()
+    assert fb.filename in open_files()
     fb.release()
-    assert fb.filename not in _open_files()
+    assert fb.filename not in open_files()
 
 
 # ================================================================ U12a: paths and allocations

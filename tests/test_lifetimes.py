@@ -65,6 +65,7 @@ from strideweave.carriers.extension import (
     register_carrier_definition,
 )
 from strideweave.carriers.tiled_evictable import ResidencyPlan, TiledEvictable, TileSelection, TileSet
+from open_files import is_open
 from waiting import eventually, held
 
 F32 = DType.Float32
@@ -78,19 +79,6 @@ def _clear_io_hooks():
     core._io_clear()
     yield
     core._io_clear()
-
-
-def is_open(filename):
-    """Whether this process has `filename` open: an anonymous FileBacked's filename is what the kernel calls
-    its open file ('/tmp/#1234 (deleted)'), as /proc/self/fd shows it."""
-    fds = "/proc/self/fd"
-    for fd in os.listdir(fds):
-        try:
-            if os.readlink(os.path.join(fds, fd)) == filename:
-                return True
-        except OSError:  # closed meanwhile
-            pass
-    return False
 
 
 def try_release(c):
