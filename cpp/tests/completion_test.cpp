@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <optional>
 #include <future>
 #include <memory>
 #include <set>
@@ -59,20 +60,29 @@ TEST(Completion, ValueReferenceIsStable) {
 
 // Note [Waiters help]: the first waiter runs the help, on its own thread, before it blocks; a second waiter and
 // wait_for never run it; setting the completion drops it unrun (its captures with it).
-TEST(Completion, TheFirstWaiterRunsTheHelpOnce) {
-  auto c = std::make_shared<Completion<int>>();
+// A completion whose help counts its runs and the thread it ran on, and sets `complete_with` when given.
+struct Helped {
+  std::shared_ptr<Completion<int>> c = std::make_shared<Completion<int>>();
   std::atomic<int> runs{0};
   std::thread::id ran_on;
-  c->set_help([&] {
-    ++runs;
-    ran_on = std::this_thread::get_id();
-    c->set_value(7);  // the help completes it: wait() returns without blocking
-  });
+  explicit Helped(std::optional<int> complete_with = std::nullopt) {
+    c->set_help([this, complete_with] {
+      ++runs;
+      ran_on = std::this_thread::get_id();
+      if (complete_with) c->set_value(*complete_with);
+    });
+  }
+};
+
+TEST(Completion, TheFirstWaiterRunsTheHelpOnce) {
+  Helped h(7);  // the help completes it: wait() returns without blocking
+  auto& c = h.c;
+  auto& runs = h.runs;
   EXPECT_FALSE(c->wait_for(std::chrono::milliseconds(0)));
   EXPECT_EQ(runs.load(), 0);  // wait_for never helps
   c->wait();
   EXPECT_EQ(runs.load(), 1);
-  EXPECT_EQ(ran_on, std::this_thread::get_id());
+  EXPECT_EQ(h.ran_on, std::this_thread::get_id());
   c->wait();
   EXPECT_EQ(c->value(), 7);
   EXPECT_EQ(runs.load(), 1);
@@ -80,16 +90,12 @@ TEST(Completion, TheFirstWaiterRunsTheHelpOnce) {
 
 TEST(Completion, HelpRunsTheHelpOnceAndNeverBlocks) {
   // help() is what an interruptible waiter (Python's wait) calls before its own wait_for loop.
-  auto c = std::make_shared<Completion<int>>();
-  std::atomic<int> runs{0};
-  std::thread::id ran_on;
-  c->set_help([&] {
-    ++runs;
-    ran_on = std::this_thread::get_id();
-  });
+  Helped h;  // the help does not complete it
+  auto& c = h.c;
+  auto& runs = h.runs;
   c->help();  // runs the help, which does not complete it: returns anyway
   EXPECT_EQ(runs.load(), 1);
-  EXPECT_EQ(ran_on, std::this_thread::get_id());
+  EXPECT_EQ(h.ran_on, std::this_thread::get_id());
   EXPECT_FALSE(c->done());
   c->help();  // taken: nothing left to run
   EXPECT_EQ(runs.load(), 1);
