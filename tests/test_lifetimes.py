@@ -74,11 +74,7 @@ TILE = 1024  # slots per tile: 4096 bytes, exactly one arena block
 DEADLINE_S = 15.0
 
 
-@pytest.fixture(autouse=True)
-def _clear_io_hooks():
-    core._io_clear()
-    yield
-    core._io_clear()
+pytestmark = pytest.mark.usefixtures("clear_io_faults")
 
 
 def try_release(c):
