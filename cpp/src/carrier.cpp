@@ -61,7 +61,7 @@ Value load_value(const DType& dtype, const void* src) {
 Carrier::Carrier(const CarrierKind* kind, const DType& dtype, bool is_mutable)
     : kind_(kind), dtype_(&dtype), mutable_(is_mutable) {}
 
-Carrier::Carrier(const CarrierKind* kind, std::shared_ptr<StorageProviderIface> provider, const DType& dtype,
+Carrier::Carrier(const CarrierKind* kind, std::shared_ptr<StorageProvider> provider, const DType& dtype,
                  bool is_mutable)
     : kind_(kind), dtype_(&dtype), mutable_(is_mutable), provider_(std::move(provider)) {
   SW_ASSERT(provider_, "a definition carrier needs a provider");

@@ -13,7 +13,7 @@ namespace sw {
 namespace {
 std::mutex g_routes_mutex;
 // Intentionally leaked: routes may hold language-binding objects that must not be destroyed at exit.
-auto& g_routes = *new std::map<std::pair<const CarrierKind*, const CarrierKind*>, std::shared_ptr<TransferRouteIface>>();
+auto& g_routes = *new std::map<std::pair<const CarrierKind*, const CarrierKind*>, std::shared_ptr<TransferRoute>>();
 // Function-local: safe to use from other translation units' initialisers.
 std::mutex& hook_mutex() {
   static std::mutex m;
@@ -32,7 +32,7 @@ bool is_native_storage(const CarrierKind* k) {
          k == &evictable_kind();
 }
 
-std::shared_ptr<TransferRouteIface> find_route(const CarrierKind* s, const CarrierKind* d) {
+std::shared_ptr<TransferRoute> find_route(const CarrierKind* s, const CarrierKind* d) {
   std::lock_guard lock(g_routes_mutex);
   auto it = g_routes.find({s, d});
   return it == g_routes.end() ? nullptr : it->second;
@@ -60,7 +60,7 @@ std::string no_route(const CarrierKind* s, const CarrierKind* d, const std::stri
 }  // namespace
 
 void register_route(const CarrierKind* source, const CarrierKind* destination,
-                    std::shared_ptr<TransferRouteIface> route) {
+                    std::shared_ptr<TransferRoute> route) {
   std::lock_guard lock(g_routes_mutex);
   if (!g_routes.emplace(std::make_pair(source, destination), std::move(route)).second)
     raise<ValueError>("a route from ", source->name, " to ", destination->name, " is already registered");
@@ -109,7 +109,7 @@ CompletionPtr<TensorPtr> move_async(const TensorPtr& tensor, const CarrierPtr& d
   const CarrierKind* dk = &destination->kind();
   const bool fallback = source->allows_elementwise_fallback() && destination->allows_elementwise_fallback() &&
                         !sk->dependent && !dk->dependent;
-  std::shared_ptr<TransferRouteIface> route;
+  std::shared_ptr<TransferRoute> route;
   const bool builtin = is_native_storage(sk) && is_native_storage(dk);
   if (!builtin) route = find_route(sk, dk);
   if (!builtin && !route && !fallback) raise<NotImplementedError>(no_route(sk, dk, ""));
@@ -128,7 +128,7 @@ CompletionPtr<TensorPtr> move_async(const TensorPtr& tensor, const CarrierPtr& d
   auto claims = std::make_shared<std::pair<Carrier::Claim, Carrier::Claim>>(source->claim("a move"),
                                                                               destination->claim("a move"));
   RouteKind route_kind = builtin ? RouteKind::Builtin : RouteKind::Fallback;
-  TransferRouteIface::Submit submit;
+  TransferRoute::Submit submit;
   if (route) {
     std::string unsupported;
     TransferRequest request{tensor, destination, sk, dk, &tensor->dtype(), tensor->layout, need};
@@ -140,7 +140,7 @@ CompletionPtr<TensorPtr> move_async(const TensorPtr& tensor, const CarrierPtr& d
     else if (!fallback) raise<NotImplementedError>(no_route(sk, dk, unsupported));
   }
   auto done = std::make_shared<Completion<TensorPtr>>();
-  TransferRouteIface::Waiter waiter;
+  TransferRoute::Waiter waiter;
   if (route_kind == RouteKind::Registered) {
     try {
       if (grow) destination->grow(need, true);

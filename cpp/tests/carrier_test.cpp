@@ -2,7 +2,7 @@
 // parameterised suite that every carrier kind runs — Generic, CPU, FileBacked
 // (anonymous), BlockDeviceCarrier (a BlockDevice over a preallocated temp
 // file), Evictable (CPU primary + FileBacked secondary) and a user-defined
-// kind (TestCarrier, a StorageProviderIface). A new kind gets the whole suite
+// kind (TestCarrier, a StorageProvider). A new kind gets the whole suite
 // by adding one line to kKinds.
 //
 // Kind-specific behaviour (BlockDevice extents and unaligned I/O, FileBacked

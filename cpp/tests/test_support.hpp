@@ -6,8 +6,8 @@
 //    SW_TEST_SEED=<n> to replay a run.
 //  * TempPath / make_device_file(): temporary files removed on destruction.
 //  * TestCarrier: a user-defined carrier kind (sw::Carrier + a
-//    StorageProviderIface), with counters that prove release runs once.
-//  * TestRoute: a TransferRouteIface whose transfers stay pending until the
+//    StorageProvider), with counters that prove release runs once.
+//  * TestRoute: a TransferRoute whose transfers stay pending until the
 //    test completes or fails each one (TensorStore's mock_kvstore idea), so
 //    pending states and failures are tested without sleeps.
 //  * run_in_forked_child(): runs a check in a child of fork(), bounded by a timeout.
@@ -226,14 +226,14 @@ class TestStorage;
 // prove that the provider's release runs exactly once per carrier.
 class TestCarrier final : public Carrier {
  public:
-  TestCarrier(std::shared_ptr<StorageProviderIface> provider, const DType& dtype, bool is_mutable)
+  TestCarrier(std::shared_ptr<StorageProvider> provider, const DType& dtype, bool is_mutable)
       : Carrier(&test_kind(), std::move(provider), dtype, is_mutable) {}
   std::vector<Value> slots;
   std::atomic<int> release_calls{0};
   std::atomic<int> allocate_calls{0};
 };
 
-class TestStorage final : public StorageProviderIface, public std::enable_shared_from_this<TestStorage> {
+class TestStorage final : public StorageProvider, public std::enable_shared_from_this<TestStorage> {
  public:
   explicit TestStorage(bool fallback) { elementwise_fallback = fallback; }
   static TestCarrier& self(const Carrier& c) { return static_cast<TestCarrier&>(const_cast<Carrier&>(c)); }
@@ -297,7 +297,7 @@ struct PendingTransfer {
   void fail(std::exception_ptr e) { gate->set_error(std::move(e)); }
 };
 
-class TestRoute final : public TransferRouteIface {
+class TestRoute final : public TransferRoute {
  public:
   enum class Mode { Pending, Synchronous, Unsupported, SubmitThrows };
 

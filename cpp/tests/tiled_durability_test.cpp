@@ -28,18 +28,18 @@ const DType& F32() { return DType::Float32(); }
 bool contains(const std::string& s, const char* fragment) { return s.find(fragment) != std::string::npos; }
 
 // A policy that plans the same evictions after every request.
-class EvictAfter final : public ResidencyPolicyIface {
+class EvictAfter final : public ResidencyPolicy {
  public:
   explicit EvictAfter(std::vector<TileCoord> evict) { plan_.evict = std::move(evict); }
-  ResidencyPlanC plan(const std::vector<TileCoord>&, const char*) override { return plan_; }
+  ResidencyPlan plan(const std::vector<TileCoord>&, const char*) override { return plan_; }
 
  private:
-  ResidencyPlanC plan_;
+  ResidencyPlan plan_;
 };
 
 // `tiles` one-run tiles of 4 slots: a full CPU primary (every tile dirty) over an anonymous secondary file, or
 // over `secondary` when given.
-Tiled make_dirty(int64_t tiles, std::shared_ptr<ResidencyPolicyIface> policy = nullptr, CarrierPtr secondary = nullptr) {
+Tiled make_dirty(int64_t tiles, std::shared_ptr<ResidencyPolicy> policy = nullptr, CarrierPtr secondary = nullptr) {
   auto primary = std::make_shared<CPUCarrier>(tiles * 4, F32(), true, false);
   fill_slots(*primary, 1000);
   if (!secondary) secondary = std::make_shared<FileBackedCarrier>("", F32(), true);

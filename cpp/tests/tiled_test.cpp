@@ -82,7 +82,7 @@ struct TierSpec {
 
 // CPU primary, FileBacked (anonymous) secondary.
 Tiled make_tiled(const std::vector<int64_t>& grid, const std::vector<int64_t>& tile, TierSpec spec = {},
-                 std::shared_ptr<ResidencyPolicyIface> policy = nullptr) {
+                 std::shared_ptr<ResidencyPolicy> policy = nullptr) {
   const int64_t total = product(grid) * product(tile);
   auto primary = std::make_shared<CPUCarrier>(spec.primary_full ? total : 0, *spec.dtype, true, false);
   if (spec.primary_full) fill_slots(*primary, spec.primary_salt);
@@ -945,9 +945,9 @@ TEST_F(TiledTest, ReleaseRefusedWhileWorkIsIncomplete) {
 }
 
 // A policy that records its calls and returns a fixed plan (or throws).
-class FixedPolicy final : public ResidencyPolicyIface {
+class FixedPolicy final : public ResidencyPolicy {
  public:
-  ResidencyPlanC plan(const std::vector<TileCoord>& required, const char* purpose) override {
+  ResidencyPlan plan(const std::vector<TileCoord>& required, const char* purpose) override {
     std::lock_guard lock(m);
     calls.push_back({required, purpose});
     if (fail) raise<RuntimeError>("policy failed on purpose");
@@ -955,7 +955,7 @@ class FixedPolicy final : public ResidencyPolicyIface {
   }
   std::mutex m;
   std::vector<std::pair<std::vector<TileCoord>, std::string>> calls;
-  ResidencyPlanC next;
+  ResidencyPlan next;
   bool fail = false;
 };
 

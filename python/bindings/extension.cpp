@@ -33,7 +33,7 @@ nb::object self_of(const sw::Carrier& c) {
   return nb::borrow(static_cast<PyObject*>(h));
 }
 
-class PyStorageProvider final : public sw::StorageProviderIface {
+class PyStorageProvider final : public sw::StorageProvider {
  public:
   PyStorageProvider(nb::object cls, nb::object storage) : cls_(std::move(cls)), storage_(std::move(storage)) {
     elementwise_fallback = nb::cast<bool>(storage_.obj.attr("elementwise_fallback"));
@@ -83,7 +83,7 @@ class PyStorageProvider final : public sw::StorageProviderIface {
   GilObject storage_;
 };
 
-class PyRoute final : public sw::TransferRouteIface {
+class PyRoute final : public sw::TransferRoute {
  public:
   explicit PyRoute(nb::object provider) : provider_(std::make_shared<GilObject>(std::move(provider))) {}
 

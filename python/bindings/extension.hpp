@@ -8,7 +8,7 @@ namespace swpy {
 
 struct Definition {
   sw::CarrierKind kind;
-  std::shared_ptr<sw::StorageProviderIface> provider;
+  std::shared_ptr<sw::StorageProvider> provider;
   nb::object facets;      // tuple of CarrierFacet instances
   nb::object definition;  // the Python CarrierDefinition
 };

@@ -106,10 +106,10 @@ std::vector<TileCoord> coords_of(nb::handle tile_set) {
 // and dropped with the GIL. A carrier whose policy was cleared (seen only by code that runs while the
 // collector breaks a cycle) plans like a carrier without a policy, and its residency_policy is None;
 // a plan() call in flight holds its own reference to the policy object and finishes normally.
-class PyPolicy final : public sw::ResidencyPolicyIface {
+class PyPolicy final : public sw::ResidencyPolicy {
  public:
   explicit PyPolicy(nb::object policy) : policy_(std::move(policy)) {}
-  sw::ResidencyPlanC plan(const std::vector<TileCoord>& required, const char* purpose) override {
+  sw::ResidencyPlan plan(const std::vector<TileCoord>& required, const char* purpose) override {
     GilAcquire gil;
     sw::GradModeGuard off(false);
     nb::object policy = policy_.obj;  // our own reference for the call: Note [Policy reference cycles]
@@ -119,7 +119,7 @@ class PyPolicy final : public sw::ResidencyPolicyIface {
     if (!nb::isinstance(result, mod.attr("ResidencyPlan")))
       sw::raise<sw::TypeError>("ResidencyPolicy.plan must return a ResidencyPlan, got ",
                                nb::cast<std::string>(result.type().attr("__name__")));
-    sw::ResidencyPlanC plan;
+    sw::ResidencyPlan plan;
     plan.promote = coords_of(result.attr("promote"));
     plan.retain = coords_of(result.attr("retain"));
     plan.evict = coords_of(result.attr("evict"));
@@ -141,7 +141,7 @@ PyPolicy* owned_policy(PyObject* self) {
   auto* c = nb::inst_ptr<TiledEvictable>(self);
   const bool constructed_here = nb::inst_state(self).second;  // destroys its carrier: owns it
   if (!constructed_here && c->weak_from_this().use_count() != 1) return nullptr;
-  const std::shared_ptr<sw::ResidencyPolicyIface>& p = c->policy();
+  const std::shared_ptr<sw::ResidencyPolicy>& p = c->policy();
   if (!p || p.use_count() != 1) return nullptr;
   return dynamic_cast<PyPolicy*>(p.get());
 }
@@ -174,11 +174,11 @@ std::vector<int64_t> shape_arg(nb::handle h, const char* what) {
   return out;
 }
 
-sw::TileSelectionC selection_of(nb::handle sel, const char* what) {
+sw::TileSelection selection_of(nb::handle sel, const char* what) {
   if (!nb::isinstance(sel, tiled_module().attr("TileSelection")))
     sw::raise<sw::TypeError>(what, ": selection must be a TileSelection, got ",
                              nb::cast<std::string>(sel.type().attr("__name__")));
-  sw::TileSelectionC out;
+  sw::TileSelection out;
   for (nb::handle axis : sel.attr("per_axis")) out.per_axis.push_back(coord_of(axis, "TileSelection coordinate"));
   return out;
 }
@@ -338,7 +338,7 @@ void bind_tiled(nb::module_& m) {
       .def("project", [](std::shared_ptr<TiledEvictable> c, nb::handle tensor, nb::handle selection,
                          nb::handle destination) {
         sw::TensorPtr t = tensor_of(tensor, "project: tensor");
-        sw::TileSelectionC sel = selection_of(selection, "project");
+        sw::TileSelection sel = selection_of(selection, "project");
         sw::CarrierPtr dest;
         if (!destination.is_none()) {
           if (!nb::isinstance<sw::Carrier>(destination))
@@ -353,7 +353,7 @@ void bind_tiled(nb::module_& m) {
                          nb::handle reduction) {
         sw::TensorPtr ct = tensor_of(compact, "scatter: compact");
         sw::TensorPtr tt = tensor_of(templ, "scatter: template");
-        sw::TileSelectionC sel = selection_of(selection, "scatter");
+        sw::TileSelection sel = selection_of(selection, "scatter");
         if (!PyUnicode_Check(reduction.ptr())) sw::raise<sw::ValueError>("scatter: reduction must be 'replace' or 'add'");
         std::string r = nb::cast<std::string>(reduction);
         if (r != "replace" && r != "add")

@@ -53,9 +53,9 @@ using CarrierPtr = std::shared_ptr<Carrier>;
 
 // The storage behaviour of a user-defined carrier kind (implemented by the
 // Python bindings over the user's StorageProvider callables).
-class StorageProviderIface {
+class StorageProvider {
  public:
-  virtual ~StorageProviderIface() = default;
+  virtual ~StorageProvider() = default;
   virtual bool supports_dtype(const Carrier& c, const DType& dtype) = 0;
   virtual int64_t physical_size(const Carrier& c) = 0;
   virtual void allocate(Carrier& c, int64_t slots) = 0;
@@ -80,7 +80,7 @@ class Carrier : public std::enable_shared_from_this<Carrier> {
  public:
   // A user-defined kind: storage through `provider`. The binding constructs
   // the object, then calls allocate_storage(slots) (the provider's allocate).
-  Carrier(const CarrierKind* kind, std::shared_ptr<StorageProviderIface> provider, const DType& dtype,
+  Carrier(const CarrierKind* kind, std::shared_ptr<StorageProvider> provider, const DType& dtype,
           bool is_mutable);
   void allocate_storage(int64_t slots);
   virtual ~Carrier();
@@ -191,7 +191,7 @@ class Carrier : public std::enable_shared_from_this<Carrier> {
   virtual CarrierPtr allocate_like(int64_t slots, bool is_mutable, const DType& dtype, bool empty) const;
   CarrierPtr new_like(std::span<const Value> values, bool is_mutable, const DType& dtype) const;
 
-  StorageProviderIface* provider() const noexcept { return provider_.get(); }
+  StorageProvider* provider() const noexcept { return provider_.get(); }
   // Whether element-by-element transfer through read_value/write_value is allowed.
   virtual bool allows_elementwise_fallback() const { return provider_ ? provider_->elementwise_fallback : true; }
 
@@ -216,7 +216,7 @@ class Carrier : public std::enable_shared_from_this<Carrier> {
   // Serialises release with claims; guards owners_. A striped lock, held across fork() (Note [Fork safety]).
   std::mutex& state_mutex_ = detail::carrier_state_lock(this);
   std::vector<std::string> owners_;
-  std::shared_ptr<StorageProviderIface> provider_;
+  std::shared_ptr<StorageProvider> provider_;
   bool provider_released_ = false;
   std::atomic<void*> binding_slot_{nullptr};
   void free_storage();  // provider release + do_release, after released_ is set

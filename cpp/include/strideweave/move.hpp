@@ -47,16 +47,16 @@ struct TransferRequest {
 // The submit function is called exactly once, after ownership is taken; it
 // returns a waiter (run on a worker thread; throws on failure) or nullptr
 // when the transfer completed synchronously.
-class TransferRouteIface {
+class TransferRoute {
  public:
-  virtual ~TransferRouteIface() = default;
+  virtual ~TransferRoute() = default;
   using Waiter = std::function<void()>;
   using Submit = std::function<Waiter()>;
   virtual Submit prepare(const TransferRequest& request, std::string& unsupported) = 0;
 };
 
 void register_route(const CarrierKind* source, const CarrierKind* destination,
-                    std::shared_ptr<TransferRouteIface> route);
+                    std::shared_ptr<TransferRoute> route);
 bool has_route(const CarrierKind* source, const CarrierKind* destination, bool source_fallback,
                bool destination_fallback);
 

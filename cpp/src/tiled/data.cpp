@@ -147,7 +147,7 @@ TileCoord decode_compact(int64_t k, const std::vector<int64_t>& counts) {
   return cc;
 }
 
-std::vector<int64_t> counts_of(const TileSelectionC& sel) {
+std::vector<int64_t> counts_of(const TileSelection& sel) {
   std::vector<int64_t> n;
   for (const auto& a : sel.per_axis) n.push_back(static_cast<int64_t>(a.size()));
   return n;
@@ -184,7 +184,7 @@ CarrierPtr adoptable_gradient(const TiledEvictable& fresh, const TileAccess& acc
 }
 
 TensorPtr scatter_add_gradient(const std::shared_ptr<TiledEvictable>& c, const TensorPtr& primal,
-                               const TileSelectionC& sel, const TensorPtr& compact_grad) {
+                               const TileSelection& sel, const TensorPtr& compact_grad) {
   auto fresh = std::static_pointer_cast<TiledEvictable>(c->allocate_like(c->size(), true, c->dtype(), false));
   TileAccess access(*fresh, *primal);
   std::vector<int64_t> src = bind_selection(*c, sel);
@@ -220,7 +220,7 @@ TensorPtr scatter_add_gradient(const std::shared_ptr<TiledEvictable>& c, const T
 // matmul, ...; saves_inputs in ops.cpp) still save and check them.
 struct ProjectionNode final : Node {
   std::shared_ptr<TiledEvictable> carrier;
-  TileSelectionC selection;
+  TileSelection selection;
   std::vector<TensorPtr> apply(const TensorPtr& g) override {
     return {scatter_add_gradient(carrier, inputs[0], selection, g)};
   }
@@ -271,7 +271,7 @@ struct ProjectionNode final : Node {
 
 }  // namespace
 
-std::vector<int64_t> bind_selection(const TiledEvictable& c, const TileSelectionC& sel) {
+std::vector<int64_t> bind_selection(const TiledEvictable& c, const TileSelection& sel) {
   if (sel.per_axis.size() != c.rank())
     raise<ValueError>("the TileSelection has rank ", sel.per_axis.size(), " but the tile grid has rank ", c.rank());
   std::vector<int64_t> counts = counts_of(sel);
@@ -291,7 +291,7 @@ std::vector<int64_t> bind_selection(const TiledEvictable& c, const TileSelection
   return out;
 }
 
-std::vector<int64_t> compact_shape(const TiledEvictable& c, const TileSelectionC& sel) {
+std::vector<int64_t> compact_shape(const TiledEvictable& c, const TileSelection& sel) {
   std::vector<int64_t> out;
   for (size_t i = 0; i < sel.per_axis.size(); ++i)
     out.push_back(static_cast<int64_t>(sel.per_axis[i].size()) * c.tile_shape()[i]);
@@ -300,11 +300,11 @@ std::vector<int64_t> compact_shape(const TiledEvictable& c, const TileSelectionC
 
 namespace {
 CompletionPtr<TensorPtr> project_for(const std::shared_ptr<TiledEvictable>& c, const TensorPtr& tensor,
-                                     const TileSelectionC& sel, const CarrierPtr& destination, const char* purpose);
+                                     const TileSelection& sel, const CarrierPtr& destination, const char* purpose);
 }  // namespace
 
 CompletionPtr<TensorPtr> project(const std::shared_ptr<TiledEvictable>& c, const TensorPtr& tensor,
-                                 const TileSelectionC& sel, const CarrierPtr& destination) {
+                                 const TileSelection& sel, const CarrierPtr& destination) {
   return project_for(c, tensor, sel, destination, "projection");
 }
 
@@ -313,7 +313,7 @@ namespace {
 // `purpose` is what the residency policy is told: "projection" for carrier.project,
 // "operation" for a direct operation's operands, "backward" inside backward.
 CompletionPtr<TensorPtr> project_for(const std::shared_ptr<TiledEvictable>& c, const TensorPtr& tensor,
-                                     const TileSelectionC& sel, const CarrierPtr& destination, const char* purpose) {
+                                     const TileSelection& sel, const CarrierPtr& destination, const char* purpose) {
   if (!tensor) raise<TypeError>("project: tensor must be a Tensor");
   if (tensor->carrier.get() != c.get())
     raise<TypeError>("project: the tensor is backed by ", tensor->carrier->kind_name(),
@@ -532,7 +532,7 @@ namespace {
 
 struct ScatterNode final : Node {
   std::shared_ptr<TiledEvictable> carrier;
-  TileSelectionC selection;
+  TileSelection selection;
   bool add = false;
   bool compact_input = false, template_input = false;  // which of inputs[] are present
   std::vector<TensorPtr> apply(const TensorPtr& g) override {
@@ -558,7 +558,7 @@ struct ScatterNode final : Node {
 }  // namespace
 
 CompletionPtr<TensorPtr> scatter(const std::shared_ptr<TiledEvictable>& c, const TensorPtr& compact,
-                                 const TensorPtr& templ, const TileSelectionC& sel, bool add) {
+                                 const TensorPtr& templ, const TileSelection& sel, bool add) {
   if (!compact) raise<TypeError>("scatter: compact must be a Tensor");
   if (!templ) raise<TypeError>("scatter: template must be a Tensor");
   const CarrierKind& ck = compact->carrier->kind();
@@ -653,8 +653,8 @@ CompletionPtr<TensorPtr> scatter(const std::shared_ptr<TiledEvictable>& c, const
 
 namespace {
 
-TileSelectionC full_selection(const TiledEvictable& c) {
-  TileSelectionC sel;
+TileSelection full_selection(const TiledEvictable& c) {
+  TileSelection sel;
   for (int64_t g : c.grid_shape()) {
     std::vector<int64_t> axis(static_cast<size_t>(g));
     for (int64_t i = 0; i < g; ++i) axis[static_cast<size_t>(i)] = i;
@@ -679,7 +679,7 @@ class TiledBackend final : public OpBackend {
   TensorPtr materialize_for_backward(const TensorPtr& input) override { return materialize(input, "backward"); }
   TensorPtr gradient_from_dense(const TensorPtr& input, const TensorPtr& dense) override {
     auto c = std::static_pointer_cast<TiledEvictable>(input->carrier);
-    TileSelectionC sel = full_selection(*c);
+    TileSelection sel = full_selection(*c);
     TensorPtr flat = make_tensor(dense->carrier, dense->offset, column_major(Shape::flat(c->logical_shape())));
     if (!dense->layout.is_column_major() || dense->offset != 0) flat = expand_dense(dense, dense->layout.shape());
     return scatter_add_gradient(c, input, sel, make_tensor(flat->carrier, 0, column_major(Shape::flat(c->logical_shape()))));

@@ -102,7 +102,7 @@ struct TiledEvictable::Request {
 struct TiledEvictable::Work {
   std::string purpose;  // what the policy was told ("projection", ...), for messages
   std::vector<int64_t> tiles;
-  ResidencyPlanC plan;
+  ResidencyPlan plan;
   CompletionPtr<std::monostate> ready;
   bool ended = false;
   uint64_t generation = fork_generation();  // work begun before fork() has no pins in a child (Note [Fork safety])
@@ -111,7 +111,7 @@ struct TiledEvictable::Work {
 // ---------------------------------------------------------------- construction
 
 TiledEvictable::TiledEvictable(CarrierPtr primary, CarrierPtr secondary, std::vector<int64_t> grid,
-                               std::vector<int64_t> tile, std::shared_ptr<ResidencyPolicyIface> policy, bool is_mutable)
+                               std::vector<int64_t> tile, std::shared_ptr<ResidencyPolicy> policy, bool is_mutable)
     : DependentCarrier(&tiled_evictable_kind(), primary ? primary->dtype() : DType::Float32(), is_mutable),
       grid_(std::move(grid)),
       tile_(std::move(tile)),

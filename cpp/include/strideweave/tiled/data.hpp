@@ -21,23 +21,23 @@
 
 namespace sw {
 
-struct TileSelectionC {
+struct TileSelection {
   std::vector<std::vector<int64_t>> per_axis;
 };
 
 // Source tile indices in coordinates order (ValueError for rank or range).
-std::vector<int64_t> bind_selection(const TiledEvictable& c, const TileSelectionC& sel);
+std::vector<int64_t> bind_selection(const TiledEvictable& c, const TileSelection& sel);
 // The compact logical shape of a selection: per axis, count * tile extent.
-std::vector<int64_t> compact_shape(const TiledEvictable& c, const TileSelectionC& sel);
+std::vector<int64_t> compact_shape(const TiledEvictable& c, const TileSelection& sel);
 
 // carrier.project(tensor, selection, destination); `destination` may be null.
 // Validation raises before work; the completion carries the compact tensor.
 CompletionPtr<TensorPtr> project(const std::shared_ptr<TiledEvictable>& carrier, const TensorPtr& tensor,
-                                 const TileSelectionC& selection, const CarrierPtr& destination);
+                                 const TileSelection& selection, const CarrierPtr& destination);
 
 // carrier.scatter(compact, template, selection, reduction).
 CompletionPtr<TensorPtr> scatter(const std::shared_ptr<TiledEvictable>& carrier, const TensorPtr& compact,
-                                 const TensorPtr& templ, const TileSelectionC& selection, bool add);
+                                 const TensorPtr& templ, const TileSelection& selection, bool add);
 
 // Note [Tiled gradient accumulation]
 // A leaf backed by TiledEvictable (an expert weight in a file) receives one

@@ -52,16 +52,16 @@ struct TileState {
   bool dirty;
 };
 
-struct ResidencyPlanC {
+struct ResidencyPlan {
   std::vector<TileCoord> promote, retain, evict;
 };
 
 // The residency policy (implemented by the bindings over a Python object).
-class ResidencyPolicyIface {
+class ResidencyPolicy {
  public:
-  virtual ~ResidencyPolicyIface() = default;
+  virtual ~ResidencyPolicy() = default;
   // `purpose` is "operation", "projection", "scatter" or "backward".
-  virtual ResidencyPlanC plan(const std::vector<TileCoord>& required, const char* purpose) = 0;
+  virtual ResidencyPlan plan(const std::vector<TileCoord>& required, const char* purpose) = 0;
 };
 
 struct TiledStats {
@@ -83,7 +83,7 @@ class TiledEvictable final : public DependentCarrier {
   // is allocated: Note [Tile table limits]); each tier has 0 slots or the full
   // extent. Claims taken here are rolled back on failure.
   TiledEvictable(CarrierPtr primary, CarrierPtr secondary, std::vector<int64_t> grid, std::vector<int64_t> tile,
-                 std::shared_ptr<ResidencyPolicyIface> policy, bool is_mutable = true);
+                 std::shared_ptr<ResidencyPolicy> policy, bool is_mutable = true);
   ~TiledEvictable() override;
 
   static constexpr int64_t kMaxTiles = int64_t{1} << 24;
@@ -107,7 +107,7 @@ class TiledEvictable final : public DependentCarrier {
 
   const CarrierPtr& primary() const noexcept { return primary_; }
   const CarrierPtr& secondary() const noexcept { return secondary_; }
-  const std::shared_ptr<ResidencyPolicyIface>& policy() const noexcept { return policy_; }
+  const std::shared_ptr<ResidencyPolicy>& policy() const noexcept { return policy_; }
 
   // -------- footprints
   // ValueError ("tile footprints") unless `tensor` is tile-footprint compatible.
@@ -298,7 +298,7 @@ class TiledEvictable final : public DependentCarrier {
   std::vector<std::vector<Run>> runs_;
   CarrierPtr primary_, secondary_;
   Claim primary_claim_, secondary_claim_;
-  std::shared_ptr<ResidencyPolicyIface> policy_;
+  std::shared_ptr<ResidencyPolicy> policy_;
 
   mutable std::mutex mutex_;
   mutable std::vector<Tile> tiles_;
