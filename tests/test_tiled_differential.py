@@ -88,11 +88,7 @@ else:
 RTOL, ATOL = 1e-5, 1e-6
 
 
-@pytest.fixture(autouse=True)
-def _grad_mode_on():
-    sw.set_grad_enabled(True)
-    yield
-    sw.set_grad_enabled(True)
+pytestmark = pytest.mark.usefixtures("grad_mode_on")
 
 
 def case_rng(seed: int, salt: int) -> np.random.Generator:
