@@ -22,7 +22,6 @@ every property a kind may exclude.
 from __future__ import annotations
 
 import math
-import struct
 
 import strideweave as sw
 from strideweave import DType
@@ -36,17 +35,11 @@ from strideweave.carriers.extension import (
 from strideweave.carriers.tiled_evictable import TiledEvictable
 
 from ledger import PY_TYPE, ZERO, Ledger, record_of
+from models import binary32
+from devices import block_device, sized_file
 
 F32, I32, BOOL, F64 = DType.Float32, DType.Int32, DType.Bool, DType.Float64
 STORAGE_DTYPES = (F32, I32, BOOL)
-
-
-def binary32(x: float) -> float:
-    """x rounded to binary32 (overflow to +-inf), as the storage rules demand."""
-    try:
-        return struct.unpack("<f", struct.pack("<f", x))[0]
-    except OverflowError:
-        return math.copysign(math.inf, x)
 
 
 # Values every kind must store bit-exactly (all exactly representable).
@@ -195,10 +188,7 @@ class NamedFileKind(Kind):
     name, cls, dtypes = "FileBacked-named", sw.FileBacked, (F32, I32)
 
     def sized_file(self, n, dtype):
-        path = self.fresh_path()
-        with open(path, "wb") as f:
-            f.truncate(n * dtype.bits // 8)
-        return path
+        return sized_file(self.fresh_path(), n * dtype.bits // 8)
 
     def make(self, values, dtype):
         c = sw.FileBacked(self.sized_file(len(values), dtype), dtype=dtype)
@@ -218,10 +208,7 @@ class BlockDeviceKind(Kind):
 
     def __init__(self, tmp_path):
         super().__init__(tmp_path)
-        path = tmp_path / "arena.img"
-        with open(path, "wb") as f:
-            f.truncate(self.ARENA_BYTES)
-        self.arena = sw.BlockDevice(path)
+        self.arena = block_device(tmp_path / "arena.img", self.ARENA_BYTES)
 
     def make(self, values, dtype):
         return fill(self.arena.allocate(len(values), dtype=dtype), values)

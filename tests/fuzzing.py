@@ -32,7 +32,6 @@ import collections
 import itertools
 import math
 import os
-import struct
 import time
 
 import numpy as np
@@ -42,6 +41,7 @@ from hypothesis import strategies as st
 import strideweave as sw
 from strideweave import DType
 from strideweave.carriers.tiled_evictable import TiledEvictable
+from models import binary32 as f32  # x rounded to binary32 (overflow to +-inf), as Float32 storage does
 
 F32, I32, BOOL, F64 = DType.Float32, DType.Int32, DType.Bool, DType.Float64
 DOCUMENTED = (TypeError, ValueError, RuntimeError, IndexError, NotImplementedError, OverflowError)
@@ -120,14 +120,6 @@ def finish(handle, timeout=DEADLINE_S):
 
 
 # ---------------------------------------------------------------- models
-
-
-def f32(x):
-    """x rounded to binary32 (overflow to +-inf), as Float32 storage does."""
-    try:
-        return struct.unpack("<f", struct.pack("<f", x))[0]
-    except OverflowError:
-        return math.copysign(math.inf, x)
 
 
 def same(a, b):

@@ -32,6 +32,7 @@ import pytest
 
 import strideweave as sw
 from strideweave import DType, Layout, Shape, Stride, Tensor, friendly
+from models import leaves
 
 F32 = DType.Float32
 BASE_SEED = 20240611
@@ -43,14 +44,6 @@ pytestmark = pytest.mark.usefixtures("grad_mode_on")
 
 
 # ---------------------------------------------------------------- shape specs and tensors
-
-
-def leaves(spec) -> list[int]:
-    """Leaf extents of a shape spec (a tuple of modes; a mode is an int or a tuple of modes)."""
-    out = []
-    for m in spec:
-        out.extend(leaves(m) if isinstance(m, (tuple, list)) else [m])
-    return out
 
 
 def tree_like(spec, values):

@@ -58,6 +58,7 @@ from carrier_kinds import (
     needs,
     only,
 )
+from devices import block_device
 
 
 def bits(value, dtype):
@@ -817,10 +818,7 @@ def test_file_backed_refuses_bad_filenames():
 
 @pytest.fixture
 def arena(tmp_path):
-    path = tmp_path / "device.img"
-    with open(path, "wb") as f:
-        f.truncate(8 << 20)
-    return sw.BlockDevice(path)
+    return block_device(tmp_path / "device.img", 8 << 20)
 
 
 def test_block_device_carrier_is_not_constructible_directly():

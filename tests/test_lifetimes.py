@@ -67,6 +67,7 @@ from strideweave.carriers.tiled_evictable import ResidencyPlan, TiledEvictable, 
 from ledger import Ledger, record_of
 from open_files import is_open
 from waiting import eventually, held
+from devices import block_device
 
 F32 = DType.Float32
 core = sw._core
@@ -93,9 +94,7 @@ class Arena:
     """An 8 MiB BlockDevice arena whose byte count must never exceed its capacity."""
 
     def __init__(self, path):
-        with open(path, "wb") as f:
-            f.truncate(8 << 20)
-        self.device = sw.BlockDevice(path)
+        self.device = block_device(path, 8 << 20)
         self.capacity = self.device.capacity
 
     @property

@@ -47,6 +47,7 @@ import strideweave as sw
 from strideweave import DType, Layout, Shape, Stride, Tensor, friendly
 from strideweave.carriers import tiled_evictable as te
 from strideweave.carriers.tiled_evictable import AwaitProjection, TileSelection, TiledEvictable
+from models import column_major_strides
 
 F32 = DType.Float32
 BASE_SEED = 20250301
@@ -57,14 +58,6 @@ pytestmark = pytest.mark.usefixtures("grad_mode_on")
 
 
 # ---------------------------------------------------------------- builders
-
-
-def column_major_strides(shape) -> tuple:
-    out, run = [], 1
-    for e in shape:
-        out.append(run)
-        run *= e
-    return tuple(out)
 
 
 class Tiled:
