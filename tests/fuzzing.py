@@ -42,6 +42,7 @@ import strideweave as sw
 from strideweave import DType
 from strideweave.carriers.tiled_evictable import TiledEvictable
 from models import binary32 as f32  # x rounded to binary32 (overflow to +-inf), as Float32 storage does
+from models import decode_model, tree_leaves, tree_size
 
 F32, I32, BOOL, F64 = DType.Float32, DType.Int32, DType.Bool, DType.Float64
 DOCUMENTED = (TypeError, ValueError, RuntimeError, IndexError, NotImplementedError, OverflowError)
@@ -157,28 +158,6 @@ def stored(dtype, v):
         return f32(float(v)), None
     except OverflowError:  # an int beyond float range
         return (math.inf if v > 0 else -math.inf), None
-
-
-def tree_size(t):
-    return t if isinstance(t, int) else math.prod(tree_size(c) for c in t)
-
-
-def tree_leaves(t):
-    if isinstance(t, int):
-        return [t]
-    return [x for c in t for x in tree_leaves(c)]
-
-
-def decode_model(t, i):
-    """Colexicographic decode of ordinal i over the tree t (first mode fastest at every level)."""
-    if isinstance(t, int):
-        return i
-    out = []
-    for c in t:
-        n = tree_size(c)
-        out.append(decode_model(c, i % n))
-        i //= n
-    return tuple(out)
 
 
 def index_model(shape_t, stride_t, coord):

@@ -3,6 +3,8 @@
 * ``binary32(x)``: x rounded to binary32, as Float32 storage rounds it; overflow rounds to +-inf.
 * ``column_major_strides(shape)``: the dense strides of `shape`, first axis fastest.
 * ``leaves(modes)``: the leaf extents of a nested mode list, in order.
+* Mode trees (an int leaf, or a list or tuple of trees): ``tree_size``, ``tree_leaves`` and ``decode_model``
+  (the colexicographic decode of an ordinal, first mode fastest at every level).
 """
 
 from __future__ import annotations
@@ -33,3 +35,25 @@ def leaves(modes) -> list[int]:
     for m in modes:
         out.extend(leaves(m) if isinstance(m, (list, tuple)) else [m])
     return out
+
+
+def tree_size(t):
+    return t if isinstance(t, int) else math.prod(tree_size(c) for c in t)
+
+
+def tree_leaves(t):
+    if isinstance(t, int):
+        return [t]
+    return [x for c in t for x in tree_leaves(c)]
+
+
+def decode_model(t, i):
+    """Colexicographic decode of ordinal i over the tree t (first mode fastest at every level)."""
+    if isinstance(t, int):
+        return i
+    out = []
+    for c in t:
+        n = tree_size(c)
+        out.append(decode_model(c, i % n))
+        i //= n
+    return tuple(out)
