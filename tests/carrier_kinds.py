@@ -15,8 +15,11 @@ primary, FileBacked secondary).
 A conformance property that does not apply to a kind is declared in the
 kind's ``excludes`` (property -> why, from docs/guide.md); a suite test that
 checks such a property says so with ``@needs(property)``, and runs as a skip
-that gives the kind's reason, never silently left out. ``PROPERTIES`` names
-every property a kind may exclude.
+that gives the kind's reason, never silently left out. A property that does
+apply but that the engine breaks for a kind is a finding in the kind's
+``findings``: such a test runs for it as a strict expected failure (it fails
+the run once the engine is fixed, so the finding is removed then).
+``PROPERTIES`` names every property a kind may exclude.
 """
 
 from __future__ import annotations
@@ -100,6 +103,7 @@ PROPERTIES = {
                         "they are called on",
     "moves_with_cpu": "sw.move and move_async carry its tensors to and from CPU carriers (a route or the "
                       "element-wise fallback)",
+    "released_size_is_zero": "a released carrier's size() is 0",
 }
 
 
@@ -113,6 +117,9 @@ class Kind:
     dependent = False
     allocatable = True  # an empty carrier of this kind can grow (a move destination)
     excludes: dict[str, str] = {}  # a property of PROPERTIES -> why it does not apply to this kind
+    # A property of PROPERTIES that applies but that the engine breaks for this kind today -> what is wrong (a
+    # finding): the tests that need it run as strict expected failures, so they fail once the engine is fixed.
+    findings: dict[str, str] = {}
 
     def __init__(self, tmp_path):
         self.tmp_path = tmp_path
@@ -284,6 +291,10 @@ class TiledEvictableKind(Kind):
                           "(allows_elementwise_fallback() is false): its values come and go by project and "
                           'scatter, tile by tile (docs/guide.md, "TiledEvictable")',
     }
+    findings = {
+        "released_size_is_zero": "TiledEvictable.size() is its extent after release (tiled_evictable.hpp: "
+                                 "`return total_;`), where every other kind reports 0",
+    }
 
     @staticmethod
     def build(n, dtype):
@@ -346,6 +357,14 @@ def applies(kind, prop) -> bool:
     """Whether `prop` (of PROPERTIES) applies to `kind`; a test leaves out the part that checks it when not."""
     assert prop in PROPERTIES, f"not a conformance property: {prop}"
     return prop not in kind.excludes
+
+
+def finding(kind, test) -> str | None:
+    """The known finding on a property `test` needs (the engine breaks it for `kind`), or None."""
+    for p in getattr(test, "kind_needs", ()):
+        if p in kind.findings:
+            return f"{kind.name}: finding on {p}: {kind.findings[p]}"
+    return None
 
 
 def exclusion(kind, test) -> str | None:
