@@ -41,11 +41,7 @@ ALL = TileSet([(t,) for t in range(TILES)])
 SELECT_ALL = TileSelection([list(range(TILES))])
 
 
-@pytest.fixture(autouse=True)
-def _clear():
-    core._io_clear()
-    yield
-    core._io_clear()
+pytestmark = pytest.mark.usefixtures("clear_io_faults")
 
 
 FAULTS = {

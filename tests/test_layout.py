@@ -20,6 +20,7 @@ import strideweave as sw
 import strideweave.friendly
 import strideweave.layout
 from strideweave import Layout, Shape, Stride
+from models import decode_model, tree_leaves, tree_size
 
 EXAMPLE = Layout(Shape([2, [3, 4]]), Stride([1, [10, 100]]))
 
@@ -29,31 +30,8 @@ EXAMPLE = Layout(Shape([2, [3, 4]]), Stride([1, [10, 100]]))
 # top level is always a list of modes.
 
 
-def ref_size(tree):
-    if isinstance(tree, int):
-        return tree
-    n = 1
-    for child in tree:
-        n *= ref_size(child)
-    return n
-
-
-def ref_decode(tree, ordinal):
-    """Colex (first-mode-fastest) decode at every level."""
-    if isinstance(tree, int):
-        return ordinal
-    out = []
-    for child in tree:
-        n = ref_size(child)
-        out.append(ref_decode(child, ordinal % n))
-        ordinal //= n
-    return tuple(out)
-
-
-def ref_leaves(tree):
-    if isinstance(tree, int):
-        return [tree]
-    return [leaf for child in tree for leaf in ref_leaves(child)]
+# ref_size, ref_decode (colex: first mode fastest at every level) and ref_leaves are the shared models.
+ref_size, ref_decode, ref_leaves = tree_size, decode_model, tree_leaves
 
 
 def ref_index(shape_tree, stride_tree, ordinal):

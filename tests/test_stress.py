@@ -48,11 +48,7 @@ ROUND_TIMEOUT_S = 60.0
 F32 = sw.DType.Float32
 
 
-@pytest.fixture(autouse=True)
-def _clean():
-    sw._core._io_clear()
-    yield
-    sw._core._io_clear()
+pytestmark = pytest.mark.usefixtures("clear_io_faults")
 
 
 def tolerated(e, *fragments):

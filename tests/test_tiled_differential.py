@@ -72,6 +72,7 @@ from strideweave.carriers.tiled_evictable import (
     TileSelection,
     TileSet,
 )
+from models import column_major_strides
 
 F32 = DType.Float32
 MAX_SLOTS = 1500
@@ -88,11 +89,7 @@ else:
 RTOL, ATOL = 1e-5, 1e-6
 
 
-@pytest.fixture(autouse=True)
-def _grad_mode_on():
-    sw.set_grad_enabled(True)
-    yield
-    sw.set_grad_enabled(True)
+pytestmark = pytest.mark.usefixtures("grad_mode_on")
 
 
 def case_rng(seed: int, salt: int) -> np.random.Generator:
@@ -101,14 +98,6 @@ def case_rng(seed: int, salt: int) -> np.random.Generator:
 
 
 # ================================================================ geometry and layout generation
-
-
-def column_major_strides(shape) -> tuple:
-    out, run = [], 1
-    for e in shape:
-        out.append(run)
-        run *= e
-    return tuple(out)
 
 
 def prime_factors(n: int) -> list:

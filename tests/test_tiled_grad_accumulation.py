@@ -228,12 +228,6 @@ def test_matmul_gradient_through_a_retained_projection_is_not_sunk(rng):
 # ---- Note [Requests' own references]: a gradient sum meets residency requests of other tiles
 
 
-@pytest.fixture
-def held_io():
-    yield sw._core
-    sw._core._io_clear()  # also releases holds
-
-
 @pytest.mark.parametrize("op", ["pwrite", "pread"], ids=["eviction-under-way", "read-back-under-way"])
 @pytest.mark.parametrize("step", ["sum", "matmul-sink"])
 def test_a_gradient_adds_in_place_while_another_tile_is_in_transfer(rng, held_io, op, step):

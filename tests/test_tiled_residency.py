@@ -55,12 +55,8 @@ core = sw._core
 MiB = 1 << 20
 
 
-@pytest.fixture(autouse=True)
-def _clear_io_hooks():
-    """Every injected fault and every I/O hold is cleared when a test ends, pass or fail."""
-    core._io_clear()
-    yield
-    core._io_clear()
+# Every injected fault and every I/O hold is cleared when a test ends, pass or fail.
+pytestmark = pytest.mark.usefixtures("clear_io_faults")
 
 
 # ---------------------------------------------------------------- helpers
