@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from typing import Any
 
 from . import _core
 from .carriers.tiled_evictable import ResidencyPlan, TileSelection, TileSet
@@ -15,7 +16,7 @@ from .carriers.tiled_evictable import ResidencyPlan, TileSelection, TileSet
 __all__ = ["LRUPolicy", "PinnedPolicy"]
 
 
-def _tiles(tiles, what: str) -> tuple:
+def _tiles(tiles: Any, what: str) -> tuple:
     if isinstance(tiles, TileSet):
         return tiles.coordinates
     if isinstance(tiles, TileSelection):
@@ -48,7 +49,7 @@ class LRUPolicy:
     projecting from one carrier call ``plan`` concurrently; the recency list is updated under a lock.
     """
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int):
             raise TypeError("LRUPolicy capacity must be an int")
         if capacity < 1:
@@ -86,7 +87,7 @@ class LRUPolicy:
 class PinnedPolicy:
     """Keeps a fixed set of tiles resident: promotes them with the first request and never evicts."""
 
-    def __init__(self, tiles):
+    def __init__(self, tiles: TileSet | TileSelection | Any) -> None:
         self.tiles = TileSet(coordinates=_tiles(tiles, "PinnedPolicy"))
 
     def plan(self, required: TileSet, purpose: str) -> ResidencyPlan:
