@@ -8,7 +8,7 @@
 
 namespace sw {
 
-// Note [Canonical tile order].
+// The order of Note [Canonical tile order] (tile_set.hpp).
 bool tile_order_less(const TileCoord& a, const TileCoord& b) {
   return std::lexicographical_compare(a.rbegin(), a.rend(), b.rbegin(), b.rend());
 }
