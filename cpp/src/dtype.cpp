@@ -72,6 +72,25 @@ Value value_of(T x) {
   }
 }
 
+// The Int32 range check of an integer of any width.
+template <class T>
+bool fits_int32(T x) {
+  if constexpr (std::is_unsigned_v<T>)
+    return x <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) && in_int32_range(static_cast<int64_t>(x));
+  else
+    return in_int32_range(static_cast<int64_t>(x));
+}
+
+// fits_int32 without a branch, for a loop that vectorises: zero exactly when x is in Int32's range (x + 2**31, as
+// an unsigned 64-bit value, is below 2**32). dtype_convert_into_test checks both around the bounds.
+template <class T>
+uint64_t int32_excess(T x) {
+  if constexpr (std::is_unsigned_v<T>)
+    return static_cast<uint64_t>(x) >> 31;
+  else
+    return (static_cast<uint64_t>(static_cast<int64_t>(x)) + (uint64_t{1} << 31)) >> 32;
+}
+
 }  // namespace
 
 Value DType::convert(const Value& v) const {
@@ -118,11 +137,19 @@ void DType::convert_into(const T* in, size_t n, void* out) const {
       return;
     }
     case DTypeId::Int32: {
-      auto* o = static_cast<int32_t*>(out);
-      for (size_t k = 0; k < n; ++k) {
-        const Value v = value_of(in[k]);
-        if (v.kind != Value::Kind::Int || !in_int32_range(v.i)) convert(v);  // raises convert's error
-        o[k] = static_cast<int32_t>(v.i);
+      if constexpr (std::is_floating_point_v<T>) {
+        if (n) convert(value_of(in[0]));  // raises convert's TypeError: a float is not an int
+      } else {
+        auto* o = static_cast<int32_t*>(out);
+        // One pass that vectorises (no branch: int32_excess is in_int32_range as bits), then the refusal if any.
+        uint64_t excess = 0;
+        for (size_t k = 0; k < n; ++k) {
+          excess |= int32_excess(in[k]);
+          o[k] = static_cast<int32_t>(in[k]);
+        }
+        if (excess)
+          for (size_t k = 0; k < n; ++k)
+            if (!fits_int32(in[k])) convert(value_of(in[k]));  // raises convert's OverflowError
       }
       return;
     }

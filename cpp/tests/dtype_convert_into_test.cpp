@@ -59,6 +59,28 @@ TEST(ConvertInto, Int32RangeAsConvert) {
                   DType::Int32().convert_into(real.data(), 1, out.data()));
 }
 
+// Each value alone: convert_into accepts exactly what convert accepts (the bulk range check is convert's rule).
+TEST(ConvertInto, Int32AcceptsExactlyWhatConvertAccepts) {
+  const uint64_t seed = testing_support::test_seed();
+  std::mt19937_64 rng(seed);
+  std::vector<int64_t> values{std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max()};
+  for (int64_t bound : {int64_t{std::numeric_limits<int32_t>::min()}, int64_t{std::numeric_limits<int32_t>::max()}})
+    for (int64_t d = -3; d <= 3; ++d) values.push_back(bound + d);
+  for (int k = 0; k < 200; ++k) values.push_back(static_cast<int64_t>(rng()) >> (rng() % 40));
+  for (int64_t v : values) {
+    bool converts = true, bulk = true;
+    try { DType::Int32().convert(Value::from_int(v)); } catch (const OverflowError&) { converts = false; }
+    int32_t out;
+    try { DType::Int32().convert_into(&v, 1, &out); } catch (const OverflowError&) { bulk = false; }
+    EXPECT_EQ(bulk, converts) << v << " seed " << seed;
+    if (bulk) EXPECT_EQ(out, v);
+    const uint64_t u = static_cast<uint64_t>(v);
+    bool unsigned_bulk = true;
+    try { DType::Int32().convert_into(&u, 1, &out); } catch (const OverflowError&) { unsigned_bulk = false; }
+    EXPECT_EQ(unsigned_bulk, u <= uint64_t{std::numeric_limits<int32_t>::max()}) << u << " seed " << seed;
+  }
+}
+
 TEST(ConvertInto, BoolTakesNoNumbers) {
   const std::vector<int8_t> in{1};
   bool out[1];
