@@ -73,15 +73,17 @@ void report_discard(const std::string& warning) noexcept {
   }
 }
 
-nb::tuple int_tuple(const std::vector<int64_t>& values) {
-  nb::object t = nb::steal(PyTuple_New(static_cast<Py_ssize_t>(values.size())));
+// The tuple (item(0), ..., item(n - 1)); item returns a new nb::object.
+template <class F>
+nb::tuple tuple_of_n(size_t n, F&& item) {
+  nb::object t = nb::steal(PyTuple_New(static_cast<Py_ssize_t>(n)));
   if (!t.is_valid()) throw nb::python_error();
-  for (size_t k = 0; k < values.size(); ++k) {
-    PyObject* v = PyLong_FromLongLong(values[k]);
-    if (!v) throw nb::python_error();
-    PyTuple_SET_ITEM(t.ptr(), static_cast<Py_ssize_t>(k), v);
-  }
+  for (size_t k = 0; k < n; ++k) PyTuple_SET_ITEM(t.ptr(), static_cast<Py_ssize_t>(k), item(k).release().ptr());
   return nb::borrow<nb::tuple>(t);
+}
+
+nb::tuple int_tuple(const std::vector<int64_t>& values) {
+  return tuple_of_n(values.size(), [&](size_t k) { return nb::int_(values[k]); });
 }
 
 // The TileSet of canonical coordinates (Note [Canonical tile order], tile_set.hpp): valid, of one rank, distinct
@@ -93,11 +95,7 @@ nb::object canonical_tile_set(nb::handle coordinates) {
 // The core's coordinates are valid, of one rank and distinct: sorted into canonical order.
 nb::object tile_set_of(std::vector<TileCoord> coords) {
   std::sort(coords.begin(), coords.end(), sw::tile_order_less);
-  nb::object items = nb::steal(PyTuple_New(static_cast<Py_ssize_t>(coords.size())));
-  if (!items.is_valid()) throw nb::python_error();
-  for (size_t k = 0; k < coords.size(); ++k)
-    PyTuple_SET_ITEM(items.ptr(), static_cast<Py_ssize_t>(k), int_tuple(coords[k]).release().ptr());
-  return canonical_tile_set(items);
+  return canonical_tile_set(tuple_of_n(coords.size(), [&](size_t k) { return int_tuple(coords[k]); }));
 }
 
 // Note [Tile components beyond int64]. TileSet and TileSelection take any non-negative int as Python does; one
@@ -136,24 +134,17 @@ class TileEntries {
   sw::TileDescriber describer() const {
     if (wide_.empty()) return {};
     return [this](size_t i) {
-      nb::list items;
-      for (const nb::object& v : objects_[i]) items.append(v);
-      return std::string(nb::repr(nb::tuple(items)).c_str());
+      const auto& values = objects_[i];
+      return std::string(nb::repr(tuple_of_n(values.size(), [&](size_t k) { return values[k]; })).c_str());
     };
   }
   // The ints of keys, as a tuple.
   nb::tuple tuple_of(const std::vector<int64_t>& keys) const {
     if (wide_.empty()) return int_tuple(keys);
-    nb::list out;
-    for (int64_t k : keys) out.append(wide_[static_cast<size_t>(k + negatives_)]);
-    return nb::tuple(out);
+    return tuple_of_n(keys.size(), [&](size_t k) { return wide_[static_cast<size_t>(keys[k] + negatives_)]; });
   }
   nb::tuple tuple_of(const std::vector<std::vector<int64_t>>& entries) const {
-    nb::object out = nb::steal(PyTuple_New(static_cast<Py_ssize_t>(entries.size())));
-    if (!out.is_valid()) throw nb::python_error();
-    for (size_t k = 0; k < entries.size(); ++k)
-      PyTuple_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(k), tuple_of(entries[k]).release().ptr());
-    return nb::borrow<nb::tuple>(out);
+    return tuple_of_n(entries.size(), [&](size_t k) { return tuple_of(entries[k]); });
   }
 
  private:
