@@ -406,12 +406,18 @@ void bind_tiled(nb::module_& m) {
                                           "AwaitResult[None] of a residency request.")
       .def("__init__", [](AwaitResidency*, nb::args, nb::kwargs) {
         sw::raise<sw::TypeError>("AwaitResidency handles are created by the framework, not constructed directly");
-      });
+      })
+      // The same wait, declared again only so that its signature names the result (None).
+      .def("wait", &AwaitHandle::wait_py, nb::sig("def wait(self) -> None"),
+           "Blocks until terminal (interruptibly, without the GIL); returns None or raises the failure.");
   nb::class_<AwaitProjection, AwaitHandle>(m, "AwaitProjection", nb::type_slots(await_slots),
                                            "AwaitResult[Tensor] of TiledEvictable.project.")
       .def("__init__", [](AwaitProjection*, nb::args, nb::kwargs) {
         sw::raise<sw::TypeError>("AwaitProjection handles are created by the framework, not constructed directly");
-      });
+      })
+      // The same wait, declared again only so that its signature names the result (the compact Tensor).
+      .def("wait", &AwaitHandle::wait_py, nb::sig("def wait(self) -> Tensor"),
+           "Blocks until terminal (interruptibly, without the GIL); returns the compact Tensor or raises the failure.");
 
   nb::class_<TiledEvictable, sw::DependentCarrier>(m, "TiledEvictable", nb::is_final(), nb::type_slots(tiled_slots),
                                                    "TiledEvictable(primary, secondary, grid_shape, tile_shape, *, "

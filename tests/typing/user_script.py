@@ -42,12 +42,9 @@ def main() -> None:
         secondary = sw.FileBacked(write_checkpoint(directory, experts), mutable=False)
         carrier = sw.TiledEvictable(sw.CPU(0), secondary, (1, EXPERTS), (OUT, IN))
         full = sw.Tensor(carrier, 0, sw.Layout(sw.Shape(OUT, [IN, EXPERTS]), sw.Stride(1, [OUT, OUT * IN])))
-        # The two `type: ignore` comments below stand for signatures of python/bindings/tiled.cpp that still say
-        # `-> object` (promote_async, project): once they name their handles, mypy --strict reports the comments
-        # as unused, and they go.
-        carrier.promote_async(sw.TileSet(((0, 2),))).wait()  # type: ignore[attr-defined]
+        carrier.promote_async(sw.TileSet(((0, 2),))).wait()
         selection = sw.TileSelection(((0,), (2, 1)))
-        w = carrier.project(full, selection).wait()  # type: ignore[attr-defined]  # experts 2 and 1: (OUT, 2 * IN)
+        w = carrier.project(full, selection).wait()  # experts 2 and 1: (OUT, 2 * IN)
         x = activations(tokens)
         y = sw.matmul(x, w)  # (TOKENS, OUT)
         loss = sw.reduce_sum(y, "a b ->")

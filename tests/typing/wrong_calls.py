@@ -13,3 +13,6 @@ sw.Layout(sw.Shape(2), 7)  # expect: Argument 2 to "Layout" has incompatible typ
 t = sw.Tensor(carrier, 0, sw.column_major(4))
 t[0] = "one"  # expect: Incompatible types in assignment
 t.grad = carrier  # expect: Incompatible types in assignment
+sw.matmul("x", t)  # expect: Argument 1 to "matmul" has incompatible type "str"
+sw.add(t, "one")  # expect: Argument 2 to "add" has incompatible type "str"
+sw.TiledEvictable(carrier, carrier, (2,), (2,)).project(t, [[0]])  # expect: Argument 2 to "project" of "TiledEvictable" has incompatible type
