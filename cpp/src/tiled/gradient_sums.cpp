@@ -125,7 +125,8 @@ CarrierPtr TiledEvictable::tile_value(int64_t index) const {
     if (t.loc == TileLocation::Primary) return t.buffer;
   }
   CarrierPtr buf = primary_->allocate_like(tile_size(), true, dtype(), true);
-  for (const Run& run : geometry_.footprint_runs(index)) copy_slots(*secondary_, run.offset, *buf, run.ordinal, run.length);
+  for (const Run& run : geometry_.footprint_runs(index))
+    copy_slots(*secondary_, run.offset, *buf, run.ordinal, run.length);
   return buf;
 }
 
@@ -254,7 +255,8 @@ bool TiledEvictable::accumulate_tiles(TiledEvictable& other, bool share_other) {
         r.out = theirs;
       } else {  // secondary: read back, then add
         r.out = primary_->allocate_like(tile_size(), true, dtype(), true);
-        for (const Run& run : geometry_.footprint_runs(st.index)) copy_slots(*secondary_, run.offset, *r.out, run.ordinal, run.length);
+        for (const Run& run : geometry_.footprint_runs(st.index))
+          copy_slots(*secondary_, run.offset, *r.out, run.ordinal, run.length);
         add_tile_into(*r.out, *theirs, tile_size());
       }
     }

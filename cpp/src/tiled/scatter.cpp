@@ -91,10 +91,11 @@ CompletionPtr<TensorPtr> scatter(const std::shared_ptr<TiledEvictable>& c, const
       std::vector<int64_t> cstride = TileGeometry::dense_strides(cshape);
       const std::vector<Run> region = g.region_runs(cstride);
       std::vector<std::pair<int64_t, CarrierPtr>> tiles;
-      for (size_t k = 0; k < src.size(); ++k)
-        tiles.emplace_back(src[k], scatter_tile(*c, access, src[k], *compact,
-                                                g.region_base(TileGeometry::compact_coord(static_cast<int64_t>(k), counts), cstride),
-                                                cstride, region, add ? TiledInternals::tile_buffer(*c, src[k]) : nullptr, add));
+      for (size_t k = 0; k < src.size(); ++k) {
+        const int64_t base = g.region_base(TileGeometry::compact_coord(static_cast<int64_t>(k), counts), cstride);
+        CarrierPtr existing = add ? TiledInternals::tile_buffer(*c, src[k]) : nullptr;
+        tiles.emplace_back(src[k], scatter_tile(*c, access, src[k], *compact, base, cstride, region, existing, add));
+      }
       // A failed deferred eviction fails the scatter before it publishes anything (Note [A failed deferred
       // eviction reaches the work]).
       if (work)

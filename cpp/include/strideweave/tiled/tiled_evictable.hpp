@@ -88,10 +88,10 @@ class TiledEvictable final : public DependentCarrier {
   // kMaxTiles tiles and kMaxRuns footprint runs (ValueError, before anything
   // is allocated: Note [Tile table limits]); each tier has 0 slots or the full
   // extent. Claims taken here are rolled back on failure.
-  // Blocks: copies a full primary tier into its tile buffers (I/O when the tier is a file).
+  // Blocks: copies a full primary tier into tile buffers (I/O when the tier is a file); takes the registries' locks.
   TiledEvictable(CarrierPtr primary, CarrierPtr secondary, std::vector<int64_t> grid, std::vector<int64_t> tile,
                  std::shared_ptr<ResidencyPolicy> policy, bool is_mutable = true);
-  // Blocks: takes the tile-table lock (to count dirty tiles of a named file).
+  // Blocks: the registries' locks, and the tile-table lock to count the dirty tiles of a named file.
   ~TiledEvictable() override;
 
   static constexpr int64_t kMaxTiles = TileGeometry::kMaxTiles;
@@ -120,50 +120,52 @@ class TiledEvictable final : public DependentCarrier {
 
   // -------- footprints
   // ValueError ("tile footprints") unless `tensor` is tile-footprint compatible.
-  // Blocks: takes the footprint cache's lock briefly.
+  // Blocks: the footprint cache's lock, briefly.
   void check_footprints(const TensorImpl& tensor) const;
 
   // -------- tile states
-  // Blocks: takes the tile-table lock briefly.
+  // Blocks: the tile-table lock, briefly.
   TileState tile_state(const TileCoord& t) const;
-  // Blocks: takes the tile-table lock, and calls `pred` under it (keep it short; never call back into this carrier).
+  // Blocks: the tile-table lock, held while `pred` runs (keep it short; never call back into this carrier).
   std::vector<TileCoord> tiles_where(const std::function<bool(const TileState&)>& pred) const;
-  // Blocks: takes the tile-table lock briefly.
+  // Blocks: the tile-table lock, briefly.
   TiledStats stats() const;
 
   // -------- residency requests (tile indices already bound to the grid)
   // Asynchronous forms need the carrier to be held by a std::shared_ptr.
-  // Blocks: takes the tile-table lock briefly; the transfers run on the I/O threads.
+  // Blocks: the tile-table lock, briefly; transfers run on the I/O threads (inline if no shared_ptr owns this).
   CompletionPtr<std::monostate> promote_async(const std::vector<int64_t>& tiles);
   // A tile that must be written (dirty, or its secondary copy not valid) is refused before anything changes when
   // the secondary tier is read-only (Note [A read-only secondary tier]).
-  // Blocks: takes the tile-table lock briefly; the transfers run on the I/O threads.
+  // Blocks: the tile-table lock, briefly; transfers run on the I/O threads (inline if no shared_ptr owns this).
   CompletionPtr<std::monostate> evict_async(const std::vector<int64_t>& tiles);
   // Writes every dirty tile to the secondary tier, makes the secondary durable (Carrier::flush: fsync of its file
   // or device) and marks the tiles clean; they stay resident. Refused like other requests while any tile has an
   // incomplete residency request ("wait"), and before anything changes when dirty tiles meet a read-only secondary.
   // All-or-nothing: a failed write or fsync leaves every tile dirty and resident (Note [Flushing tiles]).
-  // Blocks: takes the tile-table lock briefly; the writes and the sync run on the I/O threads.
+  // Blocks: the tile-table lock, briefly; writes and sync run on the I/O threads (inline if no shared_ptr owns this).
   CompletionPtr<std::monostate> flush_async();
   // Blocking flush_async(), run in the calling thread.
-  // Blocks: waits for every write and the sync (I/O), in this thread.
+  // Blocks: runs every write and the sync (I/O) in this thread.
   void flush() override;
-  // Blocks: takes the tile-table lock briefly.
+  // Blocks: the tile-table lock, briefly.
   bool has_incomplete_work() const;
 
   // -------- data access
-  // Blocks (all four): take the tile-table lock; a read of a secondary tile reads the secondary tier, and a write
-  // to a secondary or implicit tile promotes it first, in this thread (I/O).
+  // Blocks: the tile-table lock; reads a secondary tile's slots from the secondary tier, in this thread (I/O).
   void read_slots(int64_t start, int64_t count, void* out) const override;
+  // Blocks: the tile-table lock; promotes a secondary or implicit tile first, in this thread (I/O).
   void write_slots(int64_t start, int64_t count, const void* in) override;
+  // Blocks: the tile-table lock; reads a secondary tile's slot from the secondary tier, in this thread (I/O).
   Value read_value(int64_t slot) const override;
+  // Blocks: the tile-table lock; promotes a secondary or implicit tile first, in this thread (I/O).
   void write_value(int64_t slot, const Value& value) override;
   bool supports_storage_dtype(const DType& dtype) const override;
   bool can_grow() const override { return false; }
   bool allows_elementwise_fallback() const override { return false; }
   // Same geometry, tier kinds and policy; zero-filled means implicit-zero
   // tiles, `empty` invalid ones (`slots` must be 0 or the full extent).
-  // Blocks: allocates the new tiers (a file for a FileBacked tier) and takes the new carrier's lock.
+  // Blocks: allocates the new tiers (a file for a FileBacked tier) and takes the new carrier's tile-table lock.
   CarrierPtr allocate_like(int64_t slots, bool is_mutable, const DType& dtype, bool empty) const override;
 
   // -------- dirty tiles that would be discarded (Note [Dirty tiles are never discarded silently])
@@ -175,7 +177,7 @@ class TiledEvictable final : public DependentCarrier {
   std::string take_release_discard_warning();
   // The warning for a carrier of a named file still holding dirty tiles at interpreter exit, one per such live,
   // unreleased carrier; each is reported once (its destructor then stays silent).
-  // Blocks: takes the registry's lock and each such carrier's tile-table lock.
+  // Blocks: the registry's lock and each such carrier's tile-table lock.
   static std::vector<std::string> exit_discard_warnings();
   // Called by the destructor of an unreleased carrier of a named file that still holds dirty tiles (and was not
   // reported at exit) with its warning; installed by the language binding. Must not throw.
@@ -183,7 +185,7 @@ class TiledEvictable final : public DependentCarrier {
   static void set_discard_reporter(DiscardReporter reporter) noexcept;
 
  protected:
-  // Blocks (release()): waits until requests and work that began before it end.
+  // Blocks (release()): waits for the requests and work that began before it to end.
   void do_release() override;
   void check_releasable() const override;
 
@@ -194,7 +196,8 @@ class TiledEvictable final : public DependentCarrier {
   struct Work;
   class TileWrite;
   // Pins `tiles` (after asking the policy) and lists in `missing` those the work must promote.
-  std::shared_ptr<Work> begin_work(const std::vector<int64_t>& tiles, const char* purpose, std::vector<int64_t>& missing);
+  std::shared_ptr<Work> begin_work(const std::vector<int64_t>& tiles, const char* purpose,
+                                   std::vector<int64_t>& missing);
   [[nodiscard]] std::exception_ptr end_work(const std::shared_ptr<Work>& work, std::exception_ptr work_error);
   std::shared_ptr<Work> pin_for_reading();
   CarrierPtr tile_buffer(int64_t index) const;
