@@ -291,10 +291,6 @@ class TiledEvictableKind(Kind):
                           "(allows_elementwise_fallback() is false): its values come and go by project and "
                           'scatter, tile by tile (docs/guide.md, "TiledEvictable")',
     }
-    findings = {
-        "released_size_is_zero": "TiledEvictable.size() is its extent after release (tiled_evictable.hpp: "
-                                 "`return total_;`), where every other kind reports 0",
-    }
 
     @staticmethod
     def build(n, dtype):

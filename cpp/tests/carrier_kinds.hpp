@@ -157,10 +157,7 @@ inline const std::vector<KindSpec>& carrier_kinds() {
        [](KindEnv&, int64_t n, const DType& d, bool m) -> CarrierPtr { return make_tiled_evictable(n, d, m); },
        {{Property::LikeOfAnySize,
          "its extent is its tile geometry: allocate_like and new_like take 0 or the full extent and refuse "
-         "other sizes with ValueError (docs/guide.md, \"TiledEvictable\")"}},
-       {{Property::ReleasedSizeIsZero,
-         "TiledEvictable::size() returns the extent after release (tiled_evictable.hpp: `return total_;`), where "
-         "every other kind returns 0"}}},
+         "other sizes with ValueError (docs/guide.md, \"TiledEvictable\")"}}},
   };
   return k;
 }

@@ -2,6 +2,7 @@
 // table limits, seeding from full tiers, and allocate_like.
 #include <gtest/gtest.h>
 
+#include "strideweave/ops.hpp"
 #include "tiled_support.hpp"
 
 namespace sw {
@@ -247,6 +248,18 @@ TEST_F(TiledTest, AllocateLikeGivesImplicitZeroOrInvalidTiles) {
   EXPECT_SW_THROW(RuntimeError, "invalid", invalid->get(3));
   auto empty0 = std::static_pointer_cast<TiledEvictable>(proto->allocate_like(0, true, F32(), true));
   EXPECT_EQ(empty0->size(), n);
+}
+
+
+// A C++ program that only builds a TiledEvictable can run an operation on a whole tiled tensor: the constructor
+// registers the tiled operation backend (the Python import is not needed for it).
+TEST_F(TiledTest, DirectOperationsNeedNoSetup) {
+  Tiled te = make_tiled({2}, {4});  // every tile on the secondary tier
+  auto t = make_tensor(te, 0, column_major(Shape::flat({8})));
+  std::vector<Operand> operands{Operand::of(t), Operand::of(t)};
+  TensorPtr sum = call_op(OpId::Add, operands);
+  ASSERT_EQ(&sum->carrier->kind(), &cpu_kind());  // an ordinary dense tensor of the compute tier
+  for (int64_t i = 0; i < 8; ++i) EXPECT_EQ(sum->get(IntTuple(i)).f, 2 * t->get(IntTuple(i)).f) << i;
 }
 
 }  // namespace

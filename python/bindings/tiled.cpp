@@ -42,7 +42,7 @@ nb::handle residency_plan_class() { return tiled_class(g_residency_plan, "Reside
 
 std::string class_name(nb::handle h) { return nb::cast<std::string>(h.type().attr("__name__")); }
 
-// Note [Dirty tiles are never discarded silently] (tiled_evictable.cpp): the engine decides and counts; these
+// Note [Dirty tiles are never discarded silently] (cpp/src/tiled/durability.cpp): the engine decides and counts; these
 // emit. From a destructor: the Python object's deallocation, with the GIL held, for every carrier made in Python
 // (a carrier made in C++ has an anonymous secondary and never reports). A collection may run while an exception
 // propagates, so the error indicator is kept; a filter that turns the warning into an error makes it unraisable,
@@ -394,7 +394,7 @@ nb::object residency_handle(sw::CompletionPtr<std::monostate> c) {
 
 void bind_tiled(nb::module_& m) {
   sw::install_tiled_backend();
-  // Note [Dirty tiles are never discarded silently] (tiled_evictable.cpp). Registered before the module's exit
+  // Note [Dirty tiles are never discarded silently] (cpp/src/tiled/durability.cpp). Registered before the module's exit
   // drain (module.cpp), so it runs after it (atexit calls last-registered first): held transfers have landed, and a
   // dirty tile evicted just before exit is clean and not counted.
   sw::TiledEvictable::set_discard_reporter(&report_discard);

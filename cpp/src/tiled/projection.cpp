@@ -23,7 +23,7 @@ namespace {
 // for it: a slot written between forward and backward, in a projected tile or
 // another, cannot make the gradient wrong, and must not make backward fail with
 // "modified in-place". Nodes whose VJP does read saved values (mul, relu,
-// matmul, ...; saves_inputs in ops.cpp) still save and check them.
+// matmul, ...; the `saves` of its row in ops/op_table.hpp) still save and check them.
 struct ProjectionNode final : Node {
   std::shared_ptr<TiledEvictable> carrier;
   TileSelection selection;

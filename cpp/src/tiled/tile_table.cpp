@@ -8,6 +8,7 @@
 #include "strideweave/carriers/native.hpp"
 #include "strideweave/carriers/storage.hpp"
 #include "strideweave/errors.hpp"
+#include "strideweave/tiled/data.hpp"
 #include "internal.hpp"
 
 namespace sw {
@@ -33,6 +34,8 @@ TiledEvictable::TiledEvictable(CarrierPtr primary, CarrierPtr secondary, std::ve
                                std::vector<int64_t> tile, std::shared_ptr<ResidencyPolicy> policy, bool is_mutable)
     : DependentCarrier(&tiled_evictable_kind(), primary ? primary->dtype() : DType::Float32(), is_mutable),
       policy_(std::move(policy)) {
+  // Direct operations on whole tiled tensors work in any program that builds one (idempotent, one guard check).
+  install_tiled_backend();
   if (!primary || !secondary) raise<TypeError>("TiledEvictable tiers must be Carrier instances");
   // Any storage kind may be a tier, a registered user kind included (its provider is called from the I/O
   // threads as from any other); only a dependent carrier, which composes tiers of its own, may not.

@@ -104,7 +104,7 @@ class TiledEvictable final : public DependentCarrier {
   const std::vector<int64_t>& logical_shape() const noexcept { return geometry_.logical_shape(); }
   int64_t tile_count() const noexcept { return geometry_.tile_count(); }
   int64_t tile_size() const noexcept { return geometry_.tile_size(); }
-  int64_t size() const override { return geometry_.size(); }
+  int64_t size() const override { return is_released() ? 0 : geometry_.size(); }  // 0 once released, as every carrier
   size_t rank() const noexcept { return geometry_.rank(); }
   int64_t tile_index(const TileCoord& t) const { return geometry_.tile_index(t); }  // ValueError when out of grid
   TileCoord tile_coord(int64_t index) const { return geometry_.tile_coord(index); }
