@@ -1,8 +1,8 @@
-"""Hostile input: property tests over the public entry points (issue 8, item 4); what the test_fuzz_*.py
+"""Hostile input: property tests over the public entry points (docs/reliability.md, "Hostile input"); what the test_fuzz_*.py
 modules share (one module per area: layout, carriers, ops, tiles, tiled, regressions).
 
 Every test feeds random and malformed values to one entry point and checks
-the one contract of the substrate: a call either works and matches a small
+the one contract of every entry point (docs/guide.md): a call either works and matches a small
 Python model, or raises one of the documented exception types
 (``TypeError``, ``ValueError``, ``RuntimeError``, ``IndexError``,
 ``NotImplementedError``, ``OverflowError``) and changes nothing (values,

@@ -178,7 +178,7 @@ def gradcheck(fn_sw, fn_np, arrays, specs, *, kind, strided, rng, node_name=None
 
 
 def np_reduce_sum(spec, description):
-    """NumPy reduce_sum over leaf-indexed arrays of shape `spec` (substrate §8)."""
+    """NumPy reduce_sum over leaf-indexed arrays of shape `spec` (docs/guide.md, "Operations and autograd")."""
     groups, j = [], 0
     for m in spec:
         n = len(leaves([m]))

@@ -1,4 +1,4 @@
-"""Contract tests for substrate §3: DType.
+"""Contract tests for DType (docs/guide.md, "DTypes").
 
 Four singletons compared with `is`; `name`, `bits`, `DType.registered()`; and
 `dtype.convert(value)`, the storage rules applied to a Python element value:

@@ -1,4 +1,4 @@
-"""Injected I/O faults across every tiled request kind (issue 8, item 2).
+"""Injected I/O faults across every tiled request kind (docs/reliability.md, "Injected faults").
 
 A fault matrix: each request that moves tiles (promotion, eviction of dirty
 tiles, projection of missing tiles, scatter-add over secondary tiles, a direct

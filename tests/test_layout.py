@@ -1,8 +1,7 @@
-"""Contract tests for substrate §2: Shape, Stride, Layout and the dense layouts.
+"""Contract tests for Shape, Stride, Layout and the dense layouts (docs/guide.md, "Layouts").
 
-Every rule, worked example and error case of /work/shared/spec/substrate.md §2
-(plus the module-map identities of §1 that concern these names) has a test
-here. Property tests compare the engine with naive Python references over
+Every rule, worked example and error case of the layout contract (plus the
+module-level identities that concern these names) has a test here. Property tests compare the engine with naive Python references over
 random nested shapes; they are derandomized so every run sees the same cases.
 """
 

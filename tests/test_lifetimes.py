@@ -1,6 +1,6 @@
-"""Lifetimes: dropped handles with work in flight, collected tensors, interpreter exit (issue 8, item 5).
+"""Lifetimes: dropped handles with work in flight, collected tensors, interpreter exit (docs/reliability.md, "Lifetimes").
 
-The substrate promises that handles never cancel: "dropping a handle neither
+The guide promises that handles never cancel: "dropping a handle neither
 blocks nor stops the work, and the handle itself can be garbage collected while
 work runs". These tests drop every Python reference to a request (its handle,
 its tensors, often its carrier) while the request is held in flight, collect
@@ -631,7 +631,7 @@ POLICY_CYCLE = textwrap.dedent(
 
 
 def test_policy_reference_cycle_is_collected(tmp_path):
-    """Regression (issue 8): the carrier -> policy edge through C++ is reported to the garbage collector
+    """Regression (docs/reliability.md, "Bugs these tests found"): the carrier -> policy edge through C++ is reported to the garbage collector
     (Note [Policy reference cycles] in python/bindings/tiled.cpp), so the cycle and its file are freed."""
     script = tmp_path / "cycle.py"
     script.write_text(POLICY_CYCLE)

@@ -1,5 +1,5 @@
-"""Contract tests for substrate §8: the central operations (and §4 dispatch_op /
-operation_capabilities).
+"""Contract tests for the central operations, dispatch_op and
+operation_capabilities (docs/guide.md, "Operations and autograd").
 
 The heart of the file checks every fast CPU kernel against the Generic
 reference: the same operation on the same slot values, placed by the same

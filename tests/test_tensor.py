@@ -1,4 +1,4 @@
-"""Contract tests for substrate §5: Tensor, NumPy interop and friendly constructors.
+"""Contract tests for Tensor, NumPy interop and friendly constructors (docs/guide.md, "Carriers").
 
 A tensor is a view: `t[key]` is `carrier[offset + layout.index(key)]` for an
 int ordinal or a coordinate, writes go to that slot and count on the carrier's

@@ -1,6 +1,6 @@
 """TiledEvictable data paths: projection, scatter and direct operations.
 
-Mission (tiled-carrier-composition.md) requirements covered here, one test per
+The TiledEvictable requirements (docs/guide.md, "TiledEvictable") covered here, one test per
 scenario, named after it:
 
 * "Project eagerly returns a completion handle for a compact Tensor"

@@ -9,7 +9,7 @@ Every case draws, from its own seeded ``numpy.random.default_rng``:
   footprints": any injective within-tile ordering whose image is exactly the
   carrier tile footprint is compatible). The carrier's canonical slot of a
   logical coordinate ``x`` is ``sum(x[k] * S[k])`` with ``S`` the dense
-  first-mode-fastest strides of ``logical_shape`` (substrate, section 10). The
+  first-mode-fastest strides of ``logical_shape`` (docs/guide.md, "TiledEvictable"). The
   generator splits each tile's canonical slot set into maximal contiguous runs,
   refines the runs into prime "digits" in a random order, hands the digits to
   the logical axes (a prime of one axis may land on another axis: a within-tile

@@ -1,4 +1,4 @@
-"""Tiled gradient accumulation stays tiled (issue 7, item 3; Note [Tiled gradient accumulation]).
+"""Tiled gradient accumulation stays tiled (Note [Tiled gradient accumulation]).
 
 A leaf over a TiledEvictable receives one fresh tiled gradient per projection
 node. Accumulating into its ``.grad`` is tile by tile: implicit + implicit stays

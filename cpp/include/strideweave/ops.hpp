@@ -24,6 +24,7 @@
 #pragma once
 
 #include <array>
+#include <cstddef>
 #include <memory>
 #include <optional>
 #include <span>
@@ -99,11 +100,22 @@ using VjpFn = void (*)(const VjpArgs& args, std::span<TensorPtr> grads);
 // Runs the operation on validated operands of one native kind (CPU or Generic) into a fresh dense result.
 using KernelFn = TensorPtr (*)(std::span<const Operand> operands, const OpOptions& options, const OpDef& def);
 
+// A function part of a row and whether the row gives one (a literal nullptr: none). Whether it is given is known
+// at compile time even where the function's address is not a constant expression (sanitizer builds may not assume
+// that a function defined in another file has a non-null address), so the table's guards test `given`.
+template <class Fn>
+struct OpPart {
+  Fn fn;
+  bool given;
+  constexpr OpPart(Fn f) : fn(f), given(true) {}                 // NOLINT: a row names the function
+  constexpr OpPart(std::nullptr_t) : fn(nullptr), given(false) {}  // NOLINT: a row says "none"
+};
+
 struct OpDef {
   // Every part is a constructor argument: a row cannot leave one out (Note [The operation table]).
   constexpr OpDef(OpId id_, const char* name_, std::array<const char*, 2> operand_names_, uint8_t flags_,
-                  OpShape shape_, OpSaves saves_, DTypeRule result_dtype_, VjpFn vjp_, KernelFn cpu_,
-                  KernelFn generic_)
+                  OpShape shape_, OpSaves saves_, OpPart<DTypeRule> result_dtype_, OpPart<VjpFn> vjp_,
+                  OpPart<KernelFn> cpu_, OpPart<KernelFn> generic_)
       : id(id_),
         name(name_),
         operand_names(operand_names_),
@@ -113,10 +125,13 @@ struct OpDef {
         weak_scalars((flags_ & kOpWeakScalars) != 0),
         shape(shape_),
         saves(saves_),
-        result_dtype(result_dtype_),
-        vjp(vjp_),
-        cpu(cpu_),
-        generic(generic_) {}
+        result_dtype(result_dtype_.fn),
+        vjp(vjp_.fn),
+        cpu(cpu_.fn),
+        generic(generic_.fn),
+        has_result_dtype(result_dtype_.given),
+        has_vjp(vjp_.given),
+        has_kernels(cpu_.given && generic_.given) {}
 
   OpId id;
   const char* name;
@@ -131,6 +146,7 @@ struct OpDef {
   VjpFn vjp;                                 // null exactly when not differentiable
   KernelFn cpu;                              // the CPU backend's kernel entry
   KernelFn generic;                          // the Generic backend's (reference) kernel entry
+  bool has_result_dtype, has_vjp, has_kernels;  // which function parts the row gives (OpPart::given)
 
   constexpr bool elementwise() const { return shape == OpShape::Elementwise; }
   constexpr bool differentiable() const { return (flags & kOpDifferentiable) != 0; }

@@ -84,7 +84,7 @@ static_assert(operands_named(), "every operand of an operation needs a (Python p
 
 constexpr bool kernels_and_rules_set() {
   for (const OpDef& d : kOps)
-    if (d.result_dtype == nullptr || d.cpu == nullptr || d.generic == nullptr) return false;
+    if (!d.has_result_dtype || !d.has_kernels) return false;
   return true;
 }
 static_assert(kernels_and_rules_set(), "every operation needs a dtype rule and CPU and Generic kernel entries");
@@ -92,7 +92,7 @@ static_assert(kernels_and_rules_set(), "every operation needs a dtype rule and C
 // A differentiable operation has its VJP; one that is not has none (and saves nothing).
 constexpr bool vjps_match_flags() {
   for (const OpDef& d : kOps) {
-    if (d.differentiable() != (d.vjp != nullptr)) return false;
+    if (d.differentiable() != d.has_vjp) return false;
     if (!d.differentiable() && d.saves != OpSaves::Nothing) return false;
   }
   return true;
