@@ -175,8 +175,12 @@ void Carrier::check_writable(const char* action) const {
 
 void Carrier::check_index(int64_t slot) const {
   int64_t n = size();
-  if (slot < 0 || slot >= n)
+  if (slot < 0 || slot >= n) {
+    // A release on another thread between the caller's liveness check and here makes the size 0: that is a
+    // released carrier, not a bad index.
+    if (is_released()) raise<RuntimeError>(kind_name(), " carrier is released; cannot access slot ", slot);
     raise<IndexError>("slot ", slot, " is out of range for ", kind_name(), " carrier of size ", n);
+  }
 }
 
 Value Carrier::get(int64_t slot) const {

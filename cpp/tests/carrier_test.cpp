@@ -352,6 +352,9 @@ TEST_P(CarrierConformance, ReleaseIsIdempotentAndRefusesDataAccess) {
     EXPECT_SW_THROW(RuntimeError, "released", c->get(0));
     EXPECT_SW_THROW(RuntimeError, "released", c->set(0, value_for(*d, 2)));
     EXPECT_SW_THROW(RuntimeError, "released", c->check_live("read"));
+    // A release that lands between a caller's liveness check and its index check is still "released", not a bad
+    // index of a carrier that now has size 0.
+    EXPECT_SW_THROW(RuntimeError, "released; cannot access slot 3", c->check_index(3));
     EXPECT_EQ(c->version(), v);
     EXPECT_FALSE(c->is_owned());
     EXPECT_FALSE(c->is_allocatable()) << "a released carrier is not a move destination";
