@@ -1,0 +1,95 @@
+// strideweave/checkpoint/safetensors.hpp — the safetensors file format: what a
+// file holds (its header), validated in full before any tensor byte is read,
+// and the writing of a header.
+//
+// A safetensors file is: an 8-byte little-endian header length N, N bytes of
+// JSON (an object: "__metadata__" -> {str: str}, and per tensor
+// {"dtype": "BF16", "shape": [..], "data_offsets": [begin, end]}, offsets
+// relative to the data area that starts at 8 + N), then the data area.
+// Tensors are C-contiguous (row-major) in little-endian element order.
+//
+// Note [A header is checked before any read]: opening a checkpoint reads the
+// 8-byte length and the header, and nothing else, until every rule below
+// holds; a broken rule raises ValueError naming the file (and the tensor) and
+// leaves nothing mapped or open:
+//  * the file holds at least 8 bytes, and 8 + N <= file size (N <= 100 MiB,
+//    the bound the reference implementation uses);
+//  * the header is well-formed JSON (parsed by nlohmann::json), an object;
+//  * "__metadata__", when present, maps strings to strings;
+//  * every tensor entry is an object with exactly a known "dtype", a "shape"
+//    of non-negative integers and "data_offsets" [begin, end], begin <= end;
+//  * product(shape) * itemsize == end - begin, computed without overflow;
+//  * end <= the data area's size, and no two tensors' ranges overlap.
+//
+// Thread-safety: every function here is a pure function of its arguments (and
+// of the file's bytes); they may be called from any thread.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace sw::safetensors {
+
+// The element type names of the format, with their sizes in bytes. Float8
+// types are parsed (a file may hold them) but have no StrideWeave dtype yet.
+struct ElementType {
+  std::string_view name;  // as the header spells it: "BF16", "F32", ...
+  int64_t itemsize;
+};
+// The element type named `name`, or nullptr when the format has no such type.
+const ElementType* element_type(std::string_view name);
+
+struct TensorInfo {
+  std::string name;
+  std::string dtype;            // the header's spelling ("BF16")
+  int64_t itemsize = 0;
+  std::vector<int64_t> shape;   // row-major: the last axis varies fastest
+  uint64_t begin = 0;           // absolute byte offsets in the file
+  uint64_t end = 0;
+  int64_t elements() const;
+};
+
+struct Header {
+  std::string path;
+  uint64_t file_size = 0;
+  uint64_t data_start = 0;  // 8 + N
+  std::map<std::string, std::string> metadata;
+  std::vector<TensorInfo> tensors;  // sorted by name
+  // The tensor named `name` (ValueError naming the file when absent).
+  const TensorInfo& tensor(const std::string& name) const;
+  const TensorInfo* find(const std::string& name) const;
+};
+
+// Largest header the parser accepts, as the reference implementation (100 MiB).
+inline constexpr uint64_t kMaxHeaderBytes = uint64_t{100} << 20;
+
+// Reads and validates the header of the file at `path` (Note [A header is
+// checked before any read]). ValueError for a malformed file, RuntimeError
+// when the file cannot be opened or read.
+Header read_header(const std::string& path);
+// The same rules over bytes already read: `prefix` holds at least the first
+// min(file_size, 8 + N) bytes of a file of `file_size` bytes named `path`.
+Header parse_header(std::string_view prefix, uint64_t file_size, const std::string& path);
+
+// A sharded checkpoint's index (model.safetensors.index.json): tensor name ->
+// file name (relative to the index's folder). ValueError names the index.
+std::map<std::string, std::string> read_index(const std::string& path);
+
+// The bytes of a header (length prefix, JSON, padding with spaces to a
+// multiple of 8 bytes, as the reference implementation writes) for tensors
+// laid out in the order given, each starting where the previous one ends.
+// Returns the header bytes; `offsets` receives each tensor's [begin, end)
+// relative to the data area. ValueError for an unknown dtype or a duplicate
+// or reserved name.
+struct TensorSpec {
+  std::string name;
+  std::string dtype;
+  std::vector<int64_t> shape;
+};
+std::string encode_header(const std::vector<TensorSpec>& tensors, const std::map<std::string, std::string>& metadata,
+                          std::vector<std::pair<uint64_t, uint64_t>>& offsets);
+
+}  // namespace sw::safetensors

@@ -1,0 +1,153 @@
+// The safetensors header: every rule of Note [A header is checked before any
+// read] has a hostile file that breaks it, and a well-formed header round-trips.
+#include "strideweave/checkpoint/safetensors.hpp"
+
+#include <gtest/gtest.h>
+
+#include <fstream>
+
+#include "test_support.hpp"
+
+using namespace sw;
+using namespace sw::testing_support;
+namespace st = sw::safetensors;
+
+namespace {
+
+std::string le64(uint64_t n) {
+  std::string out(8, '\0');
+  for (int i = 0; i < 8; ++i) out[static_cast<size_t>(i)] = static_cast<char>((n >> (8 * i)) & 0xff);
+  return out;
+}
+
+// A file of: the length of `header`, `header`, then `data_bytes` zero bytes.
+std::string file_bytes(const std::string& header, uint64_t data_bytes) {
+  return le64(header.size()) + header + std::string(data_bytes, '\0');
+}
+
+st::Header parse(const std::string& bytes) { return st::parse_header(bytes, bytes.size(), "ckpt.safetensors"); }
+
+void write_file(const std::string& path, const std::string& bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+}  // namespace
+
+TEST(Safetensors, ParsesTensorsMetadataAndAbsoluteOffsets) {
+  std::string h = R"({"__metadata__":{"format":"pt"},)"
+                  R"("b":{"dtype":"BF16","shape":[2,3],"data_offsets":[16,28]},)"
+                  R"("a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}})";
+  st::Header hdr = parse(file_bytes(h, 28));
+  EXPECT_EQ(hdr.data_start, 8 + h.size());
+  EXPECT_EQ(hdr.metadata.at("format"), "pt");
+  ASSERT_EQ(hdr.tensors.size(), 2u);
+  const st::TensorInfo& a = hdr.tensor("a");
+  EXPECT_EQ(a.dtype, "F32");
+  EXPECT_EQ(a.itemsize, 4);
+  EXPECT_EQ(a.shape, (std::vector<int64_t>{4}));
+  EXPECT_EQ(a.begin, hdr.data_start);
+  EXPECT_EQ(a.end, hdr.data_start + 16);
+  const st::TensorInfo& b = hdr.tensor("b");
+  EXPECT_EQ(b.itemsize, 2);
+  EXPECT_EQ(b.elements(), 6);
+  EXPECT_EQ(b.begin, hdr.data_start + 16);
+  EXPECT_EQ(hdr.tensors[0].name, "a");  // sorted by name
+  EXPECT_SW_THROW(ValueError, "holds no tensor named 'c'", hdr.tensor("c"));
+}
+
+TEST(Safetensors, EncodedHeaderRoundTripsThroughAFile) {
+  std::vector<std::pair<uint64_t, uint64_t>> offsets;
+  std::string header = st::encode_header(
+      {{"w1", "BF16", {3, 5}}, {"w2", "F16", {5, 3}}, {"s", "F32", {}}, {"e", "I32", {0, 4}}}, {{"k", "v"}}, offsets);
+  EXPECT_EQ(header.size() % 8, 0u);  // padded so the data area is 8-byte aligned
+  ASSERT_EQ(offsets.size(), 4u);
+  EXPECT_EQ(offsets[0], (std::pair<uint64_t, uint64_t>{0, 30}));
+  EXPECT_EQ(offsets[1], (std::pair<uint64_t, uint64_t>{30, 60}));
+  EXPECT_EQ(offsets[2], (std::pair<uint64_t, uint64_t>{60, 64}));
+  EXPECT_EQ(offsets[3], (std::pair<uint64_t, uint64_t>{64, 64}));
+  TempPath file("sw-st");
+  write_file(file.path(), header + std::string(64, '\x7f'));
+  st::Header h = st::read_header(file.path());
+  EXPECT_EQ(h.data_start, header.size());
+  EXPECT_EQ(h.metadata.at("k"), "v");
+  EXPECT_EQ(h.tensor("w2").shape, (std::vector<int64_t>{5, 3}));
+  EXPECT_EQ(h.tensor("w2").begin, header.size() + 30);
+  EXPECT_EQ(h.tensor("s").shape.size(), 0u);
+  EXPECT_EQ(h.tensor("e").begin, h.tensor("e").end);
+}
+
+TEST(Safetensors, EncodeRefusesUnknownDtypesAndRepeatedOrReservedNames) {
+  std::vector<std::pair<uint64_t, uint64_t>> offsets;
+  EXPECT_SW_THROW(ValueError, "unknown dtype 'F128'", st::encode_header({{"x", "F128", {1}}}, {}, offsets));
+  EXPECT_SW_THROW(ValueError, "'x' occurs twice",
+                  st::encode_header({{"x", "F32", {1}}, {"x", "F32", {1}}}, {}, offsets));
+  EXPECT_SW_THROW(ValueError, "is reserved", st::encode_header({{"__metadata__", "F32", {1}}}, {}, offsets));
+}
+
+// Each hostile file breaks one rule and raises ValueError naming the file (and the tensor, where one is at fault).
+struct Hostile {
+  const char* what;
+  std::string bytes;
+  const char* fragment;
+};
+
+TEST(Safetensors, HostileHeadersRaiseValueErrorNamingFileAndTensor) {
+  const std::string ok_entry = R"("t":{"dtype":"F32","shape":[2],"data_offsets":[0,8]})";
+  std::vector<Hostile> cases = {
+      {"truncated before the length", std::string("\x10\x00\x00", 3), "fewer than the 8-byte header length"},
+      {"length past the end", le64(1000) + "{}", "runs past the end of the file"},
+      {"oversized length", le64(uint64_t{1} << 40) + "{}", "exceeds the limit"},
+      {"not JSON", file_bytes("{\"t\": [", 0), "not well-formed JSON"},
+      {"not an object", file_bytes("[1,2]", 0), "must be a JSON object"},
+      {"duplicate key", file_bytes("{" + ok_entry + "," + ok_entry + "}", 8), "names \"t\" twice"},
+      {"unknown dtype", file_bytes(R"({"t":{"dtype":"F128","shape":[2],"data_offsets":[0,8]}})", 8),
+       "tensor 't' has an unknown dtype 'F128'"},
+      {"shape/size mismatch", file_bytes(R"({"t":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", 12),
+       "tensor 't': shape [3] of F32 needs 12 bytes but data_offsets [0, 8] hold 8"},
+      {"range past the end", file_bytes(R"({"t":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})", 8),
+       "tensor 't': data_offsets [4, 12] run past the end of the data area (8 bytes)"},
+      {"overlap", file_bytes(R"({"t":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                             R"("u":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})", 12),
+       "tensors 't' [0, 8) and 'u' [4, 12) overlap"},
+      {"end before begin", file_bytes(R"({"t":{"dtype":"F32","shape":[0],"data_offsets":[8,4]}})", 8),
+       "end before they begin"},
+      {"negative offset", file_bytes(R"({"t":{"dtype":"F32","shape":[2],"data_offsets":[-8,0]}})", 8),
+       "data_offsets[0] must be a non-negative integer"},
+      {"fractional extent", file_bytes(R"({"t":{"dtype":"F32","shape":[2.0],"data_offsets":[0,8]}})", 8),
+       "a shape extent must be a non-negative integer"},
+      {"overflowing shape", file_bytes(R"({"t":{"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,8]}})", 8),
+       "holds more bytes than a file can"},
+      {"missing field", file_bytes(R"({"t":{"dtype":"F32","shape":[2]}})", 8), "tensor 't' has no 'data_offsets'"},
+      {"unknown field", file_bytes(R"({"t":{"dtype":"F32","shape":[2],"data_offsets":[0,8],"x":1}})", 8),
+       "tensor 't' has an unknown field 'x'"},
+      {"metadata not strings", file_bytes(R"({"__metadata__":{"a":1}})", 0), "__metadata__ must map strings to strings"},
+  };
+  for (const Hostile& c : cases) {
+    SCOPED_TRACE(c.what);
+    EXPECT_SW_THROW(ValueError, c.fragment, parse(c.bytes));
+    EXPECT_SW_THROW(ValueError, "ckpt.safetensors", parse(c.bytes));
+  }
+}
+
+TEST(Safetensors, ReadHeaderOnHostileFilesNamesThePathAndReadsOnlyTheHeader) {
+  TempPath file("sw-st-hostile");
+  write_file(file.path(), le64(1000) + "{}");
+  EXPECT_SW_THROW(ValueError, file.path() + ": the header length 1000 runs past the end of the file (10 bytes)",
+                  st::read_header(file.path()));
+  write_file(file.path(), "abc");
+  EXPECT_SW_THROW(ValueError, "fewer than the 8-byte header length", st::read_header(file.path()));
+  EXPECT_SW_THROW(RuntimeError, "/nonexistent/x.safetensors", st::read_header("/nonexistent/x.safetensors"));
+}
+
+TEST(Safetensors, IndexMapsNamesToFilesInItsFolder) {
+  TempPath file("sw-st-index");
+  write_file(file.path(), R"({"metadata":{"total_size":8},"weight_map":{"a":"m-1.safetensors","b":"m-2.safetensors"}})");
+  auto index = st::read_index(file.path());
+  EXPECT_EQ(index.at("a"), "m-1.safetensors");
+  EXPECT_EQ(index.at("b"), "m-2.safetensors");
+  write_file(file.path(), R"({"weight_map":{"a":"../etc/passwd"}})");
+  EXPECT_SW_THROW(ValueError, "must name a file in the index's folder", st::read_index(file.path()));
+  write_file(file.path(), R"({"metadata":{}})");
+  EXPECT_SW_THROW(ValueError, "'weight_map' object", st::read_index(file.path()));
+}
