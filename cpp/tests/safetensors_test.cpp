@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <fstream>
 
 #include "test_support.hpp"
@@ -150,4 +151,100 @@ TEST(Safetensors, IndexMapsNamesToFilesInItsFolder) {
   EXPECT_SW_THROW(ValueError, "must name a file in the index's folder", st::read_index(file.path()));
   write_file(file.path(), R"({"metadata":{}})");
   EXPECT_SW_THROW(ValueError, "'weight_map' object", st::read_index(file.path()));
+}
+
+// ---------------------------------------------------------------- checkpoints (Note [Opening a checkpoint])
+
+namespace {
+
+// A safetensors file of Float32 tensors (name, shape); element e of tensor k holds 1000 * k + e.
+void write_checkpoint(const std::string& path, const std::vector<std::pair<std::string, std::vector<int64_t>>>& ts,
+                      const std::string& dtype = "F32") {
+  std::vector<st::TensorSpec> specs;
+  for (const auto& [name, shape] : ts) specs.push_back({name, dtype, shape});
+  std::vector<std::pair<uint64_t, uint64_t>> offsets;
+  std::string bytes = st::encode_header(specs, {{"format", "pt"}}, offsets);
+  for (size_t k = 0; k < ts.size(); ++k)
+    for (uint64_t e = 0; e < (offsets[k].second - offsets[k].first) / 4; ++e) {
+      const float f = static_cast<float>(1000 * k + e);
+      bytes.append(reinterpret_cast<const char*>(&f), 4);
+    }
+  write_file(path, bytes);
+}
+
+std::string make_dir() {
+  std::string pattern = temp_dir() + "/sw-ckpt-dir-XXXXXX";
+  std::vector<char> buf(pattern.begin(), pattern.end());
+  buf.push_back('\0');
+  if (!::mkdtemp(buf.data())) throw std::runtime_error("mkdtemp failed");
+  return buf.data();
+}
+
+struct TempDir {
+  std::string path = make_dir();
+  ~TempDir() { std::filesystem::remove_all(path); }
+};
+
+}  // namespace
+
+TEST(Checkpoint, OpensOneFileAndBuildsATierOverNamedTensors) {
+  TempPath file("sw-ckpt");
+  write_checkpoint(file.path(), {{"e0.w", {2, 3}}, {"e1.w", {2, 3}}, {"e2.w", {3, 2}}, {"bias", {4}}});
+  auto ck = st::Checkpoint::open({file.path()});
+  EXPECT_EQ(ck->keys(), (std::vector<std::string>{"bias", "e0.w", "e1.w", "e2.w"}));
+  EXPECT_EQ(&ck->dtype("e1.w"), &DType::Float32());
+  EXPECT_EQ(ck->info("e2.w").shape, (std::vector<int64_t>{3, 2}));
+  EXPECT_EQ(ck->metadata().at("format"), "pt");
+  EXPECT_EQ(ck->bytes_read(), 0u);  // opening reads headers only
+  auto tier = ck->tier({"e1.w", "e0.w"}, CheckpointCarrier::Writes::Overlay);
+  ASSERT_EQ(tier->size(), 12);
+  std::vector<float> v(12);
+  tier->read_slots(0, 12, v.data());
+  EXPECT_EQ(v, (std::vector<float>{1000, 1001, 1002, 1003, 1004, 1005, 0, 1, 2, 3, 4, 5}));  // e1.w, then e0.w
+  EXPECT_EQ(ck->bytes_read(), 48u);
+  EXPECT_SW_THROW(ValueError, "tensor 'e2.w' (F32 [3, 2]) differs from 'e0.w' (F32 [2, 3])",
+                  ck->tier({"e0.w", "e2.w"}, CheckpointCarrier::Writes::Overlay));
+  EXPECT_SW_THROW(ValueError, "'e0.w' is named twice", ck->tier({"e0.w", "e0.w"}, CheckpointCarrier::Writes::Overlay));
+  EXPECT_SW_THROW(ValueError, "holds no tensor named 'e9.w'", ck->info("e9.w"));
+}
+
+TEST(Checkpoint, ElementTypesWithoutADtypeAreTypeErrors) {
+  TempPath file("sw-ckpt");
+  write_checkpoint(file.path(), {{"ids", {2}}}, "I64");
+  auto ck = st::Checkpoint::open({file.path()});
+  EXPECT_EQ(ck->info("ids").dtype, "I64");
+  EXPECT_SW_THROW(TypeError, "tensor 'ids' holds I64 elements", ck->dtype("ids"));
+}
+
+TEST(Checkpoint, OpensAShardedFolderThroughItsIndex) {
+  TempDir dir;
+  write_checkpoint(dir.path + "/model-00001-of-00002.safetensors", {{"a", {2}}, {"b", {2}}});
+  write_checkpoint(dir.path + "/model-00002-of-00002.safetensors", {{"c", {2}}});
+  write_file(dir.path + "/model.safetensors.index.json",
+             R"({"metadata":{},"weight_map":{"a":"model-00001-of-00002.safetensors",)"
+             R"("b":"model-00001-of-00002.safetensors","c":"model-00002-of-00002.safetensors"}})");
+  auto ck = st::Checkpoint::open({dir.path});
+  EXPECT_EQ(ck->keys(), (std::vector<std::string>{"a", "b", "c"}));
+  EXPECT_EQ(ck->file_of("c"), dir.path + "/model-00002-of-00002.safetensors");
+  auto tier = ck->tier({"c", "a"}, CheckpointCarrier::Writes::Overlay);
+  std::vector<float> v(4);
+  tier->read_slots(0, 4, v.data());
+  EXPECT_EQ(v, (std::vector<float>{0, 1, 0, 1}));  // each file's first tensor holds 0, 1
+  // An index that places a tensor in a file that does not hold it.
+  write_file(dir.path + "/model.safetensors.index.json",
+             R"({"weight_map":{"a":"model-00002-of-00002.safetensors","c":"model-00002-of-00002.safetensors"}})");
+  EXPECT_SW_THROW(ValueError, "places tensor 'a' in", st::Checkpoint::open({dir.path}));
+}
+
+TEST(Checkpoint, RefusesANameHeldByTwoFilesAndAnEmptyFolder) {
+  TempDir dir;
+  write_checkpoint(dir.path + "/x.safetensors", {{"a", {2}}});
+  write_checkpoint(dir.path + "/y.safetensors", {{"a", {2}}});
+  EXPECT_SW_THROW(ValueError, "tensor 'a' is held by both", st::Checkpoint::open({dir.path}));
+  EXPECT_SW_THROW(ValueError, "tensor 'a' is held by both",
+                  st::Checkpoint::open({dir.path + "/x.safetensors", dir.path + "/y.safetensors"}));
+  TempDir empty;
+  EXPECT_SW_THROW(ValueError, "holds neither model.safetensors.index.json nor any .safetensors file",
+                  st::Checkpoint::open({empty.path}));
+  EXPECT_SW_THROW(ValueError, "needs a file", st::Checkpoint::open({}));
 }

@@ -27,9 +27,14 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <string_view>
 #include <vector>
+
+#include "strideweave/carriers/checkpoint.hpp"
+#include "strideweave/dtype.hpp"
 
 namespace sw::safetensors {
 
@@ -91,5 +96,57 @@ struct TensorSpec {
 };
 std::string encode_header(const std::vector<TensorSpec>& tensors, const std::map<std::string, std::string>& metadata,
                           std::vector<std::pair<uint64_t, uint64_t>>& offsets);
+
+}  // namespace sw::safetensors
+
+// ---------------------------------------------------------------- checkpoints
+
+namespace sw::safetensors {
+
+// The StrideWeave dtype of a safetensors element type, or nullptr when there is none.
+const DType* dtype_of(std::string_view element_type);
+
+// Note [Opening a checkpoint]: a checkpoint is one safetensors file, several
+// (listed), or a folder: the folder's model.safetensors.index.json names the
+// file of every tensor (a sharded checkpoint), or, without an index, the
+// folder's *.safetensors files are taken in name order. Every header is read
+// and validated when the checkpoint is opened (Note [A header is checked before
+// any read]); a name held by two files, or an index naming a tensor its file
+// does not hold, is a ValueError. No tensor byte is read until a tile is
+// promoted or a tensor is read. Files are opened read-only; a writable
+// descriptor is opened only for a tier asked to write in place.
+class Checkpoint {
+ public:
+  // ValueError (naming the path) for a malformed file, index or folder; RuntimeError for a file that cannot be
+  // opened or read.
+  static std::shared_ptr<Checkpoint> open(const std::vector<std::string>& paths);
+
+  const std::vector<std::string>& keys() const noexcept { return keys_; }  // sorted
+  bool contains(const std::string& name) const { return where_.count(name) != 0; }
+  // ValueError "... holds no tensor named '<name>'" for an unknown name.
+  const TensorInfo& info(const std::string& name) const;
+  const std::string& file_of(const std::string& name) const;
+  // The tensor's StrideWeave dtype: TypeError naming the tensor and its element type when it has none.
+  const DType& dtype(const std::string& name) const;
+  const std::map<std::string, std::string>& metadata() const noexcept { return metadata_; }
+
+  // The checkpoint tier over `names`, one range per name in the order given (slot order). The tensors must share
+  // shape and dtype (ValueError naming the first that differs); `names` must be non-empty and distinct.
+  std::shared_ptr<CheckpointCarrier> tier(const std::vector<std::string>& names, CheckpointCarrier::Writes writes);
+  // Bytes read from the checkpoint's files so far (all tiers over it).
+  uint64_t bytes_read() const;
+
+ private:
+  Checkpoint() = default;
+  void add_file(const std::string& path, const std::map<std::string, std::string>* expected);
+  const std::shared_ptr<CheckpointFile>& file(size_t index, bool writable);
+
+  std::vector<Header> headers_;
+  std::vector<std::shared_ptr<CheckpointFile>> readers_, writers_;  // per header; writers opened on demand
+  std::map<std::string, size_t> where_;                             // name -> header
+  std::vector<std::string> keys_;
+  std::map<std::string, std::string> metadata_;
+  mutable std::mutex mutex_;  // guards readers_ and writers_
+};
 
 }  // namespace sw::safetensors
