@@ -6,7 +6,12 @@
 
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 
+#include "strideweave/carriers/native.hpp"
+#include "strideweave/carriers/storage.hpp"
+#include "strideweave/io.hpp"
+#include "strideweave/tiled/tiled_evictable.hpp"
 #include "test_support.hpp"
 
 using namespace sw;
@@ -27,6 +32,11 @@ std::string file_bytes(const std::string& header, uint64_t data_bytes) {
 }
 
 st::Header parse(const std::string& bytes) { return st::parse_header(bytes, bytes.size(), "ckpt.safetensors"); }
+
+std::string contents_of(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
 
 void write_file(const std::string& path, const std::string& bytes) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
@@ -247,4 +257,88 @@ TEST(Checkpoint, RefusesANameHeldByTwoFilesAndAnEmptyFolder) {
   EXPECT_SW_THROW(ValueError, "holds neither model.safetensors.index.json nor any .safetensors file",
                   st::Checkpoint::open({empty.path}));
   EXPECT_SW_THROW(ValueError, "needs a file", st::Checkpoint::open({}));
+}
+
+// ---------------------------------------------------------------- saving (Note [Saving a checkpoint])
+
+namespace {
+
+// The tensor's values in row-major order of its (flat) top-level modes, through checked element access.
+std::vector<double> row_major_values(const TensorPtr& t) {
+  const std::vector<int64_t> ext = t->layout.shape().extents();
+  std::vector<double> out;
+  std::vector<int64_t> c(ext.size(), 0);
+  for (int64_t n = 0; n < t->size(); ++n) {
+    std::vector<IntTuple> kids(c.begin(), c.end());
+    const Value v = t->get(IntTuple::tuple(kids));
+    out.push_back(v.kind == Value::Kind::Int ? static_cast<double>(v.i) : v.f);
+    for (size_t k = ext.size(); k-- > 0;) {
+      if (++c[k] < ext[k]) break;
+      c[k] = 0;
+    }
+  }
+  return out;
+}
+
+std::vector<double> saved_values(const st::Checkpoint& ck, const std::string& name) {
+  const st::TensorInfo& info = ck.info(name);
+  auto file = std::make_shared<CheckpointFile>(ck.file_of(name), false);
+  auto t = make_tensor(std::make_shared<CheckpointCarrier>(
+                           std::vector<CheckpointCarrier::Range>{{file, info.begin, info.elements()}}, ck.dtype(name),
+                           CheckpointCarrier::Writes::Overlay),
+                       0, row_major(Shape::flat(info.shape)));
+  return row_major_values(t);
+}
+
+}  // namespace
+
+TEST(SafetensorsSave, WritesRowMajorValuesOfAnyLayoutAndCarrier) {
+  auto dense = make_tensor(std::make_shared<CPUCarrier>(6, DType::Float32(), true, false), 0,
+                           column_major(Shape::flat({2, 3})));
+  fill_slots(*dense->carrier, 10);
+  // A transposed view: shape (3, 2) over the same slots.
+  auto transposed = make_tensor(dense->carrier, 0, Layout(Shape::flat({3, 2}), Stride::flat({2, 1})));
+  auto ints = make_tensor(std::make_shared<CPUCarrier>(4, DType::Int32(), true, false), 0,
+                          column_major(Shape::flat({4})));
+  fill_slots(*ints->carrier, 3);
+  // A tiled tensor with one tile evicted: read from the secondary tier without moving it.
+  auto te = std::make_shared<TiledEvictable>(std::make_shared<CPUCarrier>(8, DType::Float32(), true, false),
+                                             std::make_shared<FileBackedCarrier>("", DType::Float32(), true),
+                                             std::vector<int64_t>{2}, std::vector<int64_t>{4}, nullptr);
+  fill_slots(*te, 50);
+  te->evict_async({0})->value();
+  auto tiled = make_tensor(te, 0, column_major(Shape::flat({4, 2})));
+  const TiledStats before = te->stats();
+  TempPath file("sw-save");
+  st::save(file.path(), {{"dense", dense}, {"transposed", transposed}, {"ints", ints}, {"tiled", tiled}},
+           {{"who", "test"}});
+  EXPECT_EQ(te->stats().promotions, before.promotions);
+  auto ck = st::Checkpoint::open({file.path()});
+  EXPECT_EQ(ck->keys(), (std::vector<std::string>{"dense", "ints", "tiled", "transposed"}));
+  EXPECT_EQ(ck->metadata().at("who"), "test");
+  EXPECT_EQ(ck->info("transposed").shape, (std::vector<int64_t>{3, 2}));
+  EXPECT_EQ(ck->info("ints").dtype, "I32");
+  for (const auto& [name, t] : std::vector<std::pair<std::string, TensorPtr>>{
+           {"dense", dense}, {"transposed", transposed}, {"ints", ints}, {"tiled", tiled}}) {
+    SCOPED_TRACE(name);
+    EXPECT_EQ(saved_values(*ck, name), row_major_values(t));
+  }
+}
+
+TEST(SafetensorsSave, AFailedSaveLeavesTheOldFileAndNoTemporary) {
+  TempDir dir;
+  const std::string path = dir.path + "/model.safetensors";
+  write_file(path, "old contents");
+  auto t = make_tensor(std::make_shared<CPUCarrier>(4, DType::Float32(), true, false), 0,
+                       column_major(Shape::flat({4})));
+  EXPECT_SW_THROW(ValueError, "'x' occurs twice", st::save(path, {{"x", t}, {"x", t}}, {}));
+  io::inject(io::Op::Pwrite, ENOSPC, 1, 1);  // the header is written, the first data chunk fails
+  EXPECT_SW_THROW(RuntimeError, "No space left on device", st::save(path, {{"x", t}}, {}));
+  io::clear_faults();
+  EXPECT_EQ(contents_of(path), "old contents");
+  size_t entries = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir.path)) entries += e.is_regular_file();
+  EXPECT_EQ(entries, 1u);
+  st::save(path, {{"x", t}}, {});
+  EXPECT_EQ(st::Checkpoint::open({path})->info("x").shape, (std::vector<int64_t>{4}));
 }

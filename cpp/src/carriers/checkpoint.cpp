@@ -135,10 +135,10 @@ int64_t CheckpointCarrier::overlay_for(size_t r, bool whole) {
   if (at >= 0) return at;
   if (overlay_fd_ < 0) {
     // Beside the checkpoint when its folder takes new files, else in TMPDIR.
-    std::string dir = std::filesystem::path(ranges_[r].file->path()).parent_path().string();
-    if (dir.empty()) dir = ".";
-    if (::access(dir.c_str(), W_OK) != 0) dir = detail::temp_dir();
-    overlay_fd_ = detail::open_anonymous(dir, overlay_name_);
+    std::filesystem::path dir = std::filesystem::path(ranges_[r].file->path()).parent_path();
+    if (dir.empty()) dir = std::filesystem::path(".");
+    if (::access(dir.c_str(), W_OK) != 0) dir = std::filesystem::path(detail::temp_dir());
+    overlay_fd_ = detail::open_anonymous(dir.string(), overlay_name_);
   }
   const Range& g = ranges_[r];
   const int64_t bytes = g.slots * static_cast<int64_t>(itemsize_);

@@ -35,6 +35,7 @@
 
 #include "strideweave/carriers/checkpoint.hpp"
 #include "strideweave/dtype.hpp"
+#include "strideweave/tensor.hpp"
 
 namespace sw::safetensors {
 
@@ -148,5 +149,22 @@ class Checkpoint {
   std::map<std::string, std::string> metadata_;
   mutable std::mutex mutex_;  // guards readers_ and writers_
 };
+
+// The safetensors element type of a StrideWeave dtype ("F32"); TypeError for one the format cannot hold.
+std::string_view element_type_of(const DType& dtype);
+
+// Note [Saving a checkpoint]: save writes `tensors` (name -> tensor, in the
+// order given) to a safetensors file: each tensor as its top-level modes'
+// extents, row-major over them (the last mode fastest; within a nested mode,
+// the mode's own colex order), the format's order. Values are read through
+// each tensor's layout in bounded chunks (a tiled tensor tile range by tile
+// range; evicted tiles are read from their secondary tier without moving),
+// never gathered whole. The file appears whole or not at all: it is written
+// under a temporary name in the same folder, synced, then renamed over `path`
+// (and the folder synced). ValueError for an empty or repeated name, TypeError
+// for a dtype the format cannot hold, RuntimeError for a released carrier or
+// an I/O failure (the temporary file is removed; `path` is left as it was).
+void save(const std::string& path, const std::vector<std::pair<std::string, TensorPtr>>& tensors,
+          const std::map<std::string, std::string>& metadata);
 
 }  // namespace sw::safetensors
