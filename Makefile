@@ -1,5 +1,6 @@
 # StrideWeave: every target starts from a fresh machine and installs what is missing.
-#   make test      C++ tests (ctest) and Python tests (pytest)
+#   make test      C++ tests (ctest), the C++ example against the installed package, Python tests (pytest) and
+#                  the type check of the stubs
 #   make demo      the main example: examples/moe_offload.py (MoE weights offloaded to a file)
 #   make sanitize  C++ tests under ASan+UBSan and under TSan
 #   make bench     benchmarks (bench/*.py --quick; FULL=1 for full runs) -> bench/results/
@@ -15,7 +16,7 @@ APT_PACKAGES := libgtest-dev libopenblas-dev g++ nlohmann-json3-dev
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 CMAKE := $(VENV)/bin/cmake
 
-.PHONY: test demo sanitize bench cpp-test py-test install deps clean
+.PHONY: test demo sanitize bench cpp-test cpp-example py-test typecheck install deps clean
 
 deps: build/.apt-stamp $(VENV)/.stamp
 
@@ -49,7 +50,25 @@ install: deps
 py-test: install
 	$(VPY) -m pytest -q tests
 
-test: cpp-test py-test
+# The C++ package: the core installed with `cmake --install` into a build-local prefix, and examples/cpp built
+# against it as a C++ user would build it (find_package(strideweave), nothing from the source tree), then run.
+CPP_PREFIX := build/install
+
+cpp-example: build/cpp/build.ninja
+	$(CMAKE) --build build/cpp -j $(JOBS) --target strideweave_core
+	rm -rf $(CPP_PREFIX)
+	$(CMAKE) --install build/cpp --prefix $(CPP_PREFIX) --component cpp
+	$(CMAKE) -S examples/cpp -B build/example -G Ninja -DCMAKE_MAKE_PROGRAM=$(abspath $(VENV)/bin/ninja) \
+	  -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH=$(abspath $(CPP_PREFIX))
+	$(CMAKE) --build build/example -j $(JOBS)
+	build/example/tiled_matmul
+
+# The shipped stubs (strideweave/_core.pyi, py.typed) as a type checker sees them: a typed user script passes, and a
+# wrong call is reported (so the check can fail).
+typecheck: install
+	$(VPY) tests/typing/check.py
+
+test: cpp-test cpp-example py-test typecheck
 
 demo: install
 	$(VPY) examples/moe_offload.py

@@ -26,43 +26,24 @@ from __future__ import annotations
 
 import math
 import threading
-import zlib
 
 import numpy as np
 import pytest
 
 import strideweave as sw
 from strideweave import DType, Layout, Shape, Stride, Tensor, friendly
+from models import leaves
 
 F32 = DType.Float32
 BASE_SEED = 20240611
 CARRIERS = [sw.CPU, sw.Generic]
 
 
-@pytest.fixture
-def rng(request):
-    seed = BASE_SEED + zlib.crc32(request.node.nodeid.encode())
-    print(f"seed={seed} ({request.node.nodeid})")
-    return np.random.default_rng(seed)
-
-
-@pytest.fixture(autouse=True)
-def _grad_mode_on():
-    """Every test starts and ends with grad mode on in the main thread."""
-    sw.set_grad_enabled(True)
-    yield
-    sw.set_grad_enabled(True)
+# `rng` (conftest.py) seeds from BASE_SEED and the test id; every test starts and ends with grad mode on.
+pytestmark = pytest.mark.usefixtures("grad_mode_on")
 
 
 # ---------------------------------------------------------------- shape specs and tensors
-
-
-def leaves(spec) -> list[int]:
-    """Leaf extents of a shape spec (a tuple of modes; a mode is an int or a tuple of modes)."""
-    out = []
-    for m in spec:
-        out.extend(leaves(m) if isinstance(m, (tuple, list)) else [m])
-    return out
 
 
 def tree_like(spec, values):
@@ -197,7 +178,7 @@ def gradcheck(fn_sw, fn_np, arrays, specs, *, kind, strided, rng, node_name=None
 
 
 def np_reduce_sum(spec, description):
-    """NumPy reduce_sum over leaf-indexed arrays of shape `spec` (substrate §8)."""
+    """NumPy reduce_sum over leaf-indexed arrays of shape `spec` (docs/guide.md, "Operations and autograd")."""
     groups, j = [], 0
     for m in spec:
         n = len(leaves([m]))

@@ -1,4 +1,4 @@
-"""Contract tests for substrate §3: DType.
+"""Contract tests for DType (docs/guide.md, "DTypes").
 
 Four singletons compared with `is`; `name`, `bits`, `DType.registered()`; and
 `dtype.convert(value)`, the storage rules applied to a Python element value:
@@ -19,18 +19,11 @@ from hypothesis import strategies as st
 import strideweave as sw
 import strideweave.carriers
 from strideweave import DType
+from models import binary32
 
 PROPERTY = settings(derandomize=True, max_examples=300, deadline=None, database=None)
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
-
-
-def binary32(x):
-    """x rounded to binary32, as Python's struct does; overflow rounds to +-inf."""
-    try:
-        return struct.unpack("<f", struct.pack("<f", x))[0]
-    except OverflowError:
-        return math.copysign(math.inf, x)
 
 
 # ============================================================== identity

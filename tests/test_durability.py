@@ -2,7 +2,7 @@
 
 * A residency policy's eviction that fails (a full disk) fails the handle of the work that planned it, with its
   cause; the tiles stay resident and dirty and ``stats()`` counts no eviction for them (Note [A failed deferred
-  eviction reaches the work] in cpp/src/tiled/tiled_evictable.cpp).
+  eviction reaches the work] in cpp/src/tiled/work.cpp).
 * ``flush()`` / ``flush_async()`` write every dirty tile to the secondary tier, fsync it and mark the tiles clean
   while they stay resident; all-or-nothing under injected write and fsync faults (Note [Flushing tiles]).
   ``FileBacked.flush()`` fsyncs a plain file.

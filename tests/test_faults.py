@@ -1,4 +1,4 @@
-"""Injected I/O faults across every tiled request kind (issue 8, item 2).
+"""Injected I/O faults across every tiled request kind (docs/reliability.md, "Injected faults").
 
 A fault matrix: each request that moves tiles (promotion, eviction of dirty
 tiles, projection of missing tiles, scatter-add over secondary tiles, a direct
@@ -41,11 +41,7 @@ ALL = TileSet([(t,) for t in range(TILES)])
 SELECT_ALL = TileSelection([list(range(TILES))])
 
 
-@pytest.fixture(autouse=True)
-def _clear():
-    core._io_clear()
-    yield
-    core._io_clear()
+pytestmark = pytest.mark.usefixtures("clear_io_faults")
 
 
 FAULTS = {

@@ -1,8 +1,7 @@
-"""Contract tests for substrate §2: Shape, Stride, Layout and the dense layouts.
+"""Contract tests for Shape, Stride, Layout and the dense layouts (docs/guide.md, "Layouts").
 
-Every rule, worked example and error case of /work/shared/spec/substrate.md §2
-(plus the module-map identities of §1 that concern these names) has a test
-here. Property tests compare the engine with naive Python references over
+Every rule, worked example and error case of the layout contract (plus the
+module-level identities that concern these names) has a test here. Property tests compare the engine with naive Python references over
 random nested shapes; they are derandomized so every run sees the same cases.
 """
 
@@ -20,6 +19,7 @@ import strideweave as sw
 import strideweave.friendly
 import strideweave.layout
 from strideweave import Layout, Shape, Stride
+from models import decode_model, tree_leaves, tree_size
 
 EXAMPLE = Layout(Shape([2, [3, 4]]), Stride([1, [10, 100]]))
 
@@ -29,31 +29,8 @@ EXAMPLE = Layout(Shape([2, [3, 4]]), Stride([1, [10, 100]]))
 # top level is always a list of modes.
 
 
-def ref_size(tree):
-    if isinstance(tree, int):
-        return tree
-    n = 1
-    for child in tree:
-        n *= ref_size(child)
-    return n
-
-
-def ref_decode(tree, ordinal):
-    """Colex (first-mode-fastest) decode at every level."""
-    if isinstance(tree, int):
-        return ordinal
-    out = []
-    for child in tree:
-        n = ref_size(child)
-        out.append(ref_decode(child, ordinal % n))
-        ordinal //= n
-    return tuple(out)
-
-
-def ref_leaves(tree):
-    if isinstance(tree, int):
-        return [tree]
-    return [leaf for child in tree for leaf in ref_leaves(child)]
+# ref_size, ref_decode (colex: first mode fastest at every level) and ref_leaves are the shared models.
+ref_size, ref_decode, ref_leaves = tree_size, decode_model, tree_leaves
 
 
 def ref_index(shape_tree, stride_tree, ordinal):

@@ -1,6 +1,6 @@
-"""Lifetimes: dropped handles with work in flight, collected tensors, interpreter exit (issue 8, item 5).
+"""Lifetimes: dropped handles with work in flight, collected tensors, interpreter exit (docs/reliability.md, "Lifetimes").
 
-The substrate promises that handles never cancel: "dropping a handle neither
+The guide promises that handles never cancel: "dropping a handle neither
 blocks nor stops the work, and the handle itself can be garbage collected while
 work runs". These tests drop every Python reference to a request (its handle,
 its tensors, often its carrier) while the request is held in flight, collect
@@ -59,14 +59,15 @@ from strideweave import DType, Tensor
 from strideweave.carriers.extension import (
     CarrierDefinition,
     PreparedTransfer,
-    StorageProvider,
     TransferProvider,
     TransferRoute,
     register_carrier_definition,
 )
 from strideweave.carriers.tiled_evictable import ResidencyPlan, TiledEvictable, TileSelection, TileSet
+from ledger import Ledger, record_of
 from open_files import is_open
 from waiting import eventually, held
+from devices import block_device
 
 F32 = DType.Float32
 core = sw._core
@@ -93,9 +94,7 @@ class Arena:
     """An 8 MiB BlockDevice arena whose byte count must never exceed its capacity."""
 
     def __init__(self, path):
-        with open(path, "wb") as f:
-            f.truncate(8 << 20)
-        self.device = sw.BlockDevice(path)
+        self.device = block_device(path, 8 << 20)
         self.capacity = self.device.capacity
 
     @property
@@ -129,57 +128,15 @@ def tiled(arena, tiles=4, values=None, policy=None):
 # ---------------------------------------------------------------- LedgerCarrier
 
 
-class Record:
-    def __init__(self):
-        self.allocations = 0
-        self.releases = 0
-        self.values = None
-
-
-LEDGER: list = []
-VIOLATIONS: list = []
+LEDGER = Ledger()  # every LedgerCarrier ever constructed (its Record), in order, and the breaches its provider saw
+VIOLATIONS = LEDGER.violations
 GATE = threading.Event()  # the LedgerCarrier route's transfers finish only while this is set
 SUBMITTED = []
+_record = record_of
 
 
 class LedgerCarrier(sw.Carrier):
     """A user-defined carrier kind whose provider counts every allocation and release."""
-
-
-def _record(c):
-    return c.__dict__["_record"]
-
-
-def _allocate(c, n):
-    r = c.__dict__.get("_record")
-    if r is None:
-        r = c.__dict__["_record"] = Record()
-        LEDGER.append(r)
-    if r.releases:
-        VIOLATIONS.append("allocate after release")
-    r.allocations += 1
-    r.values = [0.0] * n
-
-
-def _release(c):
-    r = _record(c)
-    r.releases += 1
-    if r.releases > 1:
-        VIOLATIONS.append("release called twice")
-    r.values = None
-
-
-def _size(c):
-    r = _record(c)
-    return 0 if r.values is None else len(r.values)
-
-
-def _read(c, i):
-    return _record(c).values[i]
-
-
-def _write(c, i, v):
-    _record(c).values[i] = v
 
 
 class _GatedCopy:
@@ -210,7 +167,7 @@ def _prepare(request):
 register_carrier_definition(
     LedgerCarrier,
     CarrierDefinition(
-        StorageProvider(lambda c, d: d is F32, _size, _allocate, _release, _read, _write, elementwise_fallback=True),
+        LEDGER.storage(lambda c, d: d is F32, elementwise_fallback=True),
         transfers=(TransferRoute(LedgerCarrier, LedgerCarrier, "gated", TransferProvider(_prepare)),),
     ),
 )
@@ -674,7 +631,7 @@ POLICY_CYCLE = textwrap.dedent(
 
 
 def test_policy_reference_cycle_is_collected(tmp_path):
-    """Regression (issue 8): the carrier -> policy edge through C++ is reported to the garbage collector
+    """Regression (docs/reliability.md, "Bugs these tests found"): the carrier -> policy edge through C++ is reported to the garbage collector
     (Note [Policy reference cycles] in python/bindings/tiled.cpp), so the cycle and its file are freed."""
     script = tmp_path / "cycle.py"
     script.write_text(POLICY_CYCLE)

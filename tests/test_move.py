@@ -32,6 +32,7 @@ from strideweave.carriers.extension import (
     Unsupported,
     register_carrier_definition,
 )
+from devices import block_device, sized_file
 
 F32 = sw.DType.Float32
 I32 = sw.DType.Int32
@@ -91,10 +92,7 @@ def io_faults():
 @pytest.fixture
 def arena(tmp_path):
     """A BlockDevice over a preallocated 32 MiB file."""
-    path = tmp_path / "arena.bin"
-    with open(path, "wb") as f:
-        f.truncate(32 << 20)
-    return sw.BlockDevice(str(path))
+    return block_device(str(tmp_path / "arena.bin"), 32 << 20)
 
 
 # ---------------------------------------------------------------- carrier factories (one per kind)
@@ -1009,9 +1007,7 @@ def test_open_fault_creating_a_file_destination(err, name, io_faults, tmp_path):
 
 @pytest.mark.parametrize("err, name", ERRNOS)
 def test_open_fault_creating_a_block_device(err, name, io_faults, tmp_path):
-    path = tmp_path / "dev.bin"
-    with open(path, "wb") as f:
-        f.truncate(1 << 20)
+    path = sized_file(tmp_path / "dev.bin", 1 << 20)
     t, data = _dense_source("cpu", 100, None)
     v0 = t.carrier.version
     io_faults("open", err)  # one failure: it must surface, not be mistaken for "no O_DIRECT here"

@@ -1,4 +1,4 @@
-"""The movement and extension contract (substrate §6-§7): routes by exact class,
+"""The movement and extension contract (docs/guide.md, "Movement", "Adding a carrier kind"): routes by exact class,
 resolved late; both carriers owned before the provider prepares; prepared
 transfers kept until the move is terminal; completions that return values;
 ``physical_span``; the "no route" message; ``strideweave.carriers.move``.

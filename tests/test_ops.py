@@ -1,5 +1,5 @@
-"""Contract tests for substrate §8: the central operations (and §4 dispatch_op /
-operation_capabilities).
+"""Contract tests for the central operations, dispatch_op and
+operation_capabilities (docs/guide.md, "Operations and autograd").
 
 The heart of the file checks every fast CPU kernel against the Generic
 reference: the same operation on the same slot values, placed by the same
@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import struct
 import zlib
 
 import numpy as np
@@ -35,6 +34,9 @@ import pytest
 import strideweave as sw
 from forked import check_in_forked_child
 from strideweave import DType, Layout, Shape, Stride, Tensor, friendly
+from models import binary32, leaves
+from devices import block_device
+
 
 F32, I32, BOOL, F64 = DType.Float32, DType.Int32, DType.Bool, DType.Float64
 DTYPES = (F32, I32, BOOL)
@@ -56,18 +58,7 @@ def rng_for(*key) -> np.random.Generator:
     return np.random.default_rng([SEED, zlib.crc32(repr(key).encode())])
 
 
-def binary32(x: float) -> float:
-    return struct.unpack("<f", struct.pack("<f", x))[0]
-
-
 # ============================================================ nested shapes as Python lists
-
-
-def leaves(modes) -> list[int]:
-    out = []
-    for m in modes:
-        out.extend(leaves(m) if isinstance(m, (list, tuple)) else [m])
-    return out
 
 
 def rebuild(modes, flat):
@@ -976,10 +967,7 @@ def test_mixed_carrier_classes_raise(op, ca, cb):
 
 @pytest.fixture
 def arena(tmp_path):
-    path = tmp_path / "arena.img"
-    with open(path, "wb") as f:
-        f.truncate(1 << 20)
-    return sw.BlockDevice(path)
+    return block_device(tmp_path / "arena.img", 1 << 20)
 
 
 def _storage_tensor(kind, arena, dtype=F32):

@@ -1,4 +1,4 @@
-"""Concurrency stress from Python threads (issue 8, item 3; the C++ counterpart runs under TSan).
+"""Concurrency stress from Python threads (docs/reliability.md, "Concurrency stress"; the C++ counterpart runs under TSan).
 
 Each scenario runs a few rounds. In a round several threads hammer shared
 carriers at once (project, scatter, promote, evict, slot writes, the six
@@ -48,11 +48,7 @@ ROUND_TIMEOUT_S = 60.0
 F32 = sw.DType.Float32
 
 
-@pytest.fixture(autouse=True)
-def _clean():
-    sw._core._io_clear()
-    yield
-    sw._core._io_clear()
+pytestmark = pytest.mark.usefixtures("clear_io_faults")
 
 
 def tolerated(e, *fragments):

@@ -1,4 +1,4 @@
-"""Contract tests for substrate §5: Tensor, NumPy interop and friendly constructors.
+"""Contract tests for Tensor, NumPy interop and friendly constructors (docs/guide.md, "Carriers").
 
 A tensor is a view: `t[key]` is `carrier[offset + layout.index(key)]` for an
 int ordinal or a coordinate, writes go to that slot and count on the carrier's
@@ -15,7 +15,6 @@ killing the run.
 from __future__ import annotations
 
 import math
-import struct
 import subprocess
 import sys
 import textwrap
@@ -25,12 +24,10 @@ import pytest
 
 import strideweave as sw
 from strideweave import DType, Layout, Shape, Stride, Tensor, friendly
+from models import binary32
+from devices import sized_file
 
 F32, I32, BOOL, F64 = DType.Float32, DType.Int32, DType.Bool, DType.Float64
-
-
-def binary32(x: float) -> float:
-    return struct.unpack("<f", struct.pack("<f", x))[0]
 
 
 def dense(n: int) -> Layout:
@@ -382,9 +379,7 @@ def test_non_cpu_tensors_export_a_correct_copy(name, dtype, tmp_path):
     if name == "Evictable":
         c = sw.Evictable(counting(40, dtype), sw.FileBacked(dtype=dtype))
     elif name == "BlockDeviceCarrier":
-        path = tmp_path / "arena.img"
-        with open(path, "wb") as f:
-            f.truncate(1 << 20)
+        path = sized_file(tmp_path / "arena.img", 1 << 20)
         c = counting(40, dtype, lambda n, d: sw.BlockDevice(path).allocate(n, dtype=d))
     else:
         c = counting(40, dtype, CARRIERS[name])

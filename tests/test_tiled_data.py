@@ -1,6 +1,6 @@
 """TiledEvictable data paths: projection, scatter and direct operations.
 
-Mission (tiled-carrier-composition.md) requirements covered here, one test per
+The TiledEvictable requirements (docs/guide.md, "TiledEvictable") covered here, one test per
 scenario, named after it:
 
 * "Project eagerly returns a completion handle for a compact Tensor"
@@ -39,7 +39,6 @@ that), so that test asserts the handle semantics without relying on timing.
 from __future__ import annotations
 
 import itertools
-import zlib
 
 import numpy as np
 import pytest
@@ -48,34 +47,17 @@ import strideweave as sw
 from strideweave import DType, Layout, Shape, Stride, Tensor, friendly
 from strideweave.carriers import tiled_evictable as te
 from strideweave.carriers.tiled_evictable import AwaitProjection, TileSelection, TiledEvictable
+from models import column_major_strides
 
 F32 = DType.Float32
 BASE_SEED = 20250301
 
 
-@pytest.fixture
-def rng(request):
-    seed = BASE_SEED + zlib.crc32(request.node.nodeid.encode())
-    print(f"seed={seed} ({request.node.nodeid})")
-    return np.random.default_rng(seed)
-
-
-@pytest.fixture(autouse=True)
-def _grad_mode_on():
-    sw.set_grad_enabled(True)
-    yield
-    sw.set_grad_enabled(True)
+# `rng` (conftest.py) seeds from BASE_SEED and the test id; every test starts and ends with grad mode on.
+pytestmark = pytest.mark.usefixtures("grad_mode_on")
 
 
 # ---------------------------------------------------------------- builders
-
-
-def column_major_strides(shape) -> tuple:
-    out, run = [], 1
-    for e in shape:
-        out.append(run)
-        run *= e
-    return tuple(out)
 
 
 class Tiled:
@@ -1266,12 +1248,6 @@ def test_direct_operation_other_names_unsupported(name, rng):
 
 
 # ---------------------------------------------------------------- held I/O: pending projections and races
-
-
-@pytest.fixture
-def held_io():
-    yield sw._core
-    sw._core._io_clear()  # also releases holds
 
 
 def test_overlap_projection_with_computation_while_promotion_is_held(rng, held_io):

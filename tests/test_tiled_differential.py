@@ -9,7 +9,7 @@ Every case draws, from its own seeded ``numpy.random.default_rng``:
   footprints": any injective within-tile ordering whose image is exactly the
   carrier tile footprint is compatible). The carrier's canonical slot of a
   logical coordinate ``x`` is ``sum(x[k] * S[k])`` with ``S`` the dense
-  first-mode-fastest strides of ``logical_shape`` (substrate, section 10). The
+  first-mode-fastest strides of ``logical_shape`` (docs/guide.md, "TiledEvictable"). The
   generator splits each tile's canonical slot set into maximal contiguous runs,
   refines the runs into prime "digits" in a random order, hands the digits to
   the logical axes (a prime of one axis may land on another axis: a within-tile
@@ -72,6 +72,7 @@ from strideweave.carriers.tiled_evictable import (
     TileSelection,
     TileSet,
 )
+from models import column_major_strides
 
 F32 = DType.Float32
 MAX_SLOTS = 1500
@@ -88,11 +89,7 @@ else:
 RTOL, ATOL = 1e-5, 1e-6
 
 
-@pytest.fixture(autouse=True)
-def _grad_mode_on():
-    sw.set_grad_enabled(True)
-    yield
-    sw.set_grad_enabled(True)
+pytestmark = pytest.mark.usefixtures("grad_mode_on")
 
 
 def case_rng(seed: int, salt: int) -> np.random.Generator:
@@ -101,14 +98,6 @@ def case_rng(seed: int, salt: int) -> np.random.Generator:
 
 
 # ================================================================ geometry and layout generation
-
-
-def column_major_strides(shape) -> tuple:
-    out, run = [], 1
-    for e in shape:
-        out.append(run)
-        run *= e
-    return tuple(out)
 
 
 def prime_factors(n: int) -> list:

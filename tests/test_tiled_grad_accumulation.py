@@ -1,4 +1,4 @@
-"""Tiled gradient accumulation stays tiled (issue 7, item 3; Note [Tiled gradient accumulation]).
+"""Tiled gradient accumulation stays tiled (Note [Tiled gradient accumulation]).
 
 A leaf over a TiledEvictable receives one fresh tiled gradient per projection
 node. Accumulating into its ``.grad`` is tile by tile: implicit + implicit stays
@@ -226,12 +226,6 @@ def test_matmul_gradient_through_a_retained_projection_is_not_sunk(rng):
 
 
 # ---- Note [Requests' own references]: a gradient sum meets residency requests of other tiles
-
-
-@pytest.fixture
-def held_io():
-    yield sw._core
-    sw._core._io_clear()  # also releases holds
 
 
 @pytest.mark.parametrize("op", ["pwrite", "pread"], ids=["eviction-under-way", "read-back-under-way"])

@@ -1,7 +1,6 @@
 """TiledEvictable: geometry, tile footprints, TileSelection/TileSet/ResidencyPlan and residency.
 
-Covers these requirements of tiled-carrier-composition.md (with substrate.md
-§10): "TiledEvictable owns one flat logical storage extent", "Tensor Layout
+Covers these TiledEvictable requirements (docs/guide.md, "TiledEvictable"): "TiledEvictable owns one flat logical storage extent", "Tensor Layout
 compatibility preserves exact carrier tile footprints" (through the check
 exposed as ``carrier._check_footprints(tensor)``), "TileSelection is an ordered
 Cartesian product", "Residency state is independent of executable selection
@@ -55,12 +54,8 @@ core = sw._core
 MiB = 1 << 20
 
 
-@pytest.fixture(autouse=True)
-def _clear_io_hooks():
-    """Every injected fault and every I/O hold is cleared when a test ends, pass or fail."""
-    core._io_clear()
-    yield
-    core._io_clear()
+# Every injected fault and every I/O hold is cleared when a test ends, pass or fail.
+pytestmark = pytest.mark.usefixtures("clear_io_faults")
 
 
 # ---------------------------------------------------------------- helpers
@@ -300,7 +295,7 @@ def test_only_tiled_evictable_is_installed_through_a_carrier_definition():
         c.secondary.dispatch_op("add")
 
 
-# ---------------------------------------------------------------- construction (substrate §10)
+# ---------------------------------------------------------------- construction (docs/guide.md, "TiledEvictable")
 
 
 def _pending_carrier(n=0):
@@ -1465,7 +1460,7 @@ def test_release_after_completed_tiled_work():
     for request in later:
         with pytest.raises(RuntimeError):
             request()
-    # Metadata that needs no storage keeps working (substrate §4).
+    # Metadata that needs no storage keeps working (docs/guide.md, "Carriers").
     assert c.dtype() is F32 and c.supports_storage_dtype(F32)
     assert c.new_like([1.0] * 8)[7] == 1.0
 

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <limits>
+#include <type_traits>
 
 #include "strideweave/errors.hpp"
 
@@ -50,6 +51,48 @@ const std::array<const DType*, 4>& DType::registered() {
   return all;
 }
 
+namespace {
+
+// The two rules convert applies to a value it accepts; convert_into applies them in bulk.
+double round_to_float32(double x) { return static_cast<double>(static_cast<float>(x)); }
+bool in_int32_range(int64_t v) {
+  return v >= std::numeric_limits<int32_t>::min() && v <= std::numeric_limits<int32_t>::max();
+}
+
+// An element of an array as the Value it stands for (an unsigned 64-bit one beyond int64 is a BigInt).
+template <class T>
+Value value_of(T x) {
+  if constexpr (std::is_floating_point_v<T>) {
+    return Value::from_float(static_cast<double>(x));
+  } else if constexpr (std::is_unsigned_v<T> && sizeof(T) == sizeof(int64_t)) {
+    if (x > static_cast<T>(std::numeric_limits<int64_t>::max())) return Value::from_big_int(static_cast<double>(x));
+    return Value::from_int(static_cast<int64_t>(x));
+  } else {
+    return Value::from_int(static_cast<int64_t>(x));
+  }
+}
+
+// The Int32 range check of an integer of any width.
+template <class T>
+bool fits_int32(T x) {
+  if constexpr (std::is_unsigned_v<T>)
+    return x <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) && in_int32_range(static_cast<int64_t>(x));
+  else
+    return in_int32_range(static_cast<int64_t>(x));
+}
+
+// fits_int32 without a branch, for a loop that vectorises: zero exactly when x is in Int32's range (x + 2**31, as
+// an unsigned 64-bit value, is below 2**32). dtype_convert_into_test checks both around the bounds.
+template <class T>
+uint64_t int32_excess(T x) {
+  if constexpr (std::is_unsigned_v<T>)
+    return static_cast<uint64_t>(x) >> 31;
+  else
+    return (static_cast<uint64_t>(static_cast<int64_t>(x)) + (uint64_t{1} << 31)) >> 32;
+}
+
+}  // namespace
+
 Value DType::convert(const Value& v) const {
   using K = Value::Kind;
   switch (id_) {
@@ -59,14 +102,14 @@ Value DType::convert(const Value& v) const {
       if (v.kind == K::Float || v.kind == K::BigInt) x = v.f;
       else if (v.kind == K::Int) x = static_cast<double>(v.i);
       else raise<TypeError>(name_, " element must be a float or an int, got ", v.kind_name());
-      if (id_ == DTypeId::Float32) x = static_cast<double>(static_cast<float>(x));
+      if (id_ == DTypeId::Float32) x = round_to_float32(x);
       return Value::from_float(x);
     }
     case DTypeId::Int32: {
       if (v.kind == K::BigInt)
         raise<OverflowError>("Int32 element ", v.f, " is out of range [-2147483648, 2147483647]");
       if (v.kind != K::Int) raise<TypeError>("Int32 element must be an int, got ", v.kind_name());
-      if (v.i < std::numeric_limits<int32_t>::min() || v.i > std::numeric_limits<int32_t>::max())
+      if (!in_int32_range(v.i))
         raise<OverflowError>("Int32 element ", v.i, " is out of range [-2147483648, 2147483647]");
       return v;
     }
@@ -77,5 +120,57 @@ Value DType::convert(const Value& v) const {
   SW_ASSERT(false, "unknown dtype");
   return v;
 }
+
+template <class T>
+void DType::convert_into(const T* in, size_t n, void* out) const {
+  switch (id_) {
+    case DTypeId::Float32:
+    case DTypeId::Float64: {
+      // convert's float path: every T is a Float, an Int or a BigInt, each read as a double first.
+      if (id_ == DTypeId::Float32) {
+        auto* o = static_cast<float*>(out);
+        for (size_t k = 0; k < n; ++k) o[k] = static_cast<float>(round_to_float32(static_cast<double>(in[k])));
+      } else {
+        auto* o = static_cast<double*>(out);
+        for (size_t k = 0; k < n; ++k) o[k] = static_cast<double>(in[k]);
+      }
+      return;
+    }
+    case DTypeId::Int32: {
+      if constexpr (std::is_floating_point_v<T>) {
+        if (n) convert(value_of(in[0]));  // raises convert's TypeError: a float is not an int
+      } else {
+        auto* o = static_cast<int32_t*>(out);
+        // One pass that vectorises (no branch: int32_excess is in_int32_range as bits), then the refusal if any.
+        uint64_t excess = 0;
+        for (size_t k = 0; k < n; ++k) {
+          excess |= int32_excess(in[k]);
+          o[k] = static_cast<int32_t>(in[k]);
+        }
+        if (excess)
+          for (size_t k = 0; k < n; ++k)
+            if (!fits_int32(in[k])) convert(value_of(in[k]));  // raises convert's OverflowError
+      }
+      return;
+    }
+    case DTypeId::Bool:
+      if (n) convert(value_of(in[0]));  // no T is a bool: raises convert's TypeError
+      return;
+  }
+  SW_ASSERT(false, "unknown dtype");
+}
+
+#define SW_CONVERT_INTO(T) template void DType::convert_into<T>(const T*, size_t, void*) const;
+SW_CONVERT_INTO(int8_t)
+SW_CONVERT_INTO(int16_t)
+SW_CONVERT_INTO(int32_t)
+SW_CONVERT_INTO(int64_t)
+SW_CONVERT_INTO(uint8_t)
+SW_CONVERT_INTO(uint16_t)
+SW_CONVERT_INTO(uint32_t)
+SW_CONVERT_INTO(uint64_t)
+SW_CONVERT_INTO(float)
+SW_CONVERT_INTO(double)
+#undef SW_CONVERT_INTO
 
 }  // namespace sw

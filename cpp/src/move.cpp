@@ -217,7 +217,7 @@ CompletionPtr<TensorPtr> move_async(const TensorPtr& tensor, const CarrierPtr& d
       claims.reset();
       error = std::current_exception();
     }
-    // Note [Letting go before completing] (tiled_evictable.cpp): whoever waits may next count the references to
+    // Note [Letting go before completing] (tiled/residency.cpp): whoever waits may next count the references to
     // the source or the destination, or expect a consumed source's storage to be gone; so the job drops its own
     // before the completion is set, not when the executor destroys it.
     tensor.reset();

@@ -1,9 +1,13 @@
 // Carrier conformance (docs/guide.md, "Carriers", strideweave/carrier.hpp): one
-// parameterised suite that every carrier kind runs — Generic, CPU, FileBacked
-// (anonymous), BlockDeviceCarrier (a BlockDevice over a preallocated temp
-// file), Evictable (CPU primary + FileBacked secondary) and a user-defined
-// kind (TestCarrier, a StorageProvider). A new kind gets the whole suite
-// by adding one line to kKinds.
+// parameterised suite that every kind of the registry (carrier_kinds.hpp) runs —
+// Generic, CPU, FileBacked (anonymous), BlockDeviceCarrier (a BlockDevice over a
+// preallocated temp file), Evictable (CPU primary + FileBacked secondary), a
+// user-defined kind (TestCarrier, a StorageProvider) and TiledEvictable (CPU
+// primary + FileBacked secondary). A new kind gets the whole suite by adding
+// one row to carrier_kinds(); the properties that do not apply to a kind are
+// declared in its row, with the reason, and skipped by name here (printed as
+// "[ EXCLUDED ]" or a gtest skip). A property the engine breaks for a kind is a
+// finding in its row, checked as a strict expected failure ("[ FINDING  ]").
 //
 // Kind-specific behaviour (BlockDevice extents and unaligned I/O, FileBacked
 // files, Evictable residency) follows the conformance suite.
@@ -16,6 +20,7 @@
 #include <set>
 #include <thread>
 
+#include "carrier_kinds.hpp"
 #include "test_support.hpp"
 
 namespace sw {
@@ -27,75 +32,23 @@ const DType& F32() { return DType::Float32(); }
 const DType& I32() { return DType::Int32(); }
 const DType& BOOL() { return DType::Bool(); }
 
-// ---------------------------------------------------------------- the kinds under test
-
-// Per-test resources that some kinds need (a BlockDevice arena).
-class Env {
- public:
-  static constexpr int64_t kDeviceBytes = int64_t{32} << 20;
-  const std::shared_ptr<BlockDevice>& device() {
-    if (!device_) {
-      file_ = make_device_file(kDeviceBytes);
-      device_ = std::make_shared<BlockDevice>(file_->path());
-    }
-    return device_;
-  }
-
- private:
-  std::unique_ptr<TempPath> file_;
-  std::shared_ptr<BlockDevice> device_;
-};
-
-struct KindSpec {
-  const char* name;
-  const CarrierKind* kind;
-  bool stores_bool;
-  bool can_be_empty;  // size 0 and allocatable
-  std::function<CarrierPtr(Env&, int64_t slots, const DType&, bool is_mutable)> make;
-};
-
-CarrierPtr make_evictable(int64_t n, const DType& d, bool m) {
-  auto primary = std::make_shared<CPUCarrier>(n, d, true, false);
-  auto secondary = std::make_shared<FileBackedCarrier>("", d, true);
-  return std::make_shared<EvictableCarrier>(primary, secondary, m);
-}
-
-const std::vector<KindSpec>& kinds() {
-  static const std::vector<KindSpec> k{
-      {"Generic", &generic_kind(), true, true,
-       [](Env&, int64_t n, const DType& d, bool m) -> CarrierPtr { return std::make_shared<GenericCarrier>(n, d, m); }},
-      {"CPU", &cpu_kind(), true, true,
-       [](Env&, int64_t n, const DType& d, bool m) -> CarrierPtr {
-         return std::make_shared<CPUCarrier>(n, d, m, false);
-       }},
-      {"FileBacked", &file_backed_kind(), false, true,
-       [](Env&, int64_t n, const DType& d, bool m) -> CarrierPtr {
-         auto c = std::make_shared<FileBackedCarrier>("", d, m);
-         c->grow(n, true);
-         return c;
-       }},
-      {"BlockDevice", &block_device_carrier_kind(), false, true,
-       [](Env& env, int64_t n, const DType& d, bool m) -> CarrierPtr { return env.device()->allocate(n, d, m, false); }},
-      {"Evictable", &evictable_kind(), false, false,
-       [](Env&, int64_t n, const DType& d, bool m) -> CarrierPtr { return make_evictable(n, d, m); }},
-      {"UserDefined", &test_kind(), false, true,
-       [](Env&, int64_t n, const DType& d, bool m) -> CarrierPtr { return make_test_carrier(n, d, m); }},
-  };
-  return k;
-}
-
-std::string kind_param_name(const ::testing::TestParamInfo<size_t>& info) { return kinds()[info.param].name; }
-
 class CarrierConformance : public ::testing::TestWithParam<size_t> {
  protected:
-  const KindSpec& spec() const { return kinds()[GetParam()]; }
+  const KindSpec& spec() const { return carrier_kinds()[GetParam()]; }
   CarrierPtr make(int64_t n, const DType& d = DType::Float32(), bool m = true) { return spec().make(env_, n, d, m); }
+  // Whether the kind has property `p`; when it declares it inapplicable, says so (with the registry's reason)
+  // and the caller leaves out the part of the test that checks it.
+  bool checks(Property p) const {
+    if (spec().applies(p)) return true;
+    std::cout << "[ EXCLUDED ] " << spec().why_not(p) << std::endl;
+    return false;
+  }
   std::vector<const DType*> dtypes() const {
     std::vector<const DType*> out{&F32(), &I32()};
     if (spec().stores_bool) out.push_back(&BOOL());
     return out;
   }
-  Env env_;
+  KindEnv env_;
 };
 
 // ---------------------------------------------------------------- size, dtype, zero fill
@@ -217,8 +170,10 @@ TEST_P(CarrierConformance, VersionIncrementsOnlyOnPublicWrites) {
     EXPECT_THROW(c->set(0, F(1.0)), RuntimeError);
   }
   EXPECT_EQ(c->version(), v) << "claims and refused writes do not bump";
-  CarrierPtr other = c->allocate_like(4, true, F32(), false);
-  EXPECT_EQ(c->version(), v) << "allocation does not bump";
+  if (checks(Property::LikeOfAnySize)) {
+    CarrierPtr other = c->allocate_like(4, true, F32(), false);
+    EXPECT_EQ(c->version(), v) << "allocation does not bump";
+  }
   c->release();
   EXPECT_EQ(c->version(), v) << "release does not bump";
 }
@@ -227,8 +182,10 @@ TEST_P(CarrierConformance, FreshCarriersStartAtVersionZero) {
   EXPECT_EQ(make(3)->version(), 0u);
   CarrierPtr c = make(3);
   EXPECT_EQ(c->allocate_like(3, true, F32(), false)->version(), 0u);
-  std::vector<Value> vals{F(1), F(2)};
-  EXPECT_EQ(c->new_like(vals, true, F32())->version(), 0u) << "new_like's initial values are not a public write";
+  if (checks(Property::LikeOfAnySize)) {
+    std::vector<Value> vals{F(1), F(2)};
+    EXPECT_EQ(c->new_like(vals, true, F32())->version(), 0u) << "new_like's initial values are not a public write";
+  }
 }
 
 // ---------------------------------------------------------------- mutability
@@ -383,7 +340,12 @@ TEST_P(CarrierConformance, ReleaseIsIdempotentAndRefusesDataAccess) {
     const uint64_t v = c->version();
     c->release();
     EXPECT_TRUE(c->is_released());
-    EXPECT_EQ(c->size(), 0);
+    if (const PropertyNote* finding = spec().finding(Property::ReleasedSizeIsZero)) {
+      std::cout << "[ FINDING  ] " << spec().name << ": " << finding->reason << std::endl;
+      EXPECT_NE(c->size(), 0) << "fixed: remove the ReleasedSizeIsZero finding from carrier_kinds.hpp";
+    } else {
+      EXPECT_EQ(c->size(), 0);
+    }
     c->release();  // idempotent
     c->release();
     EXPECT_TRUE(c->is_released());
@@ -396,12 +358,14 @@ TEST_P(CarrierConformance, ReleaseIsIdempotentAndRefusesDataAccess) {
     // dtype(), supports_storage_dtype() and new_like()/allocate_like() keep working.
     EXPECT_EQ(&c->dtype(), d);
     EXPECT_TRUE(c->supports_storage_dtype(*d));
-    std::vector<Value> vals{value_for(*d, 3), value_for(*d, 4)};
-    CarrierPtr fresh = c->new_like(vals, true, *d);
-    EXPECT_EQ(&fresh->kind(), spec().kind);
-    EXPECT_EQ(snapshot(*fresh), vals);
-    CarrierPtr alloc = c->allocate_like(3, true, *d, false);
-    EXPECT_EQ(alloc->size(), 3);
+    if (checks(Property::LikeOfAnySize)) {
+      std::vector<Value> vals{value_for(*d, 3), value_for(*d, 4)};
+      CarrierPtr fresh = c->new_like(vals, true, *d);
+      EXPECT_EQ(&fresh->kind(), spec().kind);
+      EXPECT_EQ(snapshot(*fresh), vals);
+      CarrierPtr alloc = c->allocate_like(3, true, *d, false);
+      EXPECT_EQ(alloc->size(), 3);
+    }
   }
 }
 
@@ -417,6 +381,7 @@ TEST_P(CarrierConformance, DestroyingWithoutReleaseIsSafe) {
 // ---------------------------------------------------------------- allocate_like / new_like
 
 TEST_P(CarrierConformance, AllocateLikeMakesTheSameKind) {
+  if (!spec().applies(Property::LikeOfAnySize)) GTEST_SKIP() << spec().why_not(Property::LikeOfAnySize);
   CarrierPtr c = make(3);
   for (const DType* d : dtypes()) {
     for (bool m : {true, false}) {
@@ -443,11 +408,14 @@ TEST_P(CarrierConformance, AllocateLikeMakesTheSameKind) {
 TEST_P(CarrierConformance, AllocateLikeErrors) {
   CarrierPtr c = make(3);
   EXPECT_THROW(c->allocate_like(-1, true, F32(), false), ValueError);
-  if (!spec().stores_bool) EXPECT_THROW(c->allocate_like(2, true, BOOL(), false), TypeError);
-  EXPECT_THROW(c->allocate_like(2, true, DType::Float64(), false), TypeError);
+  if (checks(Property::LikeOfAnySize)) {
+    if (!spec().stores_bool) EXPECT_THROW(c->allocate_like(2, true, BOOL(), false), TypeError);
+    EXPECT_THROW(c->allocate_like(2, true, DType::Float64(), false), TypeError);
+  }
 }
 
 TEST_P(CarrierConformance, NewLikeHoldsConvertedValues) {
+  if (!spec().applies(Property::LikeOfAnySize)) GTEST_SKIP() << spec().why_not(Property::LikeOfAnySize);
   CarrierPtr c = make(2);
   std::vector<Value> in{I(1), F(0.1), F(-3.0)};
   for (bool m : {true, false}) {
@@ -561,21 +529,22 @@ TEST_P(CarrierConformance, TensorViewsShareTheCarrierVersion) {
   EXPECT_SW_THROW(RuntimeError, "released", t->set(Coord(0), F(1.0)));
 }
 
-INSTANTIATE_TEST_SUITE_P(AllKinds, CarrierConformance, ::testing::Range<size_t>(0, 6), kind_param_name);
+INSTANTIATE_TEST_SUITE_P(AllKinds, CarrierConformance, ::testing::Range<size_t>(0, carrier_kinds().size()),
+                         kind_param_name);
 
-TEST(CarrierConformanceRegistry, EveryKindIsInstantiated) { EXPECT_EQ(kinds().size(), 6u); }
+TEST(CarrierConformanceRegistry, EveryKindIsInstantiated) { EXPECT_EQ(carrier_kinds().size(), 7u); }
 
 // ---------------------------------------------------------------- copy_slots between every pair of kinds
 
 class CopySlotsBetweenKinds : public ::testing::TestWithParam<std::tuple<size_t, size_t>> {
  protected:
-  Env env_;
+  KindEnv env_;
 };
 
 TEST_P(CopySlotsBetweenKinds, CopiesRandomRanges) {
   const auto [si, di] = GetParam();
-  const KindSpec& s = kinds()[si];
-  const KindSpec& d = kinds()[di];
+  const KindSpec& s = carrier_kinds()[si];
+  const KindSpec& d = carrier_kinds()[di];
   SCOPED_TRACE(std::string("SW_TEST_SEED=") + std::to_string(test_seed()) + " " + s.name + " -> " + d.name);
   Rng rng(test_seed() + si * 31 + di);
   for (const DType* dt : {&F32(), &I32()}) {
@@ -598,11 +567,13 @@ TEST_P(CopySlotsBetweenKinds, CopiesRandomRanges) {
 }
 
 std::string pair_name(const ::testing::TestParamInfo<std::tuple<size_t, size_t>>& info) {
-  return std::string(kinds()[std::get<0>(info.param)].name) + "_to_" + kinds()[std::get<1>(info.param)].name;
+  return std::string(carrier_kinds()[std::get<0>(info.param)].name) + "_to_" +
+         carrier_kinds()[std::get<1>(info.param)].name;
 }
 
 INSTANTIATE_TEST_SUITE_P(AllPairs, CopySlotsBetweenKinds,
-                         ::testing::Combine(::testing::Range<size_t>(0, 6), ::testing::Range<size_t>(0, 6)),
+                         ::testing::Combine(::testing::Range<size_t>(0, carrier_kinds().size()),
+                                            ::testing::Range<size_t>(0, carrier_kinds().size())),
                          pair_name);
 
 // ---------------------------------------------------------------- CPU large buffers (Note [Mapping cache])
@@ -1019,6 +990,40 @@ TEST(Evictable, ConstructionErrors) {
   EXPECT_SW_THROW(RuntimeError, "released", EvictableCarrier(released, cpu(0)));
   auto inner = std::make_shared<EvictableCarrier>(cpu(2), cpu(0));
   EXPECT_SW_THROW(TypeError, "must not be dependent", EvictableCarrier(inner, cpu(0)));
+}
+
+// ---------------------------------------------------------------- TiledEvictable: like carriers of its extent
+
+// What the conformance suite's allocate_like / new_like checks leave out for TiledEvictable (its
+// LikeOfAnySize exclusion in carrier_kinds.hpp), checked at the sizes the kind takes: 0 or the full extent.
+TEST(TiledEvictableLike, MakesTheSameKindAtItsExtentOnly) {
+  CarrierPtr c = make_tiled_evictable(12, F32(), true);
+  for (const DType* d : {&F32(), &I32()}) {
+    for (bool m : {true, false}) {
+      SCOPED_TRACE(std::string(d->name()) + (m ? " mutable" : " immutable"));
+      CarrierPtr a = c->allocate_like(12, m, *d, false);
+      EXPECT_EQ(&a->kind(), &tiled_evictable_kind());
+      EXPECT_EQ(a->size(), 12);
+      EXPECT_EQ(&a->dtype(), d);
+      EXPECT_EQ(a->created_mutable(), m);
+      for (int64_t i = 0; i < 12; ++i) EXPECT_EQ(a->get(i), zero_of(*d));
+      EXPECT_EQ(c->allocate_like(0, m, *d, true)->size(), 12) << "0 means the full extent, its tiles invalid";
+    }
+  }
+  EXPECT_SW_THROW(ValueError, "0 or the full extent 12, got 11", c->allocate_like(11, true, F32(), false));
+  EXPECT_SW_THROW(TypeError, "Bool", c->allocate_like(12, true, BOOL(), false));
+  EXPECT_THROW(c->allocate_like(12, true, DType::Float64(), false), TypeError);
+  std::vector<Value> in;
+  for (int64_t i = 0; i < 12; ++i) in.push_back(i % 2 ? I(i) : F(i + 0.1));
+  CarrierPtr n = c->new_like(in, false, F32());
+  EXPECT_EQ(&n->kind(), &tiled_evictable_kind());
+  EXPECT_FALSE(n->created_mutable());
+  EXPECT_EQ(n->version(), 0u) << "new_like's initial values are not a public write";
+  for (int64_t i = 0; i < 12; ++i) EXPECT_EQ(n->get(i), F(static_cast<double>(static_cast<float>(i % 2 ? i : i + 0.1))));
+  std::vector<Value> two{F(1), F(2)};
+  EXPECT_SW_THROW(ValueError, "0 or the full extent 12, got 2", c->new_like(two, true, F32()));
+  EXPECT_EQ(c->version(), 0u);
+  EXPECT_EQ(snapshot(*c), std::vector<Value>(12, F(0.0))) << "the template is left alone";
 }
 
 // ---------------------------------------------------------------- shared snapshots (Note [Shared snapshots])

@@ -21,6 +21,7 @@
 
 #include "strideweave/grad_mode.hpp"
 #include "strideweave/io.hpp"
+#include "carrier_kinds.hpp"
 #include "test_support.hpp"
 
 namespace sw {
@@ -252,38 +253,19 @@ TEST_F(MoveChecks, MissingReverseRouteUnderGradMode) {
 
 // ---------------------------------------------------------------- success between native storage kinds
 
-class Env {
- public:
-  const std::shared_ptr<BlockDevice>& device() {
-    if (!device_) {
-      file_ = make_device_file(int64_t{8} << 20);
-      device_ = std::make_shared<BlockDevice>(file_->path());
-    }
-    return device_;
-  }
-
- private:
-  std::unique_ptr<TempPath> file_;
-  std::shared_ptr<BlockDevice> device_;
-};
-
+// The native storage kinds, from the carrier registry (carrier_kinds.hpp); each is made mutable here.
 struct StorageKind {
+  const KindSpec* spec;
   const char* name;
-  std::function<CarrierPtr(Env&, int64_t, const DType&)> make;
+  CarrierPtr make(KindEnv& env, int64_t n, const DType& d) const { return spec->make(env, n, d, true); }
 };
 
 const std::vector<StorageKind>& storage_kinds() {
-  static const std::vector<StorageKind> k{
-      {"Generic", [](Env&, int64_t n, const DType& d) -> CarrierPtr { return std::make_shared<GenericCarrier>(n, d, true); }},
-      {"CPU", [](Env&, int64_t n, const DType& d) -> CarrierPtr { return std::make_shared<CPUCarrier>(n, d, true, false); }},
-      {"FileBacked",
-       [](Env&, int64_t n, const DType& d) -> CarrierPtr {
-         auto c = std::make_shared<FileBackedCarrier>("", d, true);
-         c->grow(n, true);
-         return c;
-       }},
-      {"BlockDevice", [](Env& e, int64_t n, const DType& d) -> CarrierPtr { return e.device()->allocate(n, d, true, false); }},
-  };
+  static const std::vector<StorageKind> k = [] {
+    std::vector<StorageKind> out;
+    for (const char* name : {"Generic", "CPU", "FileBacked", "BlockDevice"}) out.push_back({&kind_named(name), name});
+    return out;
+  }();
   return k;
 }
 
@@ -308,7 +290,7 @@ enum class DestSize { Exact, Larger, Allocatable };
 
 class MoveBetweenKinds : public ::testing::TestWithParam<std::tuple<size_t, size_t>> {
  protected:
-  Env env_;
+  KindEnv env_;
 };
 
 TEST_P(MoveBetweenKinds, PublishesTheResultAndConsumesTheSource) {
@@ -429,7 +411,7 @@ struct FaultCase {
 class MoveFaults : public ::testing::TestWithParam<FaultCase> {
  protected:
   void TearDown() override { io::clear_faults(); }
-  Env env_;
+  KindEnv env_;
 };
 
 TEST_P(MoveFaults, FailureLeavesTheSourceLiveAndTheNextMoveSucceeds) {

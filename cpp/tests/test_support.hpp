@@ -11,6 +11,8 @@
 //    test completes or fails each one (TensorStore's mock_kvstore idea), so
 //    pending states and failures are tested without sleeps.
 //  * run_in_forked_child(): runs a check in a child of fork(), bounded by a timeout.
+//  * dense_tensor() / values_of() / draw_eighths(): dense CPU or Generic
+//    tensors from doubles and back, and exact Float32 test data (ops, autograd).
 // Header-only; not a *_test.cpp, so CMake builds no executable from it.
 #pragma once
 
@@ -23,6 +25,7 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -397,6 +400,39 @@ inline int run_in_forked_child(const std::function<int()>& child, unsigned timeo
   }
   if (WIFEXITED(status)) return WEXITSTATUS(status);
   return WIFSIGNALED(status) ? 128 + WTERMSIG(status) : -1;
+}
+
+// ---------------------------------------------------------------- dense tensors (ops, autograd)
+
+// A dense column-major CPU (or Generic) tensor of `shape` holding `values` in ordinal order.
+inline TensorPtr dense_tensor(bool cpu, const Shape& shape, const std::vector<double>& values,
+                              const DType& dtype = DType::Float32()) {
+  CarrierPtr c = cpu ? CarrierPtr(std::make_shared<CPUCarrier>(shape.size(), dtype, true, false))
+                     : CarrierPtr(std::make_shared<GenericCarrier>(shape.size(), dtype, true));
+  for (int64_t i = 0; i < shape.size(); ++i)
+    c->write_value(i, dtype.id() == DTypeId::Int32 ? Value::from_int(static_cast<int64_t>(values[i]))
+                                                   : Value::from_float(values[i]));
+  return make_tensor(std::move(c), 0, column_major(shape));
+}
+
+// The values of `t` in ordinal order, as doubles.
+inline std::vector<double> values_of(const TensorPtr& t) {
+  std::vector<double> out;
+  for (int64_t i = 0; i < t->size(); ++i) {
+    Value v = t->carrier->read_value(t->offset + t->layout.index(i));
+    out.push_back(v.kind == Value::Kind::Int ? double(v.i) : v.kind == Value::Kind::Bool ? double(v.b) : v.f);
+  }
+  return out;
+}
+
+// `n` multiples of 1/8 in [lo, hi] (exact in Float32); with `away_from_zero`, none within 1/4 of 0.
+inline std::vector<double> draw_eighths(Rng& rng, int64_t n, double lo, double hi, bool away_from_zero = false) {
+  std::vector<double> v;
+  while (static_cast<int64_t>(v.size()) < n) {
+    double x = static_cast<double>(rng.uniform(static_cast<int64_t>(lo * 8), static_cast<int64_t>(hi * 8))) / 8;
+    if (!away_from_zero || std::abs(x) >= 0.25) v.push_back(x);
+  }
+  return v;
 }
 
 }  // namespace testing_support

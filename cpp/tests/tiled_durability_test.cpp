@@ -1,8 +1,9 @@
 // Durability of a TiledEvictable's values (strideweave/tiled/tiled_evictable.hpp): a residency policy's failed
-// eviction reaches the work that planned it (Note [A failed deferred eviction reaches the work]); flush writes
-// every dirty tile, syncs the tier and keeps the tiles resident, all-or-nothing (Note [Flushing tiles]); a
-// read-only secondary tier refuses writes before they happen (Note [A read-only secondary tier]); dirty tiles of
-// a named file are counted when discarded (Note [Dirty tiles are never discarded silently]).
+// eviction reaches the work that planned it (Note [A failed deferred eviction reaches the work]; the work is a
+// WorkToken of cpp/src/tiled/internal.hpp); flush writes every dirty tile, syncs the tier and keeps the tiles
+// resident, all-or-nothing (Note [Flushing tiles]); a read-only secondary tier refuses writes before they happen
+// (Note [A read-only secondary tier]); dirty tiles of a named file are counted when discarded
+// (Note [Dirty tiles are never discarded silently]).
 //
 // Faults come from io::inject; nothing sleeps.
 #include <gtest/gtest.h>
@@ -15,6 +16,7 @@
 #include "strideweave/carriers/native.hpp"
 #include "strideweave/io.hpp"
 #include "strideweave/tiled/tiled_evictable.hpp"
+#include "../src/tiled/internal.hpp"
 #include "test_support.hpp"
 
 namespace sw {
@@ -75,9 +77,9 @@ TEST_F(DurabilityTest, AFailedDeferredEvictionIsReturnedByEndWorkAndChangesNothi
   const std::string before = locations(*te);
   const TiledStats stats = te->stats();
   io::inject(io::Op::Pwrite, ENOSPC, -1);
-  auto work = te->begin_work({0}, "projection");
-  TiledEvictable::work_ready(work)->value();
-  std::exception_ptr error = te->end_work(work);
+  auto work = TiledInternals::begin_work(te, {0}, "projection");
+  work.ready()->value();
+  std::exception_ptr error = work.end();
   ASSERT_TRUE(error);
   const std::string message = message_of(error);
   EXPECT_TRUE(contains(message, "the projection failed")) << message;
@@ -88,18 +90,18 @@ TEST_F(DurabilityTest, AFailedDeferredEvictionIsReturnedByEndWorkAndChangesNothi
   EXPECT_EQ(te->stats().evictions, stats.evictions);
   EXPECT_EQ(te->stats().primary_tiles, 3);
   EXPECT_FALSE(te->has_incomplete_work());
-  EXPECT_FALSE(te->end_work(work));  // ended once: nothing again
+  EXPECT_FALSE(work.end());  // ended once: nothing again
 
   // The work failed too: its own error (and kind) is reported, naming the failed eviction.
-  auto failed = te->begin_work({0}, "operation");
-  error = te->end_work(failed, std::make_exception_ptr(ValueError("the gather failed")));
+  auto failed = TiledInternals::begin_work(te, {0}, "operation");
+  error = failed.end(std::make_exception_ptr(ValueError("the gather failed")));
   EXPECT_SW_THROW(ValueError, "the gather failed; besides, the residency policy planned the eviction of tiles (1,), (2,)",
                   std::rethrow_exception(error));
   EXPECT_TRUE(contains(message_of(error), "ENOSPC")) << message_of(error);
 
   io::clear_faults();
-  auto again = te->begin_work({0}, "projection");
-  EXPECT_FALSE(te->end_work(again));
+  auto again = TiledInternals::begin_work(te, {0}, "projection");
+  EXPECT_FALSE(again.end());
   EXPECT_EQ(locations(*te), "primary* secondary secondary ");
   EXPECT_EQ(te->stats().evictions, 2);
   const std::vector<Value> file = bulk_snapshot(*te->secondary()), values = seeded(12, 1000);
@@ -108,11 +110,11 @@ TEST_F(DurabilityTest, AFailedDeferredEvictionIsReturnedByEndWorkAndChangesNothi
 
 TEST_F(DurabilityTest, ADeferredEvictionLeavesOutTilesOtherWorkPinsOrAnotherRequestHas) {
   Tiled te = make_dirty(3, std::make_shared<EvictAfter>(std::vector<TileCoord>{{1}}));
-  auto holder = te->begin_work({1}, "projection");  // pins tile 1
-  auto work = te->begin_work({0}, "projection");
-  EXPECT_FALSE(te->end_work(work));  // tile 1 is pinned: left out, not a failure
+  auto holder = TiledInternals::begin_work(te, {1}, "projection");  // pins tile 1
+  auto work = TiledInternals::begin_work(te, {0}, "projection");
+  EXPECT_FALSE(work.end());  // tile 1 is pinned: left out, not a failure
   EXPECT_EQ(locations(*te), "primary* primary* primary* ");
-  EXPECT_FALSE(te->end_work(holder));  // its own plan evicts tile 1 now that no work pins it
+  EXPECT_FALSE(holder.end());  // its own plan evicts tile 1 now that no work pins it
   EXPECT_EQ(locations(*te), "primary* secondary primary* ");
 }
 

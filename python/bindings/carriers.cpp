@@ -6,6 +6,7 @@
 #include <chrono>
 
 #include "common.hpp"
+#include "typing.hpp"
 #include "extension.hpp"
 #include "strideweave/carriers/native.hpp"
 #include "strideweave/carriers/storage.hpp"
@@ -72,7 +73,7 @@ void bind_carriers(nb::module_& m) {
 
   m.def(
       "set_mapping_cache_limit",
-      [](nb::handle nbytes) {
+      [](nb::typed<nb::handle, int> nbytes) {
         if (!PyLong_Check(nbytes.ptr()) || PyBool_Check(nbytes.ptr()))
           sw::raise<sw::TypeError>("set_mapping_cache_limit takes an int (bytes)");
         long long n = PyLong_AsLongLong(nbytes.ptr());
@@ -90,7 +91,7 @@ void bind_carriers(nb::module_& m) {
       "resident memory. Lowering the limit unmaps the oldest cached buffers at once; 0 turns the cache off.");
   m.def(
       "set_mapping_cache_decay",
-      [](nb::handle seconds) {
+      [](nb::typed<nb::handle, float> seconds) {
         if (!(PyFloat_Check(seconds.ptr()) || PyLong_Check(seconds.ptr())) || PyBool_Check(seconds.ptr()))
           sw::raise<sw::TypeError>("set_mapping_cache_decay takes a number of seconds (int or float)");
         const double s = PyFloat_AsDouble(seconds.ptr());
@@ -118,7 +119,7 @@ void bind_carriers(nb::module_& m) {
   nb::class_<Carrier>(m, "Carrier",
                       "A flat, fixed-size array of physical slots of one storage dtype. Subclass it and register a "
                       "CarrierDefinition to add a carrier kind.")
-      .def("__init__", [](nb::handle self, nb::handle slots, nb::handle dtype, bool is_mutable) {
+      .def("__init__", [](nb::handle self, typing::Index slots, typing::Arg<sw::DType> dtype, bool is_mutable) {
         // Constructed by hand so that the provider's allocate(c, slots) can see the Python object.
         if (nb::inst_ready(self)) sw::raise<sw::RuntimeError>("Carrier.__init__ called twice");
         nb::handle cls = self.type();
@@ -143,21 +144,23 @@ void bind_carriers(nb::module_& m) {
       .def("release", [](Carrier& c) { c.release(); }, "Frees storage; idempotent. RuntimeError while owned.")
       .def("supports_storage_dtype", [](const Carrier& c, nb::handle d) {
         return c.supports_storage_dtype(to_dtype(d, "dtype must be a DType"));
-      }, nb::arg("dtype").none())  // .none(): None reaches the check and gets its message
+      }, nb::arg("dtype").none(),  // .none(): None reaches the check and gets its message
+         nb::sig("def supports_storage_dtype(self, dtype: DType) -> bool"))
       .def("__getitem__", [](const Carrier& c, nb::handle key) { return from_value(c.get(slot_index(key))); },
-           nb::arg("index").none())
+           nb::arg("index").none(), nb::sig("def __getitem__(self, index: " SW_PY_INDEX ") -> " SW_PY_VALUE))
       .def("__setitem__", [](Carrier& c, nb::handle key, nb::handle value) {
         int64_t i = slot_index(key);
         c.check_writable("write");
         c.check_index(i);
         c.set(i, to_value(value));
-      }, nb::arg("index").none(), nb::arg("value").none())
-      .def("new_like", [](const Carrier& c, nb::handle values, bool is_mutable, nb::handle dtype) {
+      }, nb::arg("index").none(), nb::arg("value").none(),
+         nb::sig("def __setitem__(self, index: " SW_PY_INDEX ", value: " SW_PY_VALUE ") -> None"))
+      .def("new_like", [](const Carrier& c, typing::Values values, bool is_mutable, typing::Arg<sw::DType> dtype) {
         const sw::DType& dt = dtype_or(dtype, c.dtype());
         std::vector<sw::Value> vals = values_of(values, dt);
         return c.new_like(vals, is_mutable, dt);
       }, nb::arg("values"), nb::kw_only(), nb::arg("mutable") = true, nb::arg("dtype") = nb::none())
-      .def("allocate_like", [](const Carrier& c, nb::handle size, bool is_mutable, nb::handle dtype, bool empty) {
+      .def("allocate_like", [](const Carrier& c, typing::Index size, bool is_mutable, typing::Arg<sw::DType> dtype, bool empty) {
         int64_t n = index_value(size, "allocate_like size");
         if (n < 0) sw::raise<sw::ValueError>("allocate_like size must be >= 0, got ", n);
         const sw::DType& dt = dtype_or(dtype, c.dtype());
@@ -165,7 +168,7 @@ void bind_carriers(nb::module_& m) {
         return c.allocate_like(n, is_mutable, dt, empty);
       }, nb::arg("size"), nb::kw_only(), nb::arg("mutable") = true, nb::arg("dtype") = nb::none(),
          nb::arg("empty") = false)
-      .def("facet", [](nb::handle self, nb::handle t) -> nb::object {
+      .def("facet", [](nb::handle self, nb::typed<nb::handle, nb::type_object> t) -> nb::object {
         if (!PyType_Check(t.ptr())) sw::raise<sw::TypeError>("facet type must be a class");
         nb::object def = definition_object(self.type());
         if (def.is_none()) return nb::none();
@@ -174,7 +177,7 @@ void bind_carriers(nb::module_& m) {
             return nb::hasattr(f, "_bind") ? f.attr("_bind")(self) : nb::borrow(f);  // per-carrier facets
         return nb::none();
       }, nb::arg("facet_type"))
-      .def("require_facet", [](nb::handle self, nb::handle t) -> nb::object {
+      .def("require_facet", [](nb::handle self, nb::typed<nb::handle, nb::type_object> t) -> nb::object {
         nb::object f = self.attr("facet")(t);
         if (f.is_none())
           sw::raise<sw::NotImplementedError>(nb::type_name(self.type()).c_str(), " has no facet of type ",
@@ -199,7 +202,7 @@ void bind_carriers(nb::module_& m) {
 
   nb::class_<sw::GenericCarrier, Carrier>(m, "Generic", nb::is_final(),
                                           "Generic(values, *, mutable=True, dtype=DType.Float32): the reference carrier.")
-      .def("__init__", [](sw::GenericCarrier* self, nb::handle values, bool is_mutable, nb::handle dtype) {
+      .def("__init__", [](sw::GenericCarrier* self, typing::Values values, bool is_mutable, typing::Arg<sw::DType> dtype) {
         const sw::DType& dt = dtype_or(dtype, sw::DType::Float32());
         if (!dt.is_storage()) sw::raise<sw::TypeError>("Generic: ", dt.name(), " is not a storage dtype");
         std::vector<sw::Value> vals = values_of(values, dt);
@@ -209,7 +212,7 @@ void bind_carriers(nb::module_& m) {
 
   nb::class_<sw::CPUCarrier, Carrier>(m, "CPU", nb::is_final(),
                                       "CPU(size, *, mutable=True, dtype=DType.Float32, empty=False): aligned host memory.")
-      .def("__init__", [](sw::CPUCarrier* self, nb::handle size, bool is_mutable, nb::handle dtype, bool empty) {
+      .def("__init__", [](sw::CPUCarrier* self, typing::Index size, bool is_mutable, typing::Arg<sw::DType> dtype, bool empty) {
         const sw::DType& dt = dtype_or(dtype, sw::DType::Float32());
         int64_t n = index_value(size, "CPU size");
         new (self) sw::CPUCarrier(n, dt, is_mutable, empty);
@@ -220,7 +223,7 @@ void bind_carriers(nb::module_& m) {
                                              "FileBacked(filename=None, *, mutable=True, dtype=DType.Float32): slots in a "
                                              "file. A mutable one opens or creates `filename`; mutable=False opens an "
                                              "existing file and creates none; no filename makes an anonymous file.")
-      .def("__init__", [](sw::FileBackedCarrier* self, nb::handle filename, bool is_mutable, nb::handle dtype) {
+      .def("__init__", [](sw::FileBackedCarrier* self, typing::Arg<typing::StrPath> filename, bool is_mutable, typing::Arg<sw::DType> dtype) {
         const sw::DType& dt = dtype_or(dtype, sw::DType::Float32());
         std::string path = filename.is_none() ? std::string() : path_of(filename);
         if (!filename.is_none() && path.empty()) sw::raise<sw::ValueError>("FileBacked filename must not be empty");
@@ -240,9 +243,9 @@ void bind_carriers(nb::module_& m) {
 
   nb::class_<sw::BlockDevice>(m, "BlockDevice",
                               "BlockDevice(path): an arena over a block device or a preallocated file (direct I/O).")
-      .def("__init__", [](sw::BlockDevice* self, nb::handle path) { new (self) sw::BlockDevice(path_of(path)); },
+      .def("__init__", [](sw::BlockDevice* self, typing::Arg<typing::StrPath> path) { new (self) sw::BlockDevice(path_of(path)); },
            nb::arg("path"))
-      .def("allocate", [](std::shared_ptr<sw::BlockDevice> d, nb::handle size, bool is_mutable, nb::handle dtype,
+      .def("allocate", [](std::shared_ptr<sw::BlockDevice> d, typing::Index size, bool is_mutable, typing::Arg<sw::DType> dtype,
                           bool empty) {
         // Taken as a shared_ptr, not a reference: the conversion links the Python-created
         // arena's enable_shared_from_this, which allocate() needs (bad_weak_ptr otherwise).
@@ -269,7 +272,7 @@ void bind_carriers(nb::module_& m) {
 
   nb::class_<sw::EvictableCarrier, sw::DependentCarrier>(m, "Evictable", nb::is_final(),
                                                          "Evictable(primary, secondary): whole-extent residency over two tiers.")
-      .def("__init__", [](sw::EvictableCarrier* self, nb::handle primary, nb::handle secondary) {
+      .def("__init__", [](sw::EvictableCarrier* self, typing::Arg<Carrier> primary, typing::Arg<Carrier> secondary) {
         if (!nb::isinstance<Carrier>(primary) || !nb::isinstance<Carrier>(secondary))
           sw::raise<sw::TypeError>("Evictable tiers must be Carrier instances");
         new (self) sw::EvictableCarrier(nb::cast<std::shared_ptr<Carrier>>(primary),

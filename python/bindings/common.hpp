@@ -6,8 +6,10 @@
 #include <nanobind/nanobind.h>
 
 #include <exception>
+#include <type_traits>
 
 #include "strideweave/dtype.hpp"
+#include "strideweave/grad_mode.hpp"
 #include "strideweave/layout.hpp"
 
 namespace nb = nanobind;
@@ -71,6 +73,21 @@ class GilAcquire {
  private:
   PyGILState_STATE state_;
 };
+
+// Note [Calling into Python from engine threads]. The engine calls user code (a storage provider, a transfer
+// provider, a residency policy) from whichever thread runs the work: an I/O pool thread, a thread waiting on a
+// handle, the caller's own thread. Every such call goes through call_into_python: it takes the GIL (GilAcquire,
+// so it fails with RuntimeError instead of the process once the interpreter finalizes) and runs the callback with
+// grad mode off (a callback's tensor operations are the engine's internals, never recorded: docs/guide.md,
+// "Adding a carrier kind"). `f` returns a C++ value: a Python object must not outlive the GIL held here.
+template <class F>
+decltype(auto) call_into_python(F&& f) {
+  static_assert(!std::is_base_of_v<nb::handle, std::decay_t<std::invoke_result_t<F&>>>,
+                "call_into_python returns C++ values; a Python object would be dropped without the GIL");
+  GilAcquire gil;
+  sw::GradModeGuard off(false);
+  return f();
+}
 
 // A Python object that may be dropped from any thread: the GIL is taken to release it (during
 // interpreter finalization a library thread leaks it instead: Note [Threads at interpreter exit]).

@@ -6,6 +6,7 @@
 
 #include "common.hpp"
 #include "completion_py.hpp"
+#include "typing.hpp"
 #include "strideweave/errors.hpp"
 #include "strideweave/move.hpp"
 
@@ -104,7 +105,10 @@ void bind_completion(nb::module_& m) {
                                      "AwaitResult[Tensor] of move_async and scatter.")
       .def("__init__", [](AwaitMove*, nb::args, nb::kwargs) {
         sw::raise<sw::TypeError>("AwaitMove handles are created by the framework, not constructed directly");
-      });
+      })
+      // The same wait, declared again only so that its signature names the result (a Tensor).
+      .def("wait", &AwaitHandle::wait_py, nb::sig("def wait(self) -> Tensor"),
+           "Blocks until terminal (interruptibly, without the GIL); returns the moved Tensor or raises the failure.");
 
   m.def("move_async", [](nb::handle tensor, nb::handle destination) {
     if (!nb::isinstance<sw::TensorImpl>(tensor))
@@ -118,6 +122,7 @@ void bind_completion(nb::module_& m) {
     h->result = [c]() { return nb::cast(c->value()); };
     return nb::cast(h, nb::rv_policy::take_ownership);
   }, nb::arg("tensor").none(), nb::arg("destination").none(),
+     nb::sig("def move_async(tensor: Tensor, destination: Carrier) -> AwaitMove"),
      "Moves a tensor's values to `destination` asynchronously; returns an AwaitMove.");
 }
 

@@ -1,6 +1,6 @@
 // User-defined carrier kinds: the registry of definitions, and the C++
 // interfaces implemented over the user's Python callables. Every callback
-// takes the GIL and runs with autograd disabled.
+// goes through call_into_python: Note [Calling into Python from engine threads] (common.hpp).
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 
@@ -13,7 +13,6 @@
 #include "strideweave/carriers/native.hpp"
 #include "strideweave/carriers/storage.hpp"
 #include "strideweave/errors.hpp"
-#include "strideweave/grad_mode.hpp"
 #include "strideweave/io.hpp"
 #include "strideweave/move.hpp"
 #include "strideweave/tiled/tiled_evictable.hpp"
@@ -39,37 +38,29 @@ class PyStorageProvider final : public sw::StorageProvider {
     elementwise_fallback = nb::cast<bool>(storage_.obj.attr("elementwise_fallback"));
   }
   bool supports_dtype(const sw::Carrier& c, const sw::DType& d) override {
-    GilAcquire gil;
-    sw::GradModeGuard off(false);
-    nb::object r = storage_.obj.attr("supports_dtype")(self_of(c), nb::cast(&d, nb::rv_policy::reference));
-    return PyObject_IsTrue(r.ptr()) == 1;
+    return call_into_python([&] {
+      nb::object r = storage_.obj.attr("supports_dtype")(self_of(c), nb::cast(&d, nb::rv_policy::reference));
+      return PyObject_IsTrue(r.ptr()) == 1;
+    });
   }
   int64_t physical_size(const sw::Carrier& c) override {
-    GilAcquire gil;
-    sw::GradModeGuard off(false);
-    nb::object r = storage_.obj.attr("physical_size")(self_of(c));
-    if (!is_index(r)) sw::raise<sw::TypeError>("StorageProvider.physical_size must return an int");
-    return index_value(r, "physical_size");
+    return call_into_python([&] {
+      nb::object r = storage_.obj.attr("physical_size")(self_of(c));
+      if (!is_index(r)) sw::raise<sw::TypeError>("StorageProvider.physical_size must return an int");
+      return index_value(r, "physical_size");
+    });
   }
   void allocate(sw::Carrier& c, int64_t slots) override {
-    GilAcquire gil;
-    sw::GradModeGuard off(false);
-    storage_.obj.attr("allocate")(self_of(c), slots);
+    call_into_python([&] { storage_.obj.attr("allocate")(self_of(c), slots); });
   }
   void release(sw::Carrier& c) override {
-    GilAcquire gil;
-    sw::GradModeGuard off(false);
-    storage_.obj.attr("release")(self_of(c));
+    call_into_python([&] { storage_.obj.attr("release")(self_of(c)); });
   }
   sw::Value read(const sw::Carrier& c, int64_t slot) override {
-    GilAcquire gil;
-    sw::GradModeGuard off(false);
-    return to_value(storage_.obj.attr("read")(self_of(c), slot));
+    return call_into_python([&] { return to_value(storage_.obj.attr("read")(self_of(c), slot)); });
   }
   void write(sw::Carrier& c, int64_t slot, const sw::Value& v) override {
-    GilAcquire gil;
-    sw::GradModeGuard off(false);
-    storage_.obj.attr("write")(self_of(c), slot, from_value(v));
+    call_into_python([&] { storage_.obj.attr("write")(self_of(c), slot, from_value(v)); });
   }
   sw::CarrierPtr construct(int64_t slots, const sw::DType& d, bool is_mutable) override {
     GilAcquire gil;
@@ -88,8 +79,12 @@ class PyRoute final : public sw::TransferRoute {
   explicit PyRoute(nb::object provider) : provider_(std::make_shared<GilObject>(std::move(provider))) {}
 
   Submit prepare(const sw::TransferRequest& r, std::string& unsupported) override {
-    GilAcquire gil;
-    sw::GradModeGuard off(false);
+    return call_into_python([&] { return prepare_locked(r, unsupported); });
+  }
+
+ private:
+  // prepare, inside call_into_python.
+  Submit prepare_locked(const sw::TransferRequest& r, std::string& unsupported) {
     nb::module_ ext = nb::module_::import_("strideweave.carriers.extension");
     nb::object tensor = nb::cast(r.tensor);
     nb::object dest = nb::cast(r.destination);
@@ -110,25 +105,24 @@ class PyRoute final : public sw::TransferRoute {
     // The engine keeps the returned function (and so the PreparedTransfer) until the move is terminal.
     auto held_prepared = std::make_shared<GilObject>(std::move(prepared));
     return [held_prepared]() -> Waiter {
-      GilAcquire gil;
-      sw::GradModeGuard off(false);
-      nb::object pending = held_prepared->obj.attr("submit")();
-      if (pending.is_none()) return {};
-      if (!nb::hasattr(pending, "wait") || !nb::hasattr(pending, "done"))
-        sw::raise<sw::TypeError>("PreparedTransfer.submit must return None or an object with done and wait()");
-      auto held = std::make_shared<GilObject>(std::move(pending));
-      return [held]() {
-        GilAcquire gil;
-        sw::GradModeGuard off(false);
-        nb::object r = held->obj.attr("wait")();
-        if (!r.is_none())
-          sw::raise<sw::TypeError>("a transfer completion's wait() must return None, got ",
-                                   nb::type_name(r.type()).c_str(), " (the move fails; its carriers are as before)");
-      };
+      return call_into_python([&]() -> Waiter {
+        nb::object pending = held_prepared->obj.attr("submit")();
+        if (pending.is_none()) return {};
+        if (!nb::hasattr(pending, "wait") || !nb::hasattr(pending, "done"))
+          sw::raise<sw::TypeError>("PreparedTransfer.submit must return None or an object with done and wait()");
+        auto held = std::make_shared<GilObject>(std::move(pending));
+        return [held]() {
+          call_into_python([&] {
+            nb::object r = held->obj.attr("wait")();
+            if (!r.is_none())
+              sw::raise<sw::TypeError>("a transfer completion's wait() must return None, got ",
+                                       nb::type_name(r.type()).c_str(), " (the move fails; its carriers are as before)");
+          });
+        };
+      });
     };
   }
 
- private:
   static nb::object self_type(const sw::Carrier& c) { return nb::borrow(py_carrier(c).type()); }
   std::shared_ptr<GilObject> provider_;
 };
@@ -203,6 +197,9 @@ nb::object class_of_kind(const sw::CarrierKind* kind) {
   return nb::none();
 }
 
+// The module of the definition values, for the stub signatures below.
+#define EXT "strideweave.carriers.extension"
+
 void bind_extension(nb::module_& m) {
   m.def("_register_definition", [](nb::handle cls, nb::handle definition) {
     nb::handle carrier_type = nb::type<sw::Carrier>();
@@ -260,7 +257,8 @@ void bind_extension(nb::module_& m) {
     }
     for (PendingRoute& r : now)
       sw::register_route(r.source, r.destination, std::make_shared<PyRoute>(std::move(r.provider)));
-  }, nb::arg("cls").none(), nb::arg("definition").none());
+  }, nb::arg("cls").none(), nb::arg("definition").none(),
+     nb::sig("def _register_definition(cls: type[Carrier], definition: " EXT ".CarrierDefinition) -> None"));
 
   // Test-only fault injection at the system-call sites of file-backed storage.
   m.def("_io_inject", [](const std::string& op, int error, int count, int after) {
@@ -298,9 +296,10 @@ void bind_extension(nb::module_& m) {
       sw::raise<sw::TypeError>("_gc_clear takes a TiledEvictable or an AwaitResult, got ", nb::type_name(obj.type()).c_str());
     auto clear = reinterpret_cast<inquiry>(PyType_GetSlot(reinterpret_cast<PyTypeObject*>(obj.type().ptr()), Py_tp_clear));
     if (clear) clear(obj.ptr());
-  }, nb::arg("obj"));
+  }, nb::arg("obj"), nb::sig("def _gc_clear(obj: TiledEvictable | AwaitResult) -> None"));
 
-  m.def("_definition_of", [](nb::handle cls) -> nb::object { return definition_object(cls); });
+  m.def("_definition_of", [](nb::handle cls) -> nb::object { return definition_object(cls); }, nb::arg("cls"),
+        nb::sig("def _definition_of(cls: type) -> " EXT ".CarrierDefinition | None"));
   m.def("_install_shipped_definition", [](nb::handle cls, nb::handle definition) {
     if (!kind_of_class(cls) || find_definition(cls))
       sw::raise<sw::TypeError>("_install_shipped_definition takes a shipped carrier class");
@@ -308,7 +307,10 @@ void bind_extension(nb::module_& m) {
     if (g_shipped.count(cls.ptr())) sw::raise<sw::ValueError>("a definition is already installed for this class");
     cls.inc_ref();
     g_shipped.emplace(cls.ptr(), nb::borrow(definition));
-  });
+  }, nb::arg("cls"), nb::arg("definition"),
+     nb::sig("def _install_shipped_definition(cls: type[Carrier], definition: " EXT ".CarrierDefinition) -> None"));
 }
+
+#undef EXT
 
 }  // namespace swpy

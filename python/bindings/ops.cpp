@@ -70,19 +70,56 @@ TensorPtr unary(OpId id, nb::handle a) {
   return run_op(id, ops);
 }
 
-TensorPtr reduce_sum(nb::handle t, nb::handle description, nb::handle acc) {
-  Operand ops[1] = {operand(t, "reduce_sum", false)};
+// An operation with options: one operand and a description (reduce_sum), or two operands (matmul); the
+// accumulator dtype where the row takes one.
+TensorPtr with_options(OpId id, nb::handle a, nb::handle b, nb::handle description, nb::handle acc) {
+  const sw::OpDef& d = sw::op_def(id);
+  Operand ops[2];
+  for (int i = 0; i < d.arity; ++i) ops[i] = operand(i == 0 ? a : b, d.name, d.weak_scalars);
   sw::OpOptions o;
-  o.description = description_of(description);
-  o.accumulate_f64 = f64_option(acc);
-  return run_op(OpId::ReduceSum, ops, o);
+  if (d.takes_description()) o.description = description_of(description);
+  if (d.takes_accumulator()) o.accumulate_f64 = f64_option(acc);
+  return run_op(id, std::span<const Operand>(ops, static_cast<size_t>(d.arity)), o);
 }
 
-TensorPtr matmul(nb::handle a, nb::handle b, nb::handle acc) {
-  Operand ops[2] = {operand(a, "matmul", false), operand(b, "matmul", false)};
-  sw::OpOptions o;
-  o.accumulate_f64 = f64_option(acc);
-  return run_op(OpId::Matmul, ops, o);
+TensorPtr matmul(nb::handle a, nb::handle b, nb::handle acc) { return with_options(OpId::Matmul, a, b, {}, acc); }
+
+// The Python type of an operand: a Tensor, or also a number where the row takes weak scalars.
+std::string operand_type(const sw::OpDef& d) {
+  return d.weak_scalars ? "strideweave._core.Tensor | int | float" : "strideweave._core.Tensor";
+}
+
+// The typed signature of an operation's module function, for help() and the .pyi stubs.
+std::string signature_of(const sw::OpDef& d) {
+  std::string s = std::string("def ") + d.name + "(";
+  for (int i = 0; i < d.arity; ++i) s += std::string(i ? ", " : "") + d.operand_names[i] + ": " + operand_type(d);
+  if (d.takes_description()) s += ", description: str | None = None";
+  if (d.takes_accumulator()) s += ", *, accumulator_dtype: strideweave._core.DType | None = None";
+  return s + ") -> strideweave._core.Tensor";
+}
+
+// Binds one row of the operation table as a module function: sw.<name>(operands..., options...).
+void bind_op(nb::module_& m, const sw::OpDef& d) {
+  const OpId id = d.id;
+  const std::string sig = signature_of(d);
+  if (!d.takes_description() && !d.takes_accumulator()) {
+    if (d.arity == 1)
+      m.def(d.name, [id](nb::handle t) { return unary(id, t); }, nb::arg(d.operand_names[0]), nb::sig(sig.c_str()));
+    else
+      m.def(d.name, [id](nb::handle a, nb::handle b) { return binary(id, a, b); }, nb::arg(d.operand_names[0]),
+            nb::arg(d.operand_names[1]), nb::sig(sig.c_str()));
+  } else if (d.arity == 1 && d.takes_description() && d.takes_accumulator()) {
+    m.def(d.name,
+          [id](nb::handle t, nb::handle description, nb::handle acc) { return with_options(id, t, {}, description, acc); },
+          nb::arg(d.operand_names[0]), nb::arg("description") = nb::none(), nb::kw_only(),
+          nb::arg("accumulator_dtype") = nb::none(), nb::sig(sig.c_str()));
+  } else if (d.arity == 2 && !d.takes_description() && d.takes_accumulator()) {
+    m.def(d.name, [id](nb::handle a, nb::handle b, nb::handle acc) { return with_options(id, a, b, {}, acc); },
+          nb::arg(d.operand_names[0]), nb::arg(d.operand_names[1]), nb::kw_only(),
+          nb::arg("accumulator_dtype") = nb::none(), nb::sig(sig.c_str()));
+  } else {
+    sw::raise<sw::RuntimeError>("bind_op: no binding for the operands and options of '", d.name, "'");
+  }
 }
 
 // The object returned by dispatch_op(name).
@@ -102,18 +139,7 @@ void check_grad_capable(const sw::TensorImpl& t, const char* what) {
 
 void bind_ops(nb::module_& m) {
   sw::install_autograd_hooks();
-  m.def("add", [](nb::handle a, nb::handle b) { return binary(OpId::Add, a, b); }, nb::arg("a"), nb::arg("b"));
-  m.def("elementwise_mul", [](nb::handle a, nb::handle b) { return binary(OpId::ElementwiseMul, a, b); },
-        nb::arg("a"), nb::arg("b"));
-  m.def("mul", [](nb::handle a, nb::handle b) { return binary(OpId::Mul, a, b); }, nb::arg("a"), nb::arg("b"));
-  m.def("sub", [](nb::handle a, nb::handle b) { return binary(OpId::Sub, a, b); }, nb::arg("a"), nb::arg("b"));
-  m.def("div", [](nb::handle a, nb::handle b) { return binary(OpId::Div, a, b); }, nb::arg("a"), nb::arg("b"));
-  m.def("relu", [](nb::handle t) { return unary(OpId::Relu, t); }, nb::arg("t"));
-  m.def("neg", [](nb::handle t) { return unary(OpId::Neg, t); }, nb::arg("t"));
-  m.def("exp", [](nb::handle t) { return unary(OpId::Exp, t); }, nb::arg("t"));
-  m.def("reduce_sum", &reduce_sum, nb::arg("t"), nb::arg("description") = nb::none(), nb::kw_only(),
-        nb::arg("accumulator_dtype") = nb::none());
-  m.def("matmul", &matmul, nb::arg("lhs"), nb::arg("rhs"), nb::kw_only(), nb::arg("accumulator_dtype") = nb::none());
+  for (const sw::OpDef& d : sw::op_table()) bind_op(m, d);
 
   m.def("is_grad_enabled", &sw::is_grad_enabled);
   m.def("set_grad_enabled", [](nb::handle flag) {
@@ -141,8 +167,8 @@ void bind_ops(nb::module_& m) {
       .def("forward", [](const Operation& o, nb::args args, nb::kwargs kw) -> TensorPtr {
         // Mirrors the module function: forward(*args, **kwargs) == sw.<name>(*args, **kwargs).
         const sw::OpDef& d = sw::op_def(o.id);
-        const bool has_description = o.id == OpId::ReduceSum;
-        const bool has_accumulator = o.id == OpId::ReduceSum || o.id == OpId::Matmul;
+        const bool has_description = d.takes_description();
+        const bool has_accumulator = d.takes_accumulator();
         nb::handle acc = nb::none(), desc = nb::none();
         for (auto [key, value] : kw) {
           std::string k = nb::cast<std::string>(key);
@@ -152,9 +178,9 @@ void bind_ops(nb::module_& m) {
         }
         size_t n = args.size();
         // reduce_sum(t, description): the description is not an operand.
-        if (has_description && n == 2) {
+        if (has_description && n == static_cast<size_t>(d.arity) + 1) {
           if (kw.contains("description"))
-            sw::raise<sw::TypeError>("reduce_sum.forward() got multiple values for argument 'description'");
+            sw::raise<sw::TypeError>(d.name, ".forward() got multiple values for argument 'description'");
           desc = args[1];
           n = 1;
         }
@@ -245,12 +271,15 @@ namespace swpy {
 
 void bind_tensor_operators(nb::module_& m) {
   nb::handle tensor = nb::type<sw::TensorImpl>();
+  // Operators with typed signatures: the operand type is the row's (a number too where it takes weak scalars).
   auto op2 = [&](const char* name, OpId id, bool reflected) {
+    const std::string sig = std::string("def ") + name + "(self, other: " + operand_type(sw::op_def(id)) +
+                            ") -> strideweave._core.Tensor";
     tensor.attr(name) = nb::cpp_function(
         [id, reflected](nb::handle self, nb::handle other) {
           return reflected ? binary(id, other, self) : binary(id, self, other);
         },
-        nb::is_method(), nb::arg("other"));
+        nb::is_method(), nb::arg("other"), nb::sig(sig.c_str()));
   };
   op2("__add__", OpId::Add, false);
   op2("__mul__", OpId::Mul, false);
@@ -259,8 +288,9 @@ void bind_tensor_operators(nb::module_& m) {
   op2("__truediv__", OpId::Div, false);
   tensor.attr("__matmul__") = nb::cpp_function(
       [](nb::handle self, nb::handle other) { return matmul(self, other, nb::none()); }, nb::is_method(),
-      nb::arg("other"));
-  tensor.attr("__neg__") = nb::cpp_function([](nb::handle self) { return unary(OpId::Neg, self); }, nb::is_method());
+      nb::arg("other"), nb::sig("def __matmul__(self, other: strideweave._core.Tensor) -> strideweave._core.Tensor"));
+  tensor.attr("__neg__") = nb::cpp_function([](nb::handle self) { return unary(OpId::Neg, self); }, nb::is_method(),
+                                            nb::sig("def __neg__(self) -> strideweave._core.Tensor"));
 }
 
 }  // namespace swpy

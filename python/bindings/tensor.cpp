@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "common.hpp"
+#include "typing.hpp"
 #include "extension.hpp"
 #include "strideweave/carriers/native.hpp"
 #include "strideweave/errors.hpp"
@@ -106,7 +107,8 @@ void bind_tensor(nb::module_& m) {
           sw::raise<sw::TypeError>("Tensor layout must be a Layout, got ", nb::type_name(layout.type()).c_str());
         int64_t off = index_value(offset, "Tensor offset");
         new (self) TensorImpl(nb::cast<std::shared_ptr<sw::Carrier>>(carrier), off, nb::cast<sw::Layout>(layout));
-      }, nb::arg("carrier").none(), nb::arg("offset").none(), nb::arg("layout").none())
+      }, nb::arg("carrier").none(), nb::arg("offset").none(), nb::arg("layout").none(),
+         nb::sig("def __init__(self, carrier: Carrier, offset: " SW_PY_INDEX ", layout: Layout) -> None"))
       .def_prop_ro("carrier", [](const TensorImpl& t) { return t.carrier; })
       .def_prop_ro("offset", [](const TensorImpl& t) { return t.offset; })
       .def_prop_ro("layout", [](const TensorImpl& t) { return t.layout; })
@@ -117,13 +119,17 @@ void bind_tensor(nb::module_& m) {
       .def("is_mutable", &TensorImpl::is_mutable)
       .def("is_differentiable", &TensorImpl::is_differentiable)
       .def_prop_rw("grad",
-                   [](const TensorImpl& t) {
+                   [](const TensorImpl& t) -> typing::Result<TensorImpl, std::nullptr_t> {
                      if (!t.is_differentiable())
                        sw::raise<sw::RuntimeError>(t.dtype().name(), " tensor is not differentiable; it has no grad");
-                     std::lock_guard lock(t.mutex);
-                     return t.grad;
+                     TensorPtr grad;
+                     {
+                       std::lock_guard lock(t.mutex);
+                       grad = t.grad;
+                     }
+                     return nb::cast(grad);  // None when there is none
                    },
-                   [](TensorImpl& t, nb::handle g) {
+                   [](TensorImpl& t, typing::Arg<TensorImpl> g) {
                      if (!t.is_differentiable())
                        sw::raise<sw::RuntimeError>(t.dtype().name(), " tensor is not differentiable; it has no grad");
                      TensorPtr value;
@@ -139,11 +145,12 @@ void bind_tensor(nb::module_& m) {
                    },
                    nb::arg("value").none())
       .def("__getitem__", [](const TensorImpl& t, nb::handle key) { return from_value(t.get(parse_coord(key))); },
-           nb::arg("key").none())
+           nb::arg("key").none(), nb::sig("def __getitem__(self, key: " SW_PY_KEY ") -> " SW_PY_VALUE))
       .def("__setitem__", [](TensorImpl& t, nb::handle key, nb::handle value) {
         t.carrier->check_writable("write a tensor element");
         t.set(parse_coord(key), to_value(value));
-      }, nb::arg("key").none(), nb::arg("value").none())
+      }, nb::arg("key").none(), nb::arg("value").none(),
+         nb::sig("def __setitem__(self, key: " SW_PY_KEY ", value: " SW_PY_VALUE ") -> None"))
       .def("__array__", [](nb::handle self, nb::handle dtype, nb::handle copy) {
         nb::object arr = to_numpy(self);
         if (!dtype.is_none()) arr = arr.attr("astype")(dtype);

@@ -9,8 +9,8 @@
 #include "completion_py.hpp"
 #include "extension.hpp"
 #include "strideweave/errors.hpp"
-#include "strideweave/grad_mode.hpp"
 #include "strideweave/tiled/data.hpp"
+#include "strideweave/tiled/tile_set.hpp"
 #include "strideweave/tiled/tiled_evictable.hpp"
 
 namespace swpy {
@@ -25,7 +25,24 @@ struct AwaitProjection : AwaitHandle {};
 
 nb::module_ tiled_module() { return nb::module_::import_("strideweave.carriers.tiled_evictable"); }
 
-// Note [Dirty tiles are never discarded silently] (tiled_evictable.cpp): the engine decides and counts; these
+// A class of strideweave.carriers.tiled_evictable, looked up on first use with the GIL held and kept for the
+// process (as the definition registry keeps its classes). No C++ static guard: a lookup that let another thread
+// take the GIL must not leave that thread waiting on the guard while it holds the GIL; two lookups racing store the
+// same class.
+nb::handle tiled_class(PyObject*& slot, const char* name) {
+  if (!slot) slot = nb::object(tiled_module().attr(name)).release().ptr();
+  return slot;
+}
+PyObject* g_tile_set = nullptr;
+PyObject* g_tile_selection = nullptr;
+PyObject* g_residency_plan = nullptr;
+nb::handle tile_set_class() { return tiled_class(g_tile_set, "TileSet"); }
+nb::handle tile_selection_class() { return tiled_class(g_tile_selection, "TileSelection"); }
+nb::handle residency_plan_class() { return tiled_class(g_residency_plan, "ResidencyPlan"); }
+
+std::string class_name(nb::handle h) { return nb::cast<std::string>(h.type().attr("__name__")); }
+
+// Note [Dirty tiles are never discarded silently] (cpp/src/tiled/durability.cpp): the engine decides and counts; these
 // emit. From a destructor: the Python object's deallocation, with the GIL held, for every carrier made in Python
 // (a carrier made in C++ has an anonymous secondary and never reports). A collection may run while an exception
 // propagates, so the error indicator is kept; a filter that turns the warning into an error makes it unraisable,
@@ -56,18 +73,159 @@ void report_discard(const std::string& warning) noexcept {
   }
 }
 
-// The core's coordinates are valid, of one rank and distinct: sorted into TileSet's order (first axis fastest)
-// they skip the constructor's per-coordinate checks.
-nb::object tile_set_of(const std::vector<TileCoord>& coords) {
-  std::vector<const TileCoord*> order;
-  order.reserve(coords.size());
-  for (const auto& c : coords) order.push_back(&c);
-  std::sort(order.begin(), order.end(), [](const TileCoord* a, const TileCoord* b) {
-    return std::lexicographical_compare(a->rbegin(), a->rend(), b->rbegin(), b->rend());
-  });
-  nb::list items;
-  for (const TileCoord* c : order) items.append(nb::tuple(nb::cast(*c)));
-  return tiled_module().attr("TileSet").attr("_from_canonical")(nb::tuple(items));
+// The tuple (item(0), ..., item(n - 1)); item returns a new nb::object.
+template <class F>
+nb::tuple tuple_of_n(size_t n, F&& item) {
+  nb::object t = nb::steal(PyTuple_New(static_cast<Py_ssize_t>(n)));
+  if (!t.is_valid()) throw nb::python_error();
+  for (size_t k = 0; k < n; ++k) PyTuple_SET_ITEM(t.ptr(), static_cast<Py_ssize_t>(k), item(k).release().ptr());
+  return nb::borrow<nb::tuple>(t);
+}
+
+nb::tuple int_tuple(const std::vector<int64_t>& values) {
+  return tuple_of_n(values.size(), [&](size_t k) { return nb::int_(values[k]); });
+}
+
+// The TileSet of canonical coordinates (Note [Canonical tile order], tile_set.hpp): valid, of one rank, distinct
+// and sorted, so the constructor's checks are skipped.
+nb::object canonical_tile_set(nb::handle coordinates) {
+  return tile_set_class().attr("_from_canonical")(coordinates);
+}
+
+// The core's coordinates are valid, of one rank and distinct: sorted into canonical order.
+nb::object tile_set_of(std::vector<TileCoord> coords) {
+  std::sort(coords.begin(), coords.end(), sw::tile_order_less);
+  return canonical_tile_set(tuple_of_n(coords.size(), [&](size_t k) { return int_tuple(coords[k]); }));
+}
+
+// Note [Tile components beyond int64]. TileSet and TileSelection take any non-negative int as Python does; one
+// beyond int64 is out of every grid, and using it raises ValueError ("out of range") where the tiles are bound to a
+// grid, as for any other coordinate out of the grid. The checks and the canonical order (tile_set.hpp) run over
+// int64 keys that compare as the ints do: the values themselves, or, when some component is beyond int64, each
+// value's ordinal among the distinct values read (values below zero get negative ordinals); the ints are kept to
+// give results and messages their values back.
+class TileEntries {
+ public:
+  // Reads an iterable of iterables of ints with the messages of the Python classes: `what` names the whole
+  // ("TileSet coordinates"), `rule` the components ("components").
+  TileEntries(nb::handle value, const char* what, const char* rule) {
+    nb::tuple entries = finite_tuple(value, what, kWhole);
+    const size_t n = nb::len(entries);
+    entries_.reserve(n);
+    keys_.resize(n);
+    bool wide = false;
+    for (size_t i = 0; i < n; ++i) {
+      entries_.push_back(finite_tuple(PyTuple_GET_ITEM(entries.ptr(), static_cast<Py_ssize_t>(i)), what, i));
+      const nb::tuple& entry = entries_.back();
+      const size_t rank = nb::len(entry);
+      keys_[i].resize(rank);
+      for (size_t j = 0; j < rank; ++j) {
+        nb::object v = component(PyTuple_GET_ITEM(entry.ptr(), static_cast<Py_ssize_t>(j)), what, i, j, rule);
+        int overflow = 0;
+        keys_[i][j] = PyLong_AsLongLongAndOverflow(v.ptr(), &overflow);
+        wide = wide || overflow != 0;
+      }
+    }
+    if (wide) rank_wide_values(what, rule);
+  }
+
+  const std::vector<std::vector<int64_t>>& keys() const { return keys_; }
+  // Names entry i in a message as Python writes it; only needed for ordinal keys.
+  sw::TileDescriber describer() const {
+    if (wide_.empty()) return {};
+    return [this](size_t i) {
+      const auto& values = objects_[i];
+      return std::string(nb::repr(tuple_of_n(values.size(), [&](size_t k) { return values[k]; })).c_str());
+    };
+  }
+  // The ints of keys, as a tuple.
+  nb::tuple tuple_of(const std::vector<int64_t>& keys) const {
+    if (wide_.empty()) return int_tuple(keys);
+    return tuple_of_n(keys.size(), [&](size_t k) { return wide_[static_cast<size_t>(keys[k] + negatives_)]; });
+  }
+  nb::tuple tuple_of(const std::vector<std::vector<int64_t>>& entries) const {
+    return tuple_of_n(entries.size(), [&](size_t k) { return tuple_of(entries[k]); });
+  }
+
+ private:
+  static constexpr size_t kWhole = static_cast<size_t>(-1);
+
+  // `value` as a tuple when it is a finite iterable (not a str or bytes); TypeError naming `what` (or its entry
+  // `index`) otherwise.
+  static nb::tuple finite_tuple(nb::handle value, const char* what, size_t index) {
+    if (PyTuple_CheckExact(value.ptr())) return nb::borrow<nb::tuple>(value);
+    if (!PyList_CheckExact(value.ptr())) {
+      static PyObject* iterable = nullptr;  // kept for the process; set with the GIL held, as tiled_class
+      if (!iterable) iterable = nb::object(nb::module_::import_("collections.abc").attr("Iterable")).release().ptr();
+      const int is_iterable = PyObject_IsInstance(value.ptr(), iterable);
+      if (is_iterable < 0) throw nb::python_error();
+      if (PyUnicode_Check(value.ptr()) || PyBytes_Check(value.ptr()) || !is_iterable)
+        sw::raise<sw::TypeError>(what, index == kWhole ? "" : "[" + std::to_string(index) + "]",
+                                 " must be a finite iterable, got ", class_name(value));
+    }
+    nb::object t = nb::steal(PySequence_Tuple(value.ptr()));
+    if (!t.is_valid()) throw nb::python_error();
+    return nb::borrow<nb::tuple>(t);
+  }
+  // One component as an int: anything with __index__ but a bool.
+  static nb::object component(nb::handle v, const char* what, size_t i, size_t j, const char* rule) {
+    if (PyLong_CheckExact(v.ptr())) return nb::borrow(v);
+    if (PyBool_Check(v.ptr()) || !PyObject_HasAttrString(v.ptr(), "__index__"))
+      sw::raise<sw::TypeError>(what, "[", i, "][", j, "]: ", rule, " must be integers, got ", class_name(v));
+    nb::object index = nb::steal(PyNumber_Index(v.ptr()));
+    if (!index.is_valid()) throw nb::python_error();
+    if (PyLong_CheckExact(index.ptr())) return index;
+    nb::object exact = nb::steal(PyNumber_Long(index.ptr()));
+    if (!exact.is_valid()) throw nb::python_error();
+    return exact;
+  }
+  // Note [Tile components beyond int64]: keys become ordinals.
+  void rank_wide_values(const char* what, const char* rule) {
+    auto less = [](const nb::object& a, const nb::object& b) {
+      return PyObject_RichCompareBool(a.ptr(), b.ptr(), Py_LT) == 1;  // ints: never fails
+    };
+    objects_.resize(entries_.size());
+    for (size_t i = 0; i < entries_.size(); ++i)
+      for (size_t j = 0; j < nb::len(entries_[i]); ++j)
+        objects_[i].push_back(component(entries_[i][j], what, i, j, rule));  // read before: cannot fail
+    for (const auto& entry : objects_) wide_.insert(wide_.end(), entry.begin(), entry.end());
+    std::sort(wide_.begin(), wide_.end(), less);
+    wide_.erase(std::unique(wide_.begin(), wide_.end(), [&](const nb::object& a, const nb::object& b) {
+      return !less(a, b) && !less(b, a);
+    }), wide_.end());
+    nb::int_ zero(0);
+    negatives_ = std::lower_bound(wide_.begin(), wide_.end(), zero, less) - wide_.begin();
+    for (size_t i = 0; i < objects_.size(); ++i)
+      for (size_t j = 0; j < objects_[i].size(); ++j)
+        keys_[i][j] = (std::lower_bound(wide_.begin(), wide_.end(), objects_[i][j], less) - wide_.begin()) - negatives_;
+  }
+
+  std::vector<nb::tuple> entries_;                // each entry as read
+  std::vector<std::vector<int64_t>> keys_;
+  std::vector<std::vector<nb::object>> objects_;  // each component as an int, when one is beyond int64
+  std::vector<nb::object> wide_;  // the distinct values, ascending, when one is beyond int64
+  int64_t negatives_ = 0;         // how many of wide_ are below zero
+};
+
+// TileSet(coordinates): the coordinates checked and in canonical order.
+nb::tuple tile_set_coordinates(nb::handle coordinates) {
+  TileEntries entries(coordinates, "TileSet coordinates", "components");
+  std::vector<TileCoord> tiles = entries.keys();
+  sw::canonicalize_tiles(tiles, entries.describer());
+  return entries.tuple_of(tiles);
+}
+
+// TileSelection(per_axis): the axes checked, as a tuple of tuples of ints.
+nb::tuple selection_axes(nb::handle per_axis) {
+  TileEntries axes(per_axis, "TileSelection per_axis", "tile coordinates");
+  sw::check_selection_axes(axes.keys(), axes.describer());
+  return axes.tuple_of(axes.keys());
+}
+
+// A TileSelection's coordinates (compact order) or tile set (canonical order), from its checked axes.
+nb::tuple selection_coordinates(nb::handle per_axis, bool canonical) {
+  TileEntries axes(per_axis, "TileSelection per_axis", "tile coordinates");
+  return axes.tuple_of(sw::selection_tiles(axes.keys(), canonical));
 }
 
 // Components beyond int64 are out of every grid: ValueError, as for any out-of-range coordinate.
@@ -110,20 +268,18 @@ class PyPolicy final : public sw::ResidencyPolicy {
  public:
   explicit PyPolicy(nb::object policy) : policy_(std::move(policy)) {}
   sw::ResidencyPlan plan(const std::vector<TileCoord>& required, const char* purpose) override {
-    GilAcquire gil;
-    sw::GradModeGuard off(false);
-    nb::object policy = policy_.obj;  // our own reference for the call: Note [Policy reference cycles]
-    if (!policy.is_valid()) return {};  // cleared by the garbage collector: no policy
-    nb::module_ mod = tiled_module();
-    nb::object result = policy.attr("plan")(tile_set_of(required), purpose);
-    if (!nb::isinstance(result, mod.attr("ResidencyPlan")))
-      sw::raise<sw::TypeError>("ResidencyPolicy.plan must return a ResidencyPlan, got ",
-                               nb::cast<std::string>(result.type().attr("__name__")));
-    sw::ResidencyPlan plan;
-    plan.promote = coords_of(result.attr("promote"));
-    plan.retain = coords_of(result.attr("retain"));
-    plan.evict = coords_of(result.attr("evict"));
-    return plan;
+    return call_into_python([&]() -> sw::ResidencyPlan {
+      nb::object policy = policy_.obj;  // our own reference for the call: Note [Policy reference cycles]
+      if (!policy.is_valid()) return {};  // cleared by the garbage collector: no policy
+      nb::object result = policy.attr("plan")(tile_set_of(required), purpose);
+      if (!nb::isinstance(result, residency_plan_class()))
+        sw::raise<sw::TypeError>("ResidencyPolicy.plan must return a ResidencyPlan, got ", class_name(result));
+      sw::ResidencyPlan plan;
+      plan.promote = coords_of(result.attr("promote"));
+      plan.retain = coords_of(result.attr("retain"));
+      plan.evict = coords_of(result.attr("evict"));
+      return plan;
+    });
   }
   // With the GIL held. Null once cleared.
   nb::handle object() const { return policy_.obj; }
@@ -175,9 +331,8 @@ std::vector<int64_t> shape_arg(nb::handle h, const char* what) {
 }
 
 sw::TileSelection selection_of(nb::handle sel, const char* what) {
-  if (!nb::isinstance(sel, tiled_module().attr("TileSelection")))
-    sw::raise<sw::TypeError>(what, ": selection must be a TileSelection, got ",
-                             nb::cast<std::string>(sel.type().attr("__name__")));
+  if (!nb::isinstance(sel, tile_selection_class()))
+    sw::raise<sw::TypeError>(what, ": selection must be a TileSelection, got ", class_name(sel));
   sw::TileSelection out;
   for (nb::handle axis : sel.attr("per_axis")) out.per_axis.push_back(coord_of(axis, "TileSelection coordinate"));
   return out;
@@ -188,11 +343,9 @@ sw::TileSelection selection_of(nb::handle sel, const char* what) {
 // 10**4 x 10**4 selection of a 2 x 2 grid is refused at once, with project's words, instead of building 10**8
 // coordinates). A TileSet's coordinates are checked as they are read: the first out of range stops the binding.
 std::vector<int64_t> bind_tiles(const TiledEvictable& c, nb::handle tiles, const char* what) {
-  nb::module_ mod = tiled_module();
-  const bool is_set = nb::isinstance(tiles, mod.attr("TileSet"));
-  if (!is_set && !nb::isinstance(tiles, mod.attr("TileSelection")))
-    sw::raise<sw::TypeError>(what, ": tiles must be a TileSet or a TileSelection, got ",
-                             nb::cast<std::string>(tiles.type().attr("__name__")));
+  const bool is_set = nb::isinstance(tiles, tile_set_class());
+  if (!is_set && !nb::isinstance(tiles, tile_selection_class()))
+    sw::raise<sw::TypeError>(what, ": tiles must be a TileSet or a TileSelection, got ", class_name(tiles));
   c.check_live(what);
   if (!is_set) return sw::bind_selection(c, selection_of(tiles, what));
   std::vector<int64_t> out;
@@ -217,6 +370,16 @@ nb::object tensor_handle(sw::CompletionPtr<sw::TensorPtr> c) {
   return nb::cast(h, nb::rv_policy::take_ownership);
 }
 
+// Stub types of the signatures below (nanobind's stubgen writes them into the package's .pyi).
+#define TILED "strideweave.carriers.tiled_evictable"
+#define INTS "collections.abc.Iterable[int]"
+#define TILES TILED ".TileSet | " TILED ".TileSelection"
+#define COORDS "tuple[tuple[int, ...], ...]"
+using IntsTuple = nb::typed<nb::tuple, int, nb::ellipsis>;
+
+// handle.wait() of a fresh handle (the blocking forms of the residency requests).
+void wait_for(nb::object handle) { nb::cast<AwaitHandle&>(handle).wait_py(); }
+
 nb::object residency_handle(sw::CompletionPtr<std::monostate> c) {
   auto* h = new AwaitResidency();
   h->state = c;
@@ -231,7 +394,7 @@ nb::object residency_handle(sw::CompletionPtr<std::monostate> c) {
 
 void bind_tiled(nb::module_& m) {
   sw::install_tiled_backend();
-  // Note [Dirty tiles are never discarded silently] (tiled_evictable.cpp). Registered before the module's exit
+  // Note [Dirty tiles are never discarded silently] (cpp/src/tiled/durability.cpp). Registered before the module's exit
   // drain (module.cpp), so it runs after it (atexit calls last-registered first): held transfers have landed, and a
   // dirty tile evicted just before exit is clean and not counted.
   sw::TiledEvictable::set_discard_reporter(&report_discard);
@@ -243,12 +406,18 @@ void bind_tiled(nb::module_& m) {
                                           "AwaitResult[None] of a residency request.")
       .def("__init__", [](AwaitResidency*, nb::args, nb::kwargs) {
         sw::raise<sw::TypeError>("AwaitResidency handles are created by the framework, not constructed directly");
-      });
+      })
+      // The same wait, declared again only so that its signature names the result (None).
+      .def("wait", &AwaitHandle::wait_py, nb::sig("def wait(self) -> None"),
+           "Blocks until terminal (interruptibly, without the GIL); returns None or raises the failure.");
   nb::class_<AwaitProjection, AwaitHandle>(m, "AwaitProjection", nb::type_slots(await_slots),
                                            "AwaitResult[Tensor] of TiledEvictable.project.")
       .def("__init__", [](AwaitProjection*, nb::args, nb::kwargs) {
         sw::raise<sw::TypeError>("AwaitProjection handles are created by the framework, not constructed directly");
-      });
+      })
+      // The same wait, declared again only so that its signature names the result (the compact Tensor).
+      .def("wait", &AwaitHandle::wait_py, nb::sig("def wait(self) -> Tensor"),
+           "Blocks until terminal (interruptibly, without the GIL); returns the compact Tensor or raises the failure.");
 
   nb::class_<TiledEvictable, sw::DependentCarrier>(m, "TiledEvictable", nb::is_final(), nb::type_slots(tiled_slots),
                                                    "TiledEvictable(primary, secondary, grid_shape, tile_shape, *, "
@@ -268,28 +437,30 @@ void bind_tiled(nb::module_& m) {
         }
         new (self) TiledEvictable(nb::cast<sw::CarrierPtr>(primary), nb::cast<sw::CarrierPtr>(secondary), g, t, p);
       }, nb::arg("primary"), nb::arg("secondary"), nb::arg("grid_shape"), nb::arg("tile_shape"), nb::kw_only(),
-         nb::arg("residency_policy") = nb::none())
+         nb::arg("residency_policy") = nb::none(),
+         nb::sig("def __init__(self, primary: Carrier, secondary: Carrier, grid_shape: " INTS ", tile_shape: " INTS
+                 ", *, residency_policy: " TILED ".ResidencyPolicy | None = None) -> None"))
       .def_prop_ro("primary", [](const TiledEvictable& c) { return c.primary(); })
       .def_prop_ro("secondary", [](const TiledEvictable& c) { return c.secondary(); })
-      .def_prop_ro("grid_shape", [](const TiledEvictable& c) { return nb::tuple(nb::cast(c.grid_shape())); })
-      .def_prop_ro("tile_shape", [](const TiledEvictable& c) { return nb::tuple(nb::cast(c.tile_shape())); })
-      .def_prop_ro("logical_shape", [](const TiledEvictable& c) { return nb::tuple(nb::cast(c.logical_shape())); })
+      .def_prop_ro("grid_shape", [](const TiledEvictable& c) { return nb::borrow<IntsTuple>(int_tuple(c.grid_shape())); })
+      .def_prop_ro("tile_shape", [](const TiledEvictable& c) { return nb::borrow<IntsTuple>(int_tuple(c.tile_shape())); })
+      .def_prop_ro("logical_shape", [](const TiledEvictable& c) { return nb::borrow<IntsTuple>(int_tuple(c.logical_shape())); })
       .def_prop_ro("residency_policy", [](const TiledEvictable& c) -> nb::object {
         auto p = std::dynamic_pointer_cast<PyPolicy>(c.policy());
         return p && p->object().is_valid() ? nb::borrow(p->object()) : nb::none();
-      })
+      }, nb::sig("def residency_policy(self) -> " TILED ".ResidencyPolicy | None"))
       .def_prop_ro("primary_tiles", [](const TiledEvictable& c) {
         return tile_set_of(c.tiles_where([](const sw::TileState& s) { return s.location == sw::TileLocation::Primary; }));
-      })
+      }, nb::sig("def primary_tiles(self) -> " TILED ".TileSet"))
       .def_prop_ro("secondary_tiles", [](const TiledEvictable& c) {
         return tile_set_of(c.tiles_where([](const sw::TileState& s) { return s.location == sw::TileLocation::Secondary; }));
-      })
+      }, nb::sig("def secondary_tiles(self) -> " TILED ".TileSet"))
       .def_prop_ro("valid_tiles", [](const TiledEvictable& c) {
         return tile_set_of(c.tiles_where([](const sw::TileState& s) { return s.valid; }));
-      })
+      }, nb::sig("def valid_tiles(self) -> " TILED ".TileSet"))
       .def_prop_ro("dirty_tiles", [](const TiledEvictable& c) {
         return tile_set_of(c.tiles_where([](const sw::TileState& s) { return s.dirty; }));
-      })
+      }, nb::sig("def dirty_tiles(self) -> " TILED ".TileSet"))
       .def("tile_state", [](const TiledEvictable& c, nb::handle coord) {
         if (PyUnicode_Check(coord.ptr()) || is_index(coord)) sw::raise<sw::TypeError>("tile_state takes a tile coordinate tuple");
         TileCoord t;
@@ -297,10 +468,10 @@ void bind_tiled(nb::module_& m) {
         c.check_live("read tile states");
         sw::TileState s = c.tile_state(t);
         return tiled_module().attr("TileState")(sw::location_name(s.location), s.valid, s.dirty);
-      }, nb::arg("coord"))
+      }, nb::arg("coord"), nb::sig("def tile_state(self, coord: " INTS ") -> " TILED ".TileState"))
       .def("stats", [](const TiledEvictable& c) {
         sw::TiledStats s = c.stats();
-        nb::dict d;
+        nb::typed<nb::dict, std::string, int64_t> d;
         d["promotions"] = s.promotions;
         d["evictions"] = s.evictions;
         d["bytes_promoted"] = s.bytes_promoted;
@@ -316,11 +487,23 @@ void bind_tiled(nb::module_& m) {
       // The receiver is taken as a shared_ptr: queued transfers keep the carrier alive.
       .def("promote_async", [](std::shared_ptr<TiledEvictable> c, nb::handle tiles) {
         return residency_handle(c->promote_async(bind_tiles(*c, tiles, "promote_async")));
-      }, nb::arg("tiles"))
+      }, nb::arg("tiles"), nb::sig("def promote_async(self, tiles: " TILES ") -> AwaitResidency"))
       .def("evict_async", [](std::shared_ptr<TiledEvictable> c, nb::handle tiles) {
         return residency_handle(c->evict_async(bind_tiles(*c, tiles, "evict_async")));
-      }, nb::arg("tiles"))
+      }, nb::arg("tiles"), nb::sig("def evict_async(self, tiles: " TILES ") -> AwaitResidency"))
+      .def("promote", [](std::shared_ptr<TiledEvictable> c, nb::handle tiles) {
+        wait_for(residency_handle(c->promote_async(bind_tiles(*c, tiles, "promote_async"))));
+      }, nb::arg("tiles"), nb::sig("def promote(self, tiles: " TILES ") -> None"),
+         "Exactly ``promote_async(tiles).wait()``.")
+      .def("evict", [](std::shared_ptr<TiledEvictable> c, nb::handle tiles) {
+        wait_for(residency_handle(c->evict_async(bind_tiles(*c, tiles, "evict_async"))));
+      }, nb::arg("tiles"), nb::sig("def evict(self, tiles: " TILES ") -> None"),
+         "Exactly ``evict_async(tiles).wait()``.")
+      .def("flush", [](std::shared_ptr<TiledEvictable> c) { wait_for(residency_handle(c->flush_async())); },
+           "Exactly ``flush_async().wait()``: every dirty tile is in the secondary tier, durably, and clean (still "
+           "resident).")
       .def("flush_async", [](std::shared_ptr<TiledEvictable> c) { return residency_handle(c->flush_async()); },
+           nb::sig("def flush_async(self) -> AwaitResidency"),
            "Writes every dirty tile to the secondary tier, makes that tier durable (fsync of its file or device) and "
            "marks the tiles clean; they stay resident. Returns an AwaitResidency; flush() is flush_async().wait(). "
            "Refused with RuntimeError ('wait') while any tile has an incomplete residency request, and before anything "
@@ -348,6 +531,8 @@ void bind_tiled(nb::module_& m) {
         }
         return tensor_handle<AwaitProjection>(sw::project(c, t, sel, dest));
       }, nb::arg("tensor").none(), nb::arg("selection").none(), nb::arg("destination").none() = nb::none(),
+         nb::sig("def project(self, tensor: Tensor, selection: " TILED ".TileSelection, destination: Carrier | None "
+                 "= None) -> AwaitProjection"),
          "Gathers the selected tiles of the full `tensor` into a compact dense tensor; returns an AwaitProjection.")
       .def("scatter", [](std::shared_ptr<TiledEvictable> c, nb::handle compact, nb::handle templ, nb::handle selection,
                          nb::handle reduction) {
@@ -361,12 +546,34 @@ void bind_tiled(nb::module_& m) {
         return tensor_handle<AwaitMove>(sw::scatter(c, ct, tt, sel, r == "add"));
       }, nb::arg("compact").none(), nb::arg("template").none(), nb::arg("selection").none(),
          nb::arg("reduction").none() = "replace",
+         nb::sig("def scatter(self, compact: Tensor, template: Tensor, selection: " TILED ".TileSelection, "
+                 "reduction: typing.Literal['replace', 'add'] = 'replace') -> AwaitMove"),
          "Writes `compact` into the selected tiles of a fresh full-shaped TiledEvictable; returns an AwaitMove. "
          "reduction='add' adds the template's selected values as `add` does; where add's result dtype is not "
          "the carrier's (Bool + Bool is Float32) it raises TypeError before any work.")
       .def("_check_footprints", [](const TiledEvictable& c, const sw::TensorImpl& t) { c.check_footprints(t); });
   // The most tiles a TiledEvictable has (Note [Tile table limits]): a selection naming more is out of every grid.
   m.attr("_TILED_MAX_TILES") = TiledEvictable::kMaxTiles;
+
+  // The request values' C++ half (strideweave.carriers.tiled_evictable): each call crosses into C++ once.
+  m.def("_tile_set_coordinates", &tile_set_coordinates, nb::arg("coordinates").none(),
+        nb::sig("def _tile_set_coordinates(coordinates: collections.abc.Iterable[" INTS "]) -> " COORDS),
+        "TileSet's coordinates: checked (TypeError / ValueError with TileSet's messages) and in canonical order.");
+  m.def("_selection_axes", &selection_axes, nb::arg("per_axis").none(),
+        nb::sig("def _selection_axes(per_axis: collections.abc.Iterable[" INTS "]) -> " COORDS),
+        "TileSelection's axes, checked (TypeError / ValueError with TileSelection's messages).");
+  m.def("_selection_coordinates", [](nb::handle per_axis) { return selection_coordinates(per_axis, false); },
+        nb::arg("per_axis"), nb::sig("def _selection_coordinates(per_axis: " COORDS ") -> " COORDS),
+        "A TileSelection's coordinates (checked axes) in compact order: first axis fastest.");
+  m.def("_selection_tile_set", [](nb::handle per_axis) {
+    return canonical_tile_set(selection_coordinates(per_axis, true));
+  }, nb::arg("per_axis"), nb::sig("def _selection_tile_set(per_axis: " COORDS ") -> " TILED ".TileSet"),
+        "The TileSet of a TileSelection (checked axes), enumerated in canonical order.");
 }
+
+#undef TILED
+#undef INTS
+#undef TILES
+#undef COORDS
 
 }  // namespace swpy

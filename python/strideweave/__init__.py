@@ -64,7 +64,7 @@ from .friendly import column_major, row_major
 from . import policies  # noqa: E402  (built-in residency policies)
 
 
-def move(tensor, destination):
+def move(tensor: Tensor, destination: Carrier) -> Tensor:
     """Exactly ``move_async(tensor, destination).wait()``."""
     return move_async(tensor, destination).wait()
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import math
+from typing import Any
 
 import numpy as np
 
@@ -14,47 +14,39 @@ __all__ = ["tensor", "zeros", "column_major", "row_major"]
 _NUMPY = {"Float32": np.float32, "Int32": np.int32, "Bool": np.bool_}
 
 
-def _wide_ints(arr: np.ndarray, dtype: DType) -> np.ndarray:
-    """NumPy keeps Python ints beyond 64 bits as objects; they are still ints (docs/guide.md, "DTypes")."""
-    items = arr.reshape(-1).tolist()
-    if not items or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in items):
-        return arr
-    if dtype is DType.Int32:
-        if any(isinstance(x, float) for x in items):
-            return arr
-        if any(x < -(2**31) or x > 2**31 - 1 for x in items):
-            raise OverflowError("Int32 element is out of range [-2147483648, 2147483647]")
-        return arr.astype(np.int64)
-    if dtype is not DType.Float32:
-        return arr
-    # Float32 rounds them (to +-inf past its range), exactly as a slot write does.
-    wide = [float(x) if isinstance(x, float) or abs(x) < 2**1024 else (math.inf if x > 0 else -math.inf) for x in items]
-    return np.array(wide, dtype=np.float64).reshape(arr.shape)
+def _checked_array(data: Any, dtype: DType) -> np.ndarray:
+    """``data`` as an array of ``dtype``'s storage elements.
 
-
-def _checked_array(data, dtype: DType) -> np.ndarray:
+    The values are converted by the core's rules (``DType.convert``: Int32's range, Float32's rounding, to +-inf
+    past its range), over the whole array in one call, exactly as slot writes convert them.
+    """
     if not isinstance(dtype, DType):
         raise TypeError("dtype must be a DType")
     if dtype.name not in _NUMPY:
         raise TypeError(f"{dtype.name} is not a storage dtype")
     arr = np.asarray(data)
     if arr.dtype.kind == "O":
-        arr = _wide_ints(arr, dtype)
+        # NumPy keeps Python ints beyond 64 bits as objects; they are still ints (docs/guide.md, "DTypes").
+        values = _core._storage_values(arr.reshape(-1).tolist(), dtype)
+        if values is not None:
+            return values.reshape(arr.shape)
     kind = arr.dtype.kind
     if dtype is DType.Bool and kind != "b":
         raise TypeError(f"a Bool tensor accepts only bool values, got {arr.dtype}")
-    if dtype is DType.Int32:
-        if kind not in "iu":
-            raise TypeError(f"an Int32 tensor accepts only int values, got {arr.dtype}")
-        if arr.size and (arr.min() < -(2**31) or arr.max() > 2**31 - 1):
-            raise OverflowError("Int32 element is out of range [-2147483648, 2147483647]")
+    if dtype is DType.Int32 and kind not in "iu":
+        raise TypeError(f"an Int32 tensor accepts only int values, got {arr.dtype}")
     if dtype is DType.Float32 and kind not in "fiu":
         raise TypeError(f"a Float32 tensor accepts float or int values, got {arr.dtype}")
-    with np.errstate(over="ignore"):  # Float32 rounds out-of-range values to +-inf, silently as slot writes do
-        return arr.astype(_NUMPY[dtype.name], copy=False)
+    if dtype is DType.Bool:
+        return arr.astype(np.bool_, copy=False)
+    if not arr.dtype.isnative or (kind == "f" and arr.dtype.itemsize not in (4, 8)):
+        # The core reads native integers, float32 and float64; other floats widen exactly (float16) or as a slot
+        # write reads them (long double, through a double).
+        arr = arr.astype(np.float64 if kind == "f" else arr.dtype.newbyteorder("="))
+    return _core._storage_array(np.ascontiguousarray(arr).reshape(-1), dtype).reshape(arr.shape)
 
 
-def _allocate(carrier, size: int, dtype: DType):
+def _allocate(carrier: type, size: int, dtype: DType) -> _core.Carrier:
     if carrier is CPU:
         return CPU(size, dtype=dtype, empty=True)
     if carrier is Generic:
@@ -66,7 +58,7 @@ def _allocate(carrier, size: int, dtype: DType):
     raise TypeError(f"carrier must be a Carrier class, got {carrier!r}")
 
 
-def tensor(data, *, dtype: DType = DType.Float32, carrier=CPU) -> Tensor:
+def tensor(data: Any, *, dtype: DType = DType.Float32, carrier: type = CPU) -> Tensor:
     """A dense tensor (first mode fastest) holding ``data`` (nested lists or an array)."""
     arr = _checked_array(data, dtype)
     shape = Shape(*arr.shape)
@@ -77,7 +69,7 @@ def tensor(data, *, dtype: DType = DType.Float32, carrier=CPU) -> Tensor:
     return Tensor(c, 0, column_major(shape))
 
 
-def zeros(*extents, dtype: DType = DType.Float32, carrier=CPU) -> Tensor:
+def zeros(*extents: Any, dtype: DType = DType.Float32, carrier: type = CPU) -> Tensor:
     """A zero-filled dense tensor of the given extents."""
     shape = Shape(*extents)
     if carrier is CPU:

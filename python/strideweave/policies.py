@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from typing import Any
 
 from . import _core
 from .carriers.tiled_evictable import ResidencyPlan, TileSelection, TileSet
@@ -15,9 +16,9 @@ from .carriers.tiled_evictable import ResidencyPlan, TileSelection, TileSet
 __all__ = ["LRUPolicy", "PinnedPolicy"]
 
 
-def _tiles(tiles, what: str) -> tuple:
+def _tiles(tiles: Any, what: str) -> TileSet:
     if isinstance(tiles, TileSet):
-        return tiles.coordinates
+        return tiles
     if isinstance(tiles, TileSelection):
         # Bounded before the Cartesian product is enumerated: the axes hold distinct coordinates, so a selection of
         # more tiles than any tile grid has reaches out of every grid (Note [Tile table limits]).
@@ -30,10 +31,10 @@ def _tiles(tiles, what: str) -> tuple:
                 f"{what}: the TileSelection names {count} tiles ({shape}), more than any tile grid has (a "
                 f"TiledEvictable has at most 2**24 = {_core._TILED_MAX_TILES}): some of its coordinates are out of "
                 "range for every tile grid")
-        return tiles.coordinates
+        return tiles.tile_set
     if hasattr(tiles, "tile_set"):
-        return tiles.tile_set.coordinates
-    return TileSet(coordinates=tiles).coordinates
+        return TileSet(coordinates=tiles.tile_set.coordinates)
+    return TileSet(coordinates=tiles)
 
 
 class LRUPolicy:
@@ -48,7 +49,7 @@ class LRUPolicy:
     projecting from one carrier call ``plan`` concurrently; the recency list is updated under a lock.
     """
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int):
             raise TypeError("LRUPolicy capacity must be an int")
         if capacity < 1:
@@ -86,12 +87,13 @@ class LRUPolicy:
 class PinnedPolicy:
     """Keeps a fixed set of tiles resident: promotes them with the first request and never evicts."""
 
-    def __init__(self, tiles):
-        self.tiles = TileSet(coordinates=_tiles(tiles, "PinnedPolicy"))
+    def __init__(self, tiles: TileSet | TileSelection | Any) -> None:
+        self.tiles = _tiles(tiles, "PinnedPolicy")
 
     def plan(self, required: TileSet, purpose: str) -> ResidencyPlan:
         pinned = set(self.tiles.coordinates)
-        promote = [t for t in self.tiles.coordinates if t not in set(required.coordinates)]
+        needed = set(required.coordinates)
+        promote = [t for t in self.tiles.coordinates if t not in needed]
         retain = [t for t in required.coordinates if t in pinned]
         return ResidencyPlan(promote=TileSet(coordinates=promote), retain=TileSet(coordinates=retain))
 

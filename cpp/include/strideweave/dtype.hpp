@@ -56,6 +56,11 @@ class DType {
 
   // The value as this dtype stores it (TypeError / OverflowError per the rules above).
   Value convert(const Value& v) const;
+  // `convert` over a buffer (friendly.tensor's arrays): n values of the arithmetic type T, each converted by the
+  // rules above (the first one refused raises convert's error), written to `out` as this storage dtype's elements
+  // (ElementOf below). Instantiated for the fixed-width integer types, float and double.
+  template <class T>
+  void convert_into(const T* in, size_t n, void* out) const;
 
   DType(const DType&) = delete;
   DType& operator=(const DType&) = delete;

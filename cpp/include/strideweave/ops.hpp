@@ -1,9 +1,9 @@
 // strideweave/ops.hpp — the operation table, dtype plans, broadcasting and dispatch.
 //
 // Six central operations (add, elementwise_mul, mul, relu, reduce_sum, matmul)
-// plus sub, div, neg, exp for ordinary tensors. One table entry per operation
-// carries its name, arity and VJP; the table is guarded so a half-added
-// operation fails to compile (see kOpCount and the static_assert in ops.cpp).
+// plus sub, div, neg, exp for ordinary tensors. One table row per operation
+// carries all of it (Note [The operation table]); a half-added operation
+// fails to compile.
 //
 // Semantics (docs/guide.md, "Operations and autograd"):
 //  - Operands are tensors; `mul` also takes a weak scalar on either side.
@@ -24,6 +24,7 @@
 #pragma once
 
 #include <array>
+#include <cstddef>
 #include <memory>
 #include <optional>
 #include <span>
@@ -35,20 +36,11 @@
 
 namespace sw {
 
-enum class OpId : uint8_t { Add, ElementwiseMul, Mul, Relu, ReduceSum, Matmul, Sub, Div, Neg, Exp };
-inline constexpr size_t kOpCount = 10;
-
-struct OpDef {
-  OpId id;
-  const char* name;
-  int arity;       // operand count
-  bool central;    // one of the six operations every executing carrier (and TiledEvictable) accepts
-  bool weak_scalars;  // accepts a weak scalar operand (mul)
+enum class OpId : uint8_t {
+  Add, ElementwiseMul, Mul, Relu, ReduceSum, Matmul, Sub, Div, Neg, Exp,
+  Count  // not an operation: the number of them (the table has one row per value before it)
 };
-
-const OpDef& op_def(OpId id);
-std::optional<OpId> op_from_name(std::string_view name);
-const std::array<OpDef, kOpCount>& op_table();
+inline constexpr size_t kOpCount = static_cast<size_t>(OpId::Count);
 
 // A tensor or a weak scalar (a Python number: it never receives a gradient).
 struct Operand {
@@ -63,6 +55,108 @@ struct OpOptions {
   std::optional<std::string> description;  // reduce_sum: "a b -> a"
   bool accumulate_f64 = false;             // accumulator_dtype=DType.Float64
 };
+
+// ---------------------------------------------------------------- the operation table
+//
+// Note [The operation table]: one row (an OpDef) per OpId holds everything that
+// makes an operation one: its name and operand names, its flags, how its result
+// shape follows from its operands (OpShape: element-wise or not), its dtype rule,
+// what its node saves for backward, its VJP and its kernel entries for the CPU
+// and Generic backends. Nothing else decides a per-operation property (no
+// switch with a default). The table (cpp/src/ops/op_table.hpp) is constexpr and
+// guarded by static_asserts: OpDef has no default constructor, so a row with a
+// missing part, or a missing row, does not compile; the asserts check that rows
+// follow OpId order, names are unique, every differentiable row has a VJP and
+// every row its dtype rule and kernels. Adding an operation is adding a value
+// to OpId and a row to the table, plus the functions the row names.
+
+struct OpDef;
+struct VjpArgs;  // what a VJP reads (cpp/src/ops/vjps.hpp)
+
+// How the result shape follows from the operands.
+enum class OpShape : uint8_t {
+  Elementwise,  // the broadcast of the tensor operands' shapes (docs/guide.md, broadcasting)
+  Reduction,    // the kept modes of one operand (reduce_sum's description)
+  Contraction,  // (lhs mode 0, rhs mode 0), contracting mode 1 of both (matmul)
+};
+
+// What the operation's node saves for backward (their versions are checked before its VJP runs).
+enum class OpSaves : uint8_t {
+  Nothing,  // the VJP reads only the output gradient and the inputs' shapes
+  Inputs,   // the VJP reads the tensor operands' values
+};
+
+// Row flags (OpDef::flags).
+inline constexpr uint8_t kOpCentral = 1;         // one of the six operations every executing carrier accepts
+inline constexpr uint8_t kOpWeakScalars = 2;     // accepts a weak scalar operand (mul)
+inline constexpr uint8_t kOpDifferentiable = 4;  // records a node with its VJP
+inline constexpr uint8_t kOpDescription = 8;     // takes OpOptions::description (reduce_sum)
+inline constexpr uint8_t kOpAccumulator = 16;    // takes OpOptions::accumulate_f64 (accumulator_dtype)
+
+// The result dtype of validated operands (docs/guide.md, "Operations and autograd").
+using DTypeRule = const DType& (*)(std::span<const Operand> operands, const OpOptions& options);
+// Gradients of the tensor operands (`grads`, one slot per tensor operand, left null where none flows).
+using VjpFn = void (*)(const VjpArgs& args, std::span<TensorPtr> grads);
+// Runs the operation on validated operands of one native kind (CPU or Generic) into a fresh dense result.
+using KernelFn = TensorPtr (*)(std::span<const Operand> operands, const OpOptions& options, const OpDef& def);
+
+// A function part of a row and whether the row gives one (a literal nullptr: none). Whether it is given is known
+// at compile time even where the function's address is not a constant expression (sanitizer builds may not assume
+// that a function defined in another file has a non-null address), so the table's guards test `given`.
+template <class Fn>
+struct OpPart {
+  Fn fn;
+  bool given;
+  constexpr OpPart(Fn f) : fn(f), given(true) {}                 // NOLINT: a row names the function
+  constexpr OpPart(std::nullptr_t) : fn(nullptr), given(false) {}  // NOLINT: a row says "none"
+};
+
+struct OpDef {
+  // Every part is a constructor argument: a row cannot leave one out (Note [The operation table]).
+  constexpr OpDef(OpId id_, const char* name_, std::array<const char*, 2> operand_names_, uint8_t flags_,
+                  OpShape shape_, OpSaves saves_, OpPart<DTypeRule> result_dtype_, OpPart<VjpFn> vjp_,
+                  OpPart<KernelFn> cpu_, OpPart<KernelFn> generic_)
+      : id(id_),
+        name(name_),
+        operand_names(operand_names_),
+        arity(operand_names_[1] ? 2 : 1),
+        flags(flags_),
+        central((flags_ & kOpCentral) != 0),
+        weak_scalars((flags_ & kOpWeakScalars) != 0),
+        shape(shape_),
+        saves(saves_),
+        result_dtype(result_dtype_.fn),
+        vjp(vjp_.fn),
+        cpu(cpu_.fn),
+        generic(generic_.fn),
+        has_result_dtype(result_dtype_.given),
+        has_vjp(vjp_.given),
+        has_kernels(cpu_.given && generic_.given) {}
+
+  OpId id;
+  const char* name;
+  std::array<const char*, 2> operand_names;  // the Python parameter names ("a", "b"; "t"; "lhs", "rhs")
+  int arity;                                 // operand count (named operands)
+  uint8_t flags;                             // kOp* bits
+  bool central;                              // flags & kOpCentral
+  bool weak_scalars;                         // flags & kOpWeakScalars
+  OpShape shape;
+  OpSaves saves;
+  DTypeRule result_dtype;
+  VjpFn vjp;                                 // null exactly when not differentiable
+  KernelFn cpu;                              // the CPU backend's kernel entry
+  KernelFn generic;                          // the Generic backend's (reference) kernel entry
+  bool has_result_dtype, has_vjp, has_kernels;  // which function parts the row gives (OpPart::given)
+
+  constexpr bool elementwise() const { return shape == OpShape::Elementwise; }
+  constexpr bool differentiable() const { return (flags & kOpDifferentiable) != 0; }
+  constexpr bool takes_description() const { return (flags & kOpDescription) != 0; }
+  constexpr bool takes_accumulator() const { return (flags & kOpAccumulator) != 0; }
+};
+
+const OpDef& op_def(OpId id);
+std::optional<OpId> op_from_name(std::string_view name);
+const std::array<OpDef, kOpCount>& op_table();
 
 // Executes an operation for one carrier kind (no autograd, operands validated).
 class OpBackend {

@@ -181,21 +181,34 @@ void dispatch_unary(const KernelInput& a, const std::vector<int64_t>& ext, Carri
 
 }  // namespace
 
-void cpu_elementwise(OpId id, const std::vector<KernelInput>& in, const std::vector<int64_t>& ext, Carrier& out) {
+namespace {
+
+template <class F>
+void binary_op(const ElementwiseCall& c, F f) {
   std::atomic<bool> overflow{false};
-  switch (id) {
-    case OpId::Add: dispatch_binary(in, ext, out, AddF{}, overflow); break;
-    case OpId::Sub: dispatch_binary(in, ext, out, SubF{}, overflow); break;
-    case OpId::Mul:
-    case OpId::ElementwiseMul: dispatch_binary(in, ext, out, MulF{}, overflow); break;
-    case OpId::Div: dispatch_binary(in, ext, out, DivF{}, overflow); break;
-    case OpId::Relu: dispatch_unary(in[0], ext, out, ReluF{}, overflow); break;
-    case OpId::Neg: dispatch_unary(in[0], ext, out, NegF{}, overflow); break;
-    case OpId::Exp: dispatch_unary(in[0], ext, out, ExpF{}, overflow); break;
-    default: SW_ASSERT(false, "not an element-wise op");
-  }
-  if (overflow.load()) raise<OverflowError>(op_def(id).name, ": Int32 result overflows");
+  dispatch_binary(c.in, c.result_extents, c.out, f, overflow);
+  if (overflow.load()) raise<OverflowError>(c.op, ": Int32 result overflows");
 }
+
+template <class F>
+void unary_op(const ElementwiseCall& c, F f) {
+  std::atomic<bool> overflow{false};
+  dispatch_unary(c.in[0], c.result_extents, c.out, f, overflow);
+  if (overflow.load()) raise<OverflowError>(c.op, ": Int32 result overflows");
+}
+
+}  // namespace
+
+// The CPU backend's element-wise kernels, named by the table's rows (Note [The operation table]).
+namespace cpu {
+void add(const ElementwiseCall& c) { binary_op(c, AddF{}); }
+void sub(const ElementwiseCall& c) { binary_op(c, SubF{}); }
+void mul(const ElementwiseCall& c) { binary_op(c, MulF{}); }
+void div(const ElementwiseCall& c) { binary_op(c, DivF{}); }
+void relu(const ElementwiseCall& c) { unary_op(c, ReluF{}); }
+void neg(const ElementwiseCall& c) { unary_op(c, NegF{}); }
+void exp(const ElementwiseCall& c) { unary_op(c, ExpF{}); }
+}  // namespace cpu
 
 void cpu_reduce_sum(const TensorImpl& in, const Layout& permuted, int64_t kept, bool f64, Carrier& out) {
   std::array<const std::vector<int64_t>*, 1> strides{&permuted.flat().strides};

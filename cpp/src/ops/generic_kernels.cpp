@@ -2,6 +2,7 @@
 // loops, one element at a time, in double (floats) or int64 (Int32). They are
 // the oracle the fast kernels are tested against, not a fast path.
 #include <cmath>
+#include <functional>
 #include <limits>
 
 #include "kernels.hpp"
@@ -45,39 +46,44 @@ void write_result(Carrier& out, int64_t i, double f, int64_t n, bool integer) {
   }
 }
 
-}  // namespace
-
-void generic_elementwise(OpId id, const std::vector<KernelInput>& in, const std::vector<int64_t>& ext, Carrier& out) {
+// One element at a time, in double (`f`) and in int64 (`i`, for Int32 and Bool results); the result dtype
+// picks which is written. A unary `f` also takes the operand's dtype.
+template <int Arity, class F, class I>
+void generic_map(const ElementwiseCall& c, F f, I i) {
+  const std::vector<int64_t>& ext = c.result_extents;
   int64_t n = 1;
   for (auto e : ext) n *= e;
-  const bool integer = out.dtype().id() != DTypeId::Float32;
-  for (int64_t i = 0; i < n; ++i) {
-    Value a = element(in[0], ext, i);
-    double fa = as_double(a), f = 0;
-    int64_t ia = as_int(a), r = 0;
-    if (in.size() == 2) {
-      Value b = element(in[1], ext, i);
-      double fb = as_double(b);
-      int64_t ib = as_int(b);
-      switch (id) {
-        case OpId::Add: f = fa + fb; r = ia + ib; break;
-        case OpId::Sub: f = fa - fb; r = ia - ib; break;
-        case OpId::Mul:
-        case OpId::ElementwiseMul: f = fa * fb; r = ia * ib; break;
-        case OpId::Div: f = fa / fb; break;
-        default: SW_ASSERT(false, "not a binary op");
-      }
+  const bool integer = c.out.dtype().id() != DTypeId::Float32;
+  for (int64_t k = 0; k < n; ++k) {
+    Value a = element(c.in[0], ext, k);
+    if constexpr (Arity == 2) {
+      Value b = element(c.in[1], ext, k);
+      write_result(c.out, k, f(as_double(a), as_double(b)), i(as_int(a), as_int(b)), integer);
     } else {
-      switch (id) {
-        case OpId::Relu: f = fa > 0 ? fa : 0; r = ia > 0 ? ia : 0; break;
-        case OpId::Neg: f = -fa; r = -ia; break;
-        case OpId::Exp: f = in[0].dtype == DTypeId::Float32 ? std::exp(static_cast<float>(fa)) : std::exp(fa); break;
-        default: SW_ASSERT(false, "not a unary op");
-      }
+      write_result(c.out, k, f(as_double(a), c.in[0].dtype), i(as_int(a)), integer);
     }
-    write_result(out, i, f, r, integer);
   }
 }
+
+constexpr auto no_int = [](auto...) { return int64_t{0}; };  // an operation whose result is always Float32
+
+}  // namespace
+
+// The Generic backend's element-wise kernels, named by the table's rows (Note [The operation table]).
+namespace generic {
+void add(const ElementwiseCall& c) { generic_map<2>(c, std::plus<double>{}, std::plus<int64_t>{}); }
+void sub(const ElementwiseCall& c) { generic_map<2>(c, std::minus<double>{}, std::minus<int64_t>{}); }
+void mul(const ElementwiseCall& c) { generic_map<2>(c, std::multiplies<double>{}, std::multiplies<int64_t>{}); }
+void div(const ElementwiseCall& c) { generic_map<2>(c, std::divides<double>{}, no_int); }
+void relu(const ElementwiseCall& c) {
+  generic_map<1>(c, [](double x, DTypeId) { return x > 0 ? x : 0.0; }, [](int64_t x) { return x > 0 ? x : 0; });
+}
+void neg(const ElementwiseCall& c) { generic_map<1>(c, [](double x, DTypeId) { return -x; }, std::negate<int64_t>{}); }
+void exp(const ElementwiseCall& c) {
+  auto f = [](double x, DTypeId d) { return d == DTypeId::Float32 ? std::exp(static_cast<float>(x)) : std::exp(x); };
+  generic_map<1>(c, f, no_int);
+}
+}  // namespace generic
 
 void generic_reduce_sum(const TensorImpl& in, const Layout& permuted, int64_t kept, bool, Carrier& out) {
   const int64_t n = permuted.size();

@@ -1,4 +1,5 @@
-// Internal: kernels of the CPU (fast) and Generic (reference) backends.
+// Internal: kernels of the CPU (fast) and Generic (reference) backends, and
+// the kernel entries the operation table names (Note [The operation table]).
 #pragma once
 
 #include "strideweave/ops.hpp"
@@ -17,19 +18,57 @@ struct KernelInput {
   alignas(8) std::byte scalar_bytes[8]{};
 };
 
-// Element-wise ops (Add, ElementwiseMul, Mul, Sub, Div, Relu, Neg, Exp) into a
-// dense `out` of `result_extents` leaves. Throws OverflowError for Int32.
-void cpu_elementwise(OpId id, const std::vector<KernelInput>& in, const std::vector<int64_t>& result_extents,
-                     Carrier& out);
-void generic_elementwise(OpId id, const std::vector<KernelInput>& in, const std::vector<int64_t>& result_extents,
-                         Carrier& out);
-
+// One element-wise operation over resolved operands into a dense `out` of
+// `result_extents` leaves. Throws OverflowError for Int32.
+struct ElementwiseCall {
+  const std::vector<KernelInput>& in;
+  const std::vector<int64_t>& result_extents;
+  Carrier& out;
+  const char* op;  // the operation's name, for messages
+};
+using ElementwiseKernel = void (*)(const ElementwiseCall& call);
 // reduce_sum of `in` (layout already permuted: kept leaves first); `kept` is the
 // number of result elements.
+using ReduceKernel = void (*)(const TensorImpl& in, const Layout& permuted, int64_t kept, bool f64, Carrier& out);
+// matmul: lhs (m, k), rhs (n, k) -> out (m, n) dense column-major.
+using MatmulKernel = void (*)(const TensorImpl& lhs, const TensorImpl& rhs, int64_t m, int64_t n, int64_t k,
+                              bool f64, Carrier& out);
+
+// The backend glue shared by both native backends (backends.cpp): result shape, dtype and dense result
+// allocation, operands resolved for the kernel, then one kernel call.
+TensorPtr run_elementwise(std::span<const Operand> ops, const OpOptions& options, const OpDef& def,
+                          ElementwiseKernel kernel);
+TensorPtr run_reduce_sum(std::span<const Operand> ops, const OpOptions& options, const OpDef& def,
+                         ReduceKernel kernel);
+TensorPtr run_matmul(std::span<const Operand> ops, const OpOptions& options, const OpDef& def, MatmulKernel kernel);
+
+// Kernel entries (KernelFn) for the table's rows: the glue of the row's shape rule around one kernel.
+template <ElementwiseKernel Kernel>
+TensorPtr elementwise(std::span<const Operand> ops, const OpOptions& options, const OpDef& def) {
+  return run_elementwise(ops, options, def, Kernel);
+}
+template <ReduceKernel Kernel>
+TensorPtr reduction(std::span<const Operand> ops, const OpOptions& options, const OpDef& def) {
+  return run_reduce_sum(ops, options, def, Kernel);
+}
+template <MatmulKernel Kernel>
+TensorPtr contraction(std::span<const Operand> ops, const OpOptions& options, const OpDef& def) {
+  return run_matmul(ops, options, def, Kernel);
+}
+
+// The element-wise kernels of each native backend; `mul` serves elementwise_mul and mul.
+namespace cpu {  // cpu_kernels.cpp
+void add(const ElementwiseCall&), sub(const ElementwiseCall&), mul(const ElementwiseCall&), div(const ElementwiseCall&),
+    relu(const ElementwiseCall&), neg(const ElementwiseCall&), exp(const ElementwiseCall&);
+}
+namespace generic {  // generic_kernels.cpp
+void add(const ElementwiseCall&), sub(const ElementwiseCall&), mul(const ElementwiseCall&), div(const ElementwiseCall&),
+    relu(const ElementwiseCall&), neg(const ElementwiseCall&), exp(const ElementwiseCall&);
+}
+
+// The raw kernels.
 void cpu_reduce_sum(const TensorImpl& in, const Layout& permuted, int64_t kept, bool f64, Carrier& out);
 void generic_reduce_sum(const TensorImpl& in, const Layout& permuted, int64_t kept, bool f64, Carrier& out);
-
-// matmul: lhs (m, k), rhs (n, k) -> out (m, n) dense column-major.
 void cpu_matmul(const TensorImpl& lhs, const TensorImpl& rhs, int64_t m, int64_t n, int64_t k, bool f64,
                 Carrier& out);
 // out += lhs rhs^T into dense column-major Float32 memory (m x n), for Float32

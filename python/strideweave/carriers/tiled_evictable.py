@@ -2,14 +2,16 @@
 
 The engine (tile table, residency state machine, transfers) is C++; this
 module holds the immutable request values (TileSelection, TileSet,
-ResidencyPlan), the ResidencyPolicy protocol and the residency facet.
+ResidencyPlan), the ResidencyPolicy protocol and the residency facet. The
+values check, order and expand their tiles in C++ (one call each: Note
+[Canonical tile order] in cpp/include/strideweave/tiled/tile_set.hpp).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
-from typing import Protocol, runtime_checkable
+from collections.abc import Iterator
+from typing import Any, Optional, Protocol, runtime_checkable
 
 from .. import _core
 from .._core import AwaitProjection, AwaitResidency, TiledEvictable
@@ -27,19 +29,6 @@ __all__ = [
 ]
 
 
-def _iterable(value, what: str) -> tuple:
-    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
-        raise TypeError(f"{what} must be a finite iterable, got {type(value).__name__}")
-    return tuple(value)
-
-
-def _coordinate(value, where: str, rule: str) -> int:
-    """One tile coordinate or coordinate component as an int; `where` and `rule` make the message."""
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise TypeError(f"{where}: {rule} must be integers, got {type(value).__name__}")
-    return int(value.__index__())
-
-
 @dataclasses.dataclass(frozen=True)
 class TileSet:
     """An immutable finite set of full-rank tile coordinates, first axis fastest."""
@@ -47,21 +36,8 @@ class TileSet:
     coordinates: tuple = ()
 
     def __post_init__(self) -> None:
-        coords = []
-        for i, entry in enumerate(_iterable(self.coordinates, "TileSet coordinates")):
-            coord = tuple(_coordinate(c, f"TileSet coordinates[{i}][{j}]", "components")
-                          for j, c in enumerate(_iterable(entry, f"TileSet coordinates[{i}]")))
-            coords.append(coord)
-        ranks = {len(c) for c in coords}
-        if len(ranks) > 1:
-            raise ValueError(f"TileSet coordinates must all have the same rank, got ranks {sorted(ranks)}")
-        for c in coords:
-            if any(v < 0 for v in c):
-                raise ValueError(f"TileSet coordinate {c} has a negative component: components must be non-negative")
-        if len(set(coords)) != len(coords):
-            raise ValueError("TileSet coordinates contain a duplicate")
-        coords.sort(key=lambda c: tuple(reversed(c)))
-        object.__setattr__(self, "coordinates", tuple(coords))
+        # Checked (one rank, non-negative, distinct) and sorted into canonical order by the core.
+        object.__setattr__(self, "coordinates", _core._tile_set_coordinates(self.coordinates))
 
     @classmethod
     def _from_canonical(cls, coordinates: tuple) -> "TileSet":
@@ -77,10 +53,10 @@ class TileSet:
     def __len__(self) -> int:
         return len(self.coordinates)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[tuple[int, ...]]:
         return iter(self.coordinates)
 
-    def __contains__(self, coord) -> bool:
+    def __contains__(self, coord: Any) -> bool:
         return tuple(coord) in self.coordinates
 
 
@@ -91,22 +67,8 @@ class TileSelection:
     per_axis: tuple
 
     def __post_init__(self) -> None:
-        axes = []
-        for i, axis in enumerate(_iterable(self.per_axis, "TileSelection per_axis")):
-            values = tuple(_coordinate(v, f"TileSelection per_axis[{i}][{j}]", "tile coordinates")
-                           for j, v in enumerate(_iterable(axis, f"TileSelection per_axis[{i}]")))
-            axes.append(values)
-        if not axes:
-            raise ValueError("TileSelection needs at least one axis")
-        for i, values in enumerate(axes):
-            if not values:
-                raise ValueError(f"TileSelection axis {i} is empty")
-            if len(set(values)) != len(values):
-                raise ValueError(f"TileSelection axis {i} contains a duplicate: {values}")
-            if any(v < 0 for v in values):
-                raise ValueError(f"TileSelection axis {i} contains a negative coordinate: {values} "
-                                 "(coordinates must be non-negative)")
-        object.__setattr__(self, "per_axis", tuple(axes))
+        # Checked by the core: at least one axis, each non-empty, distinct and non-negative.
+        object.__setattr__(self, "per_axis", _core._selection_axes(self.per_axis))
 
     @property
     def rank(self) -> int:
@@ -119,34 +81,24 @@ class TileSelection:
     @property
     def coordinates(self) -> tuple:
         """Source tile coordinates in compact first-mode-fastest order."""
-        shape = self.compact_grid_shape
-        total = 1
-        for n in shape:
-            total *= n
-        coords = []
-        for ordinal in range(total):
-            c = []
-            for i, n in enumerate(shape):
-                c.append(self.per_axis[i][ordinal % n])
-                ordinal //= n
-            coords.append(tuple(c))
-        return tuple(coords)
+        return _core._selection_coordinates(self.per_axis)
 
     @property
     def tile_set(self) -> TileSet:
-        return TileSet(coordinates=self.coordinates)
+        """The selected tiles as a TileSet (canonical order), enumerated by the core in one call."""
+        return _core._selection_tile_set(self.per_axis)
 
 
 @dataclasses.dataclass(frozen=True)
 class ResidencyPlan:
     """One immutable control-plane decision: tiles to promote, retain and evict."""
 
-    promote: TileSet = None
-    retain: TileSet = None
-    evict: TileSet = None
+    promote: Optional[TileSet] = None
+    retain: Optional[TileSet] = None
+    evict: Optional[TileSet] = None
 
     def __post_init__(self) -> None:
-        seen = {}
+        seen: dict = {}
         for name in ("promote", "retain", "evict"):
             value = getattr(self, name)
             if value is None:
@@ -182,22 +134,22 @@ class TiledResidencyFacet(CarrierFacet):
 
     __slots__ = ("_carrier",)
 
-    def __init__(self, carrier=None):
+    def __init__(self, carrier: Optional[TiledEvictable] = None) -> None:
         self._carrier = carrier
 
-    def _bind(self, carrier) -> "TiledResidencyFacet":
+    def _bind(self, carrier: TiledEvictable) -> "TiledResidencyFacet":
         return TiledResidencyFacet(carrier)
 
-    def promote_async(self, tiles) -> AwaitResidency:
+    def promote_async(self, tiles: TileSet | TileSelection) -> AwaitResidency:
         return self._carrier.promote_async(tiles)
 
-    def evict_async(self, tiles) -> AwaitResidency:
+    def evict_async(self, tiles: TileSet | TileSelection) -> AwaitResidency:
         return self._carrier.evict_async(tiles)
 
-    def promote(self, tiles) -> None:
+    def promote(self, tiles: TileSet | TileSelection) -> None:
         return self._carrier.promote_async(tiles).wait()
 
-    def evict(self, tiles) -> None:
+    def evict(self, tiles: TileSet | TileSelection) -> None:
         return self._carrier.evict_async(tiles).wait()
 
     def flush_async(self) -> AwaitResidency:
@@ -207,27 +159,7 @@ class TiledResidencyFacet(CarrierFacet):
         return self._carrier.flush_async().wait()
 
 
-def _promote(self, tiles) -> None:
-    """Exactly ``promote_async(tiles).wait()``."""
-    return self.promote_async(tiles).wait()
-
-
-def _evict(self, tiles) -> None:
-    """Exactly ``evict_async(tiles).wait()``."""
-    return self.evict_async(tiles).wait()
-
-
-def _flush(self) -> None:
-    """Exactly ``flush_async().wait()``: every dirty tile is in the secondary tier, durably, and clean (still resident)."""
-    return self.flush_async().wait()
-
-
-TiledEvictable.promote = _promote
-TiledEvictable.evict = _evict
-TiledEvictable.flush = _flush
-
-
-def _unsupported(*_args):
+def _unsupported(*_args: Any) -> None:
     raise NotImplementedError("TiledEvictable storage is managed by the engine")
 
 

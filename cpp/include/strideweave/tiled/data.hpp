@@ -4,7 +4,7 @@
 // TiledEvictable) and direct operations on full tiled tensors.
 //
 // Every entry point validates before work, then runs as one *work request*
-// (TiledEvictable::begin_work): the required tiles are pinned, missing ones are
+// (cpp/src/tiled/work.cpp): the required tiles are pinned, missing ones are
 // promoted as part of the request, the policy is consulted with the request's
 // purpose, and deferred evictions run when the request ends.
 //
@@ -32,10 +32,12 @@ std::vector<int64_t> compact_shape(const TiledEvictable& c, const TileSelection&
 
 // carrier.project(tensor, selection, destination); `destination` may be null.
 // Validation raises before work; the completion carries the compact tensor.
+// Blocks: calls the residency policy and takes the tile-table lock; the gathers run on the selection threads.
 CompletionPtr<TensorPtr> project(const std::shared_ptr<TiledEvictable>& carrier, const TensorPtr& tensor,
                                  const TileSelection& selection, const CarrierPtr& destination);
 
 // carrier.scatter(compact, template, selection, reduction).
+// Blocks: for "add", calls the residency policy and takes the tile-table lock; the copies run on the selection threads.
 CompletionPtr<TensorPtr> scatter(const std::shared_ptr<TiledEvictable>& carrier, const TensorPtr& compact,
                                  const TensorPtr& templ, const TileSelection& selection, bool add);
 
@@ -47,7 +49,7 @@ CompletionPtr<TensorPtr> scatter(const std::shared_ptr<TiledEvictable>& carrier,
 //  * add_tiled_gradients sums two gradients tile by tile into a fresh carrier
 //    (used when gradients meet inside one backward);
 //  * autograd's leaf accumulation adds into the existing .grad in place
-//    (TiledEvictable::accumulate_tiles) when nothing but the leaf holds that
+//    (accumulate_tiles, cpp/src/tiled/gradient_sums.cpp) when nothing but the leaf holds that
 //    .grad tensor and its carrier, so nobody can observe the mutation; then
 //    the cost is the tiles the new gradient touches. Otherwise it falls back to
 //    a fresh sum, leaving any tensor the caller holds unchanged.
@@ -62,10 +64,12 @@ CompletionPtr<TensorPtr> scatter(const std::shared_ptr<TiledEvictable>& carrier,
 // temporary. `a` and `b` are compatible when both are Float32 tensors over
 // distinct live TiledEvictables of one geometry, read with one offset and
 // Layout that match the carriers' tile footprints.
+// Blocks: takes each carrier's footprint cache lock briefly.
 bool tiled_gradients_compatible(const TensorPtr& a, const TensorPtr& b);
 // a + b as a fresh tiled gradient with a's carrier kind, geometry, offset and
 // Layout; a tile implicit in both stays implicit. Reads evicted tiles from the
 // secondary tier without changing the inputs' residency.
+// Blocks: takes both carriers' tile-table locks and reads evicted tiles (I/O), in this thread.
 TensorPtr add_tiled_gradients(const TensorPtr& a, const TensorPtr& b);
 
 // Registers the operation backend of TiledEvictable (direct operations). Idempotent.

@@ -19,8 +19,12 @@
 // them meanwhile (Note [Gradient sums hold their tiles]).
 // Residency never changes the carrier's version.
 //
+// Geometry is a TileGeometry value (tile_geometry.hpp). Engine code (the data paths, gradient sums) reaches the
+// work and tile-buffer hooks through TiledInternals (cpp/src/tiled/internal.hpp); this header is the user contract.
+//
 // Thread-safety: the tile table is guarded by one mutex, never held while
-// doing I/O or calling the residency policy.
+// doing I/O or calling the residency policy. Methods marked "Blocks:" may wait
+// (for that mutex, for I/O, or for running work); the others never do.
 #pragma once
 
 #include <atomic>
@@ -38,10 +42,9 @@
 #include "strideweave/completion.hpp"
 #include "strideweave/fork.hpp"
 #include "strideweave/tensor.hpp"
+#include "strideweave/tiled/tile_geometry.hpp"
 
 namespace sw {
-
-using TileCoord = std::vector<int64_t>;
 
 enum class TileLocation : uint8_t { Primary, Secondary, Implicit, Invalid };
 const char* location_name(TileLocation loc);
@@ -74,6 +77,9 @@ struct TiledStats {
 
 const CarrierKind& tiled_evictable_kind();
 
+struct TiledInternals;  // the engine's hooks (cpp/src/tiled/internal.hpp)
+class WorkToken;
+
 class TiledEvictable final : public DependentCarrier {
  public:
   // Validation order (docs/guide.md, "TiledEvictable"): tiers are non-dependent (any storage
@@ -82,28 +88,31 @@ class TiledEvictable final : public DependentCarrier {
   // kMaxTiles tiles and kMaxRuns footprint runs (ValueError, before anything
   // is allocated: Note [Tile table limits]); each tier has 0 slots or the full
   // extent. Claims taken here are rolled back on failure.
+  // Blocks: copies a full primary tier into tile buffers (I/O when the tier is a file); takes the registries' locks.
   TiledEvictable(CarrierPtr primary, CarrierPtr secondary, std::vector<int64_t> grid, std::vector<int64_t> tile,
                  std::shared_ptr<ResidencyPolicy> policy, bool is_mutable = true);
+  // Blocks: the registries' locks, and the tile-table lock to count the dirty tiles of a named file.
   ~TiledEvictable() override;
 
-  static constexpr int64_t kMaxTiles = int64_t{1} << 24;
-  static constexpr int64_t kMaxRuns = int64_t{1} << 26;
+  static constexpr int64_t kMaxTiles = TileGeometry::kMaxTiles;
+  static constexpr int64_t kMaxRuns = TileGeometry::kMaxRuns;
 
-  // -------- geometry
-  const std::vector<int64_t>& grid_shape() const noexcept { return grid_; }
-  const std::vector<int64_t>& tile_shape() const noexcept { return tile_; }
-  const std::vector<int64_t>& logical_shape() const noexcept { return logical_; }
-  int64_t tile_count() const noexcept { return tile_count_; }
-  int64_t tile_size() const noexcept { return tile_size_; }
-  int64_t size() const override { return total_; }
-  size_t rank() const noexcept { return grid_.size(); }
-  int64_t tile_index(const TileCoord& t) const;  // ValueError when out of grid
-  TileCoord tile_coord(int64_t index) const;
+  // -------- geometry (TileGeometry; fixed at construction)
+  const TileGeometry& geometry() const noexcept { return geometry_; }
+  const std::vector<int64_t>& grid_shape() const noexcept { return geometry_.grid_shape(); }
+  const std::vector<int64_t>& tile_shape() const noexcept { return geometry_.tile_shape(); }
+  const std::vector<int64_t>& logical_shape() const noexcept { return geometry_.logical_shape(); }
+  int64_t tile_count() const noexcept { return geometry_.tile_count(); }
+  int64_t tile_size() const noexcept { return geometry_.tile_size(); }
+  int64_t size() const override { return is_released() ? 0 : geometry_.size(); }  // 0 once released, as every carrier
+  size_t rank() const noexcept { return geometry_.rank(); }
+  int64_t tile_index(const TileCoord& t) const { return geometry_.tile_index(t); }  // ValueError when out of grid
+  TileCoord tile_coord(int64_t index) const { return geometry_.tile_coord(index); }
   // Slot s -> (tile index, within-tile ordinal).
-  std::pair<int64_t, int64_t> locate(int64_t slot) const;
+  std::pair<int64_t, int64_t> locate(int64_t slot) const { return geometry_.locate(slot); }
   // The footprint of tile `index` in slot space as contiguous runs
   // (ordinal = within-tile ordinal).
-  const std::vector<Run>& footprint_runs(int64_t index) const;
+  FootprintRuns footprint_runs(int64_t index) const { return geometry_.footprint_runs(index); }
 
   const CarrierPtr& primary() const noexcept { return primary_; }
   const CarrierPtr& secondary() const noexcept { return secondary_; }
@@ -111,118 +120,53 @@ class TiledEvictable final : public DependentCarrier {
 
   // -------- footprints
   // ValueError ("tile footprints") unless `tensor` is tile-footprint compatible.
+  // Blocks: the footprint cache's lock, briefly.
   void check_footprints(const TensorImpl& tensor) const;
 
   // -------- tile states
+  // Blocks: the tile-table lock, briefly.
   TileState tile_state(const TileCoord& t) const;
+  // Blocks: the tile-table lock, held while `pred` runs (keep it short; never call back into this carrier).
   std::vector<TileCoord> tiles_where(const std::function<bool(const TileState&)>& pred) const;
+  // Blocks: the tile-table lock, briefly.
   TiledStats stats() const;
 
   // -------- residency requests (tile indices already bound to the grid)
   // Asynchronous forms need the carrier to be held by a std::shared_ptr.
+  // Blocks: the tile-table lock, briefly; transfers run on the I/O threads (inline if no shared_ptr owns this).
   CompletionPtr<std::monostate> promote_async(const std::vector<int64_t>& tiles);
   // A tile that must be written (dirty, or its secondary copy not valid) is refused before anything changes when
   // the secondary tier is read-only (Note [A read-only secondary tier]).
+  // Blocks: the tile-table lock, briefly; transfers run on the I/O threads (inline if no shared_ptr owns this).
   CompletionPtr<std::monostate> evict_async(const std::vector<int64_t>& tiles);
   // Writes every dirty tile to the secondary tier, makes the secondary durable (Carrier::flush: fsync of its file
   // or device) and marks the tiles clean; they stay resident. Refused like other requests while any tile has an
   // incomplete residency request ("wait"), and before anything changes when dirty tiles meet a read-only secondary.
   // All-or-nothing: a failed write or fsync leaves every tile dirty and resident (Note [Flushing tiles]).
+  // Blocks: the tile-table lock, briefly; writes and sync run on the I/O threads (inline if no shared_ptr owns this).
   CompletionPtr<std::monostate> flush_async();
   // Blocking flush_async(), run in the calling thread.
+  // Blocks: runs every write and the sync (I/O) in this thread.
   void flush() override;
+  // Blocks: the tile-table lock, briefly.
   bool has_incomplete_work() const;
-  // Whether `self` (a reference to this carrier) is the only one apart from
-  // those its own incomplete residency requests hold while their transfers
-  // run: then nobody else can observe or change its tiles, and a gradient sum
-  // may add into tiles no request is transitioning (Note [Requests' own
-  // references]).
-  bool only_reference_is(const CarrierPtr& self) const;
 
   // -------- data access
+  // Blocks: the tile-table lock; reads a secondary tile's slots from the secondary tier, in this thread (I/O).
   void read_slots(int64_t start, int64_t count, void* out) const override;
+  // Blocks: the tile-table lock; promotes a secondary or implicit tile first, in this thread (I/O).
   void write_slots(int64_t start, int64_t count, const void* in) override;
+  // Blocks: the tile-table lock; reads a secondary tile's slot from the secondary tier, in this thread (I/O).
   Value read_value(int64_t slot) const override;
+  // Blocks: the tile-table lock; promotes a secondary or implicit tile first, in this thread (I/O).
   void write_value(int64_t slot, const Value& value) override;
   bool supports_storage_dtype(const DType& dtype) const override;
   bool can_grow() const override { return false; }
   bool allows_elementwise_fallback() const override { return false; }
   // Same geometry, tier kinds and policy; zero-filled means implicit-zero
   // tiles, `empty` invalid ones (`slots` must be 0 or the full extent).
+  // Blocks: allocates the new tiers (a file for a FileBacked tier) and takes the new carrier's tile-table lock.
   CarrierPtr allocate_like(int64_t slots, bool is_mutable, const DType& dtype, bool empty) const override;
-
-  // -------- work requests (projection, scatter, operations, backward)
-  struct Work;
-  // Validates `tiles` against other callers' incomplete requests, asks the
-  // policy for a plan, pins the tiles and promotes the missing ones as part of
-  // this request. The completion is set once every required tile is readable.
-  std::shared_ptr<Work> begin_work(const std::vector<int64_t>& tiles, const char* purpose);
-  // Unpins and applies the plan's deferred evictions, in this thread. Returns the error the work must report:
-  // `work_error` (the work's own failure, or null), joined by a deferred eviction's failure, which the work's
-  // handle reports with its cause (Note [A failed deferred eviction reaches the work]). Idempotent: a second call
-  // returns `work_error` unchanged.
-  [[nodiscard]] std::exception_ptr end_work(const std::shared_ptr<Work>& work, std::exception_ptr work_error = nullptr);
-  // The completion that is set once `work`'s tiles are readable.
-  static CompletionPtr<std::monostate> work_ready(const std::shared_ptr<Work>& work);
-
-  // -------- data-path access (engine code; tiles pinned by the caller's work)
-  // The primary buffer of a resident tile, or nullptr for an implicit-zero tile.
-  CarrierPtr tile_buffer(int64_t index) const;
-  // Publishes `buffers` (one full tile each, in within-tile order) as primary,
-  // dirty tiles in one commit and advances the version once.
-  void install_tiles(const std::vector<std::pair<int64_t, CarrierPtr>>& buffers);
-  // Marks every tile a valid implicit zero (fresh carriers: gradients).
-  void make_all_implicit();
-
-  // -------- gradient accumulation (engine code: autograd's tiled gradient sums)
-  // Every tile a gradient sum reads or writes is held while it does (Note [Gradient sums hold their tiles]).
-  //
-  // Pins every tile for reading through tile_value, without asking the policy or changing residency (the operands
-  // of a fresh gradient sum); end_work unpins. RuntimeError (asking to wait) when a tile is under an incomplete
-  // request or being added into, or is invalid; nothing is pinned then.
-  std::shared_ptr<Work> pin_for_reading();
-  // Tile `index`'s value without changing residency: nullptr for an implicit zero, the primary buffer itself for a
-  // resident tile (read it, never write it), or a fresh primary-kind buffer read from the secondary tier. The
-  // caller holds a pin on the tile (pin_for_reading, begin_work), so nothing evicts or writes it meanwhile.
-  // RuntimeError for an invalid tile or one a request or a sum is changing.
-  CarrierPtr tile_value(int64_t index) const;
-  // this += other, tile by tile and in place, for a gradient that only the caller is meant to observe (the caller
-  // checks that). `other` must have this carrier's geometry and dtype and be read with the same offset and Layout,
-  // so tile i of both holds the same logical values in the same order. Implicit tiles of `other` cost nothing; an
-  // implicit tile here takes `other`'s value (its buffer itself when `share_other`, i.e. `other` is a fresh
-  // gradient about to be dropped); a secondary tile here is read back and added to. The tiles written are held
-  // for the whole sum and `other`'s tiles pinned, so the sum lands whole or not at all. Returns false, changing
-  // nothing, when a tile is invalid, pinned or under an incomplete request or another sum; otherwise advances the
-  // version once when anything was added. An error (reading a secondary tile) changes nothing.
-  bool accumulate_tiles(TiledEvictable& other, bool share_other);
-
-  // An in-place write into one resident tile (a gradient sink: Note [Gradient sinks]). While it lives the tile is
-  // held (Note [Gradient sums hold their tiles]): requests, work, slot access and sums on it refuse with 'wait',
-  // and release waits. Destroying it without commit() ends the hold and leaves the tile as it was.
-  class TileWrite {
-   public:
-    TileWrite(const TileWrite&) = delete;
-    TileWrite& operator=(const TileWrite&) = delete;
-    ~TileWrite();
-    // The tile's primary buffer, dense Float32 in within-tile order; write only while the hold lives.
-    float* data() const noexcept { return data_; }
-    // The tile was written: dirty, its secondary copy stale, the version advanced; then the hold ends.
-    void commit();
-
-   private:
-    friend class TiledEvictable;
-    TileWrite(std::shared_ptr<TiledEvictable> owner, int64_t index, uint64_t hold, CarrierPtr buffer, float* data)
-        : owner_(std::move(owner)), index_(index), hold_(hold), buffer_(std::move(buffer)), data_(data) {}
-    std::shared_ptr<TiledEvictable> owner_;
-    int64_t index_;
-    uint64_t hold_;
-    CarrierPtr buffer_;
-    float* data_;
-    bool ended_ = false;
-  };
-  // Holds tile `index` for an in-place write when it is resident in native memory, unpinned and under no request
-  // or other sum; else nullptr, changing nothing. The carrier must be held by a std::shared_ptr.
-  std::unique_ptr<TileWrite> hold_tile_for_update(int64_t index);
 
   // -------- dirty tiles that would be discarded (Note [Dirty tiles are never discarded silently])
   // Whether the secondary tier is a file the user named (FileBacked with a filename): only then does discarding a
@@ -233,6 +177,7 @@ class TiledEvictable final : public DependentCarrier {
   std::string take_release_discard_warning();
   // The warning for a carrier of a named file still holding dirty tiles at interpreter exit, one per such live,
   // unreleased carrier; each is reported once (its destructor then stays silent).
+  // Blocks: the registry's lock and each such carrier's tile-table lock.
   static std::vector<std::string> exit_discard_warnings();
   // Called by the destructor of an unreleased carrier of a named file that still holds dirty tiles (and was not
   // reported at exit) with its warning; installed by the language binding. Must not throw.
@@ -240,10 +185,28 @@ class TiledEvictable final : public DependentCarrier {
   static void set_discard_reporter(DiscardReporter reporter) noexcept;
 
  protected:
+  // Blocks (release()): waits for the requests and work that began before it to end.
   void do_release() override;
   void check_releasable() const override;
 
  private:
+  // Engine hooks, documented in cpp/src/tiled/internal.hpp and reached only through TiledInternals.
+  friend struct TiledInternals;
+  friend class WorkToken;
+  struct Work;
+  class TileWrite;
+  // Pins `tiles` (after asking the policy) and lists in `missing` those the work must promote.
+  std::shared_ptr<Work> begin_work(const std::vector<int64_t>& tiles, const char* purpose,
+                                   std::vector<int64_t>& missing);
+  [[nodiscard]] std::exception_ptr end_work(const std::shared_ptr<Work>& work, std::exception_ptr work_error);
+  std::shared_ptr<Work> pin_for_reading();
+  CarrierPtr tile_buffer(int64_t index) const;
+  CarrierPtr tile_value(int64_t index) const;
+  void install_tiles(const std::vector<std::pair<int64_t, CarrierPtr>>& buffers);
+  bool accumulate_tiles(TiledEvictable& other, bool share_other);
+  std::unique_ptr<TileWrite> hold_tile_for_update(int64_t index);
+  bool only_reference_is(const CarrierPtr& self) const;
+
   struct Tile {
     TileLocation loc = TileLocation::Invalid;
     bool dirty = false;
@@ -278,7 +241,6 @@ class TiledEvictable final : public DependentCarrier {
   // Blocking promotion of one tile for slot access (lock held by caller is released inside).
   const Tile& readable_tile(int64_t index, std::unique_lock<std::mutex>& lock) const;
   void ensure_secondary_storage();
-  void check_table_size() const;  // Note [Tile table limits]
   [[noreturn]] void pending_conflict(int64_t index, const char* what) const;
   // Ends a sum's hold `hold` on `tiles` (lock held by the caller); Note [Gradient sums hold their tiles].
   void end_hold_locked(std::span<const int64_t> tiles, uint64_t hold);
@@ -292,10 +254,7 @@ class TiledEvictable final : public DependentCarrier {
   static void unlock_tile_tables();
   static void restart_tile_tables_in_child();
 
-  std::vector<int64_t> grid_, tile_, logical_;
-  int64_t tile_count_ = 0, tile_size_ = 0, total_ = 0;
-  std::vector<int64_t> slot_stride_;  // dense strides of logical_shape
-  std::vector<std::vector<Run>> runs_;
+  TileGeometry geometry_;
   CarrierPtr primary_, secondary_;
   Claim primary_claim_, secondary_claim_;
   std::shared_ptr<ResidencyPolicy> policy_;

@@ -1,0 +1,315 @@
+// Residency requests of a TiledEvictable: promote, evict (Note [A read-only secondary tier]), the transfers on
+// the I/O threads (Note [One writer per file]) and the all-or-nothing commit (Note [Letting go before completing]).
+// A flush is a request too; it is built in durability.cpp.
+#include <algorithm>
+#include <functional>
+#include <sstream>
+
+#include "strideweave/carriers/native.hpp"
+#include "strideweave/carriers/storage.hpp"
+#include "strideweave/errors.hpp"
+#include "internal.hpp"
+
+namespace sw {
+
+// ---------------------------------------------------------------- residency requests
+
+void TiledEvictable::ensure_secondary_storage() {
+  if (secondary_->size() == 0) secondary_->grow(geometry_.size(), false);
+}
+
+CompletionPtr<std::monostate> TiledEvictable::promote_async(const std::vector<int64_t>& tiles) {
+  return promote_tiles(tiles, false);
+}
+
+CompletionPtr<std::monostate> TiledEvictable::promote_tiles(const std::vector<int64_t>& tiles, bool inline_) {
+  check_live("promote tiles");
+  auto r = std::make_shared<Request>();
+  r->promote = true;
+  {
+    std::lock_guard lock(mutex_);
+    check_live("promote tiles");  // again under the lock: see Note [Release races with requests]
+    std::vector<int64_t> uniq = tiles;
+    std::sort(uniq.begin(), uniq.end());
+    uniq.erase(std::unique(uniq.begin(), uniq.end()), uniq.end());
+    for (int64_t i : uniq) {
+      const Tile& t = tiles_[i];
+      if (t.pending) pending_conflict(i, "promoting it");
+      if (t.loc == TileLocation::Invalid)
+        raise<RuntimeError>("tile ", coord_str(tile_coord(i)), " of TiledEvictable is invalid: it has no value to promote");
+    }
+    for (int64_t i : uniq)
+      if (tiles_[i].loc != TileLocation::Primary) r->tiles.push_back(i);
+    if (r->tiles.empty()) {
+      r->done->set_value({});
+      return r->done;
+    }
+    r->id = next_request_++;
+    for (int64_t i : r->tiles) tiles_[i].pending = r->id;
+    active_requests_++;
+  }
+  start_request(r, inline_);
+  return r->done;
+}
+
+CompletionPtr<std::monostate> TiledEvictable::evict_async(const std::vector<int64_t>& tiles) {
+  return evict_tiles(tiles, false);
+}
+
+CompletionPtr<std::monostate> TiledEvictable::evict_tiles(const std::vector<int64_t>& tiles, bool inline_) {
+  check_live("evict tiles");
+  auto r = std::make_shared<Request>();
+  r->promote = false;
+  {
+    std::lock_guard lock(mutex_);
+    check_live("evict tiles");  // again under the lock: see Note [Release races with requests]
+    prepare_eviction(tiles, *r, /*deferred=*/false);
+    if (r->tiles.empty()) {
+      r->done->set_value({});
+      return r->done;
+    }
+  }
+  start_request(r, inline_);
+  return r->done;
+}
+
+void TiledEvictable::prepare_eviction(std::vector<int64_t> tiles, Request& r, bool deferred) {
+  std::sort(tiles.begin(), tiles.end());
+  tiles.erase(std::unique(tiles.begin(), tiles.end()), tiles.end());
+  for (int64_t i : tiles) {
+    const Tile& t = tiles_[i];
+    if (deferred) continue;
+    if (t.pending) pending_conflict(i, "evicting it");
+    if (t.pins > 0)
+      raise<RuntimeError>("tile ", coord_str(tile_coord(i)),
+                          " of TiledEvictable is pinned by running tiled work; wait for that work before evicting it");
+  }
+  // A deferred eviction leaves out a tile that other work pins or another request transitions: not the plan's to
+  // evict now (Note [A failed deferred eviction reaches the work]).
+  for (int64_t i : tiles) {
+    const Tile& t = tiles_[i];
+    if (t.loc == TileLocation::Primary && !(deferred && (t.pending || t.pins > 0))) r.tiles.push_back(i);
+  }
+  if (r.tiles.empty()) return;
+  check_secondary_writable(r.tiles, "evict");
+  ensure_secondary_storage();
+  r.id = next_request_++;
+  for (int64_t i : r.tiles) tiles_[i].pending = r.id;
+  active_requests_++;
+}
+
+// Note [A read-only secondary tier]: a secondary tier created with mutable=False is read in place and never
+// written (FileBacked(path, mutable=False) is a checkpoint opened O_RDONLY: the example's expert weights). Writing
+// a dirty tile there failed deep in the transfer ("pwrite ... EBADF") for a file, and for a tier whose read-only
+// mode is only a permission it would have written anyway. So an eviction or flush that would write a tile
+// (dirty, or with no valid secondary copy) refuses before anything changes, naming the tiles and the tier; a clean
+// tile whose secondary copy is valid is evicted without writing, as always.
+void TiledEvictable::check_secondary_writable(const std::vector<int64_t>& tiles, const char* what) const {
+  if (secondary_->created_mutable()) return;
+  std::vector<int64_t> dirty;
+  for (int64_t i : tiles)
+    if (tiles_[i].dirty || !tiles_[i].secondary_valid) dirty.push_back(i);
+  if (dirty.empty()) return;
+  raise<RuntimeError>("cannot ", what, " ", tile_list(dirty, "dirty "), " of TiledEvictable: its secondary tier ",
+                      secondary_description(), " is read-only (created with mutable=False), so ",
+                      dirty.size() == 1 ? "its value" : "their values", " cannot be written there; ",
+                      dirty.size() == 1 ? "it stays" : "they stay", " resident and dirty");
+}
+
+std::string TiledEvictable::secondary_description() const {
+  if (const auto* file = dynamic_cast<const FileBackedCarrier*>(secondary_.get()))
+    return "FileBacked '" + file->filename() + "'";
+  return secondary_->kind_name();
+}
+
+std::string TiledEvictable::tile_list(const std::vector<int64_t>& tiles, const char* adjective) const {
+  constexpr size_t kShown = 8;
+  std::ostringstream out;
+  out << adjective << (tiles.size() == 1 ? "tile " : "tiles ");
+  for (size_t k = 0; k < tiles.size() && k < kShown; ++k) out << (k ? ", " : "") << coord_str(tile_coord(tiles[k]));
+  if (tiles.size() > kShown) out << " and " << tiles.size() - kShown << " more";
+  return out.str();
+}
+
+void TiledEvictable::start_request(const std::shared_ptr<Request>& r, bool inline_) {
+  const size_t n = r->tiles.size();
+  r->staged.resize(n);
+  r->wrote.assign(n, 0);
+  r->remaining.store(n);
+  // Each tile's state when the request starts (its pending mark keeps it so until the commit).
+  struct Start {
+    TileLocation loc;
+    bool needs_write;
+    CarrierPtr buffer;
+  };
+  std::vector<Start> start(n);
+  bool writes = false;
+  {
+    std::lock_guard lock(mutex_);
+    for (size_t k = 0; k < n; ++k) {
+      const Tile& t = tiles_[r->tiles[k]];
+      start[k] = {t.loc, t.dirty || !t.secondary_valid, t.buffer};
+      writes = writes || (!r->promote && start[k].needs_write);
+    }
+  }
+  if (writes) {
+    // Once per eviction request, before any tile is written: a named secondary file that was deleted, replaced
+    // or truncated fails the whole request, which then changes nothing (Note [Files changed under a carrier]).
+    try {
+      secondary_->check_storage_intact("evict tiles to it");
+    } catch (...) {
+      r->error = std::current_exception();
+      r->remaining.store(0);
+      commit(r);
+      return;
+    }
+  }
+  // Queued work holds a reference (through the request); a carrier no shared_ptr owns yet runs its transfers
+  // inline.
+  // Counted before it is taken, and uncounted after it is dropped (Note [Requests' own references]).
+  if (!inline_) {
+    r->owner_count = request_refs_;
+    r->owner_count->fetch_add(1, std::memory_order_seq_cst);
+    r->owner = std::static_pointer_cast<TiledEvictable>(weak_from_this().lock());
+    if (!r->owner) {
+      r->owner_count->fetch_sub(1, std::memory_order_seq_cst);
+      r->owner_count.reset();
+      inline_ = true;
+    }
+  }
+  if (n == 0) {  // a flush with nothing to write: only the sync (Note [Flushing tiles])
+    if (inline_) complete(r);
+    else Executor::io().submit([this, r] { complete(r); });
+    return;
+  }
+  // Note [One writer per file]: buffered writes to one file serialise on its inode lock, and writers waiting
+  // for it spin; so an eviction into a FileBacked tier writes its tiles one after another in one job (the other
+  // I/O threads stay free for promotions). Reads, and writes to other tiers, run one job per tile.
+  const bool one_job = !inline_ && !r->promote && n > 1 && &secondary_->kind() == &file_backed_kind();
+  std::vector<std::function<void()>> chain;
+  for (size_t k = 0; k < n; ++k) {
+    const int64_t index = r->tiles[k];
+    const TileLocation loc = start[k].loc;
+    const bool needs_write = start[k].needs_write;
+    CarrierPtr buffer = std::move(start[k].buffer);
+    auto job = [this, r, k, index, loc, needs_write, buffer]() mutable {
+      TiledEvictable* me = this;
+      CarrierPtr staged;
+      std::exception_ptr error;
+      try {
+        if (r->promote) {
+          staged = me->primary_->allocate_like(me->tile_size(), true, me->dtype(), loc == TileLocation::Secondary);
+          if (loc == TileLocation::Secondary)
+            for (const Run& run : me->geometry_.footprint_runs(index))
+              copy_slots(*me->secondary_, run.offset, *staged, run.ordinal, run.length);
+        } else if (needs_write) {
+          for (const Run& run : me->geometry_.footprint_runs(index))
+            copy_slots(*buffer, run.ordinal, *me->secondary_, run.offset, run.length);
+          r->wrote[k] = 1;
+        }
+      } catch (...) {
+        error = std::current_exception();
+      }
+      buffer.reset();  // an evicted tile's memory is not held past the transfer
+      me->finish_tile(r, k, std::move(staged), std::move(error));
+    };
+    // A cold read that bypasses the page cache waits on the device, not the CPU (Note [Background I/O threads]).
+    bool device_read = r->promote && loc == TileLocation::Secondary && !inline_;
+    const FootprintRuns runs = geometry_.footprint_runs(index);
+    for (auto q = runs.begin(); device_read && q != runs.end(); ++q)
+      device_read = secondary_->read_waits_on_device((*q).offset, (*q).length);
+    // r->owner keeps the carrier alive while queued work runs; inline work runs under the caller's reference.
+    if (inline_) job();
+    else if (one_job) chain.emplace_back(std::move(job));
+    else (device_read ? Executor::device_reads() : Executor::io()).submit(std::move(job));
+  }
+  if (!chain.empty())
+    Executor::io().submit([chain = std::move(chain)]() mutable {
+      for (auto& job : chain) {
+        job();
+        job = nullptr;  // each tile's captures go as soon as it is written
+      }
+    });
+}
+
+void TiledEvictable::finish_tile(const std::shared_ptr<Request>& r, size_t k, CarrierPtr buffer, std::exception_ptr error) {
+  {
+    std::lock_guard lock(r->m);
+    r->staged[k] = std::move(buffer);
+    if (error && !r->error) r->error = std::move(error);
+  }
+  if (r->remaining.fetch_sub(1) == 1) complete(r);
+}
+
+void TiledEvictable::complete(const std::shared_ptr<Request>& r) {
+  // Every transfer has returned; a flush's tiles are clean only once the tier holds them durably.
+  if (r->flush && !r->error) {
+    try {
+      secondary_->flush();
+    } catch (...) {
+      r->error = std::current_exception();
+    }
+  }
+  commit(r);
+}
+
+void TiledEvictable::commit(const std::shared_ptr<Request>& r) {
+  std::vector<CarrierPtr> discard;
+  {
+    std::lock_guard lock(mutex_);
+    const int64_t bytes = tile_size() * static_cast<int64_t>(slot_bytes(dtype()));
+    for (size_t k = 0; k < r->tiles.size(); ++k) {
+      Tile& t = tiles_[r->tiles[k]];
+      t.pending = 0;
+      if (r->error) continue;  // all-or-nothing: the prior state stands
+      if (r->promote) {
+        bool was_implicit = t.loc == TileLocation::Implicit;
+        t.buffer = std::move(r->staged[k]);
+        t.loc = TileLocation::Primary;
+        t.dirty = was_implicit;
+        t.secondary_valid = !was_implicit;
+        stats_.promotions++;
+        if (!was_implicit) stats_.bytes_promoted += bytes;
+        stats_.primary_tiles++;
+        stats_.primary_bytes += bytes;
+      } else if (r->flush) {
+        t.dirty = false;
+        t.secondary_valid = true;
+        stats_.flushes++;
+        stats_.bytes_flushed += bytes;
+      } else {
+        discard.push_back(std::move(t.buffer));
+        t.loc = TileLocation::Secondary;
+        t.dirty = false;
+        t.secondary_valid = true;
+        stats_.evictions++;
+        if (r->wrote[k]) stats_.bytes_evicted += bytes;
+        else stats_.writes_skipped++;
+        stats_.primary_tiles--;
+        stats_.primary_bytes -= bytes;
+      }
+    }
+    if (r->error) r->staged.clear();
+    active_requests_--;
+  }
+  idle_cv_.notify_all();
+  for (auto& b : discard)
+    if (b) b->release();
+  discard.clear();
+  // Note [Letting go before completing]: whoever waits for `done` may next ask whether it holds the only
+  // reference to this carrier (a tiled gradient adds in place only then; otherwise it builds a new one with
+  // every tile read back into memory). So the request drops its reference first. `this` may be destroyed by
+  // that; nothing below touches it.
+  // The error moves into the completion: the request keeps no share of it, so the exception is destroyed with
+  // the completion, by whoever drops that last.
+  std::shared_ptr<TiledEvictable> owner = std::move(r->owner);
+  owner.reset();
+  if (r->owner_count) {
+    r->owner_count->fetch_sub(1, std::memory_order_seq_cst);
+    r->owner_count.reset();
+  }
+  if (std::exception_ptr error = std::move(r->error)) r->done->set_error(std::move(error));
+  else r->done->set_value({});
+}
+
+}  // namespace sw

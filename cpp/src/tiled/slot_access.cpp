@@ -1,0 +1,143 @@
+// Slot access of a TiledEvictable (the Carrier interface): reads (Note [Reading a slot never moves a tile]),
+// writes (a write promotes first), bulk forms and allocate_like.
+#include <algorithm>
+
+#include "strideweave/errors.hpp"
+#include "internal.hpp"
+
+namespace sw {
+
+// ---------------------------------------------------------------- data access
+
+const TiledEvictable::Tile& TiledEvictable::readable_tile(int64_t index, std::unique_lock<std::mutex>& lock) const {
+  for (;;) {
+    const Tile& t = tiles_[index];
+    if (t.pending) pending_conflict(index, "accessing its values");
+    if (t.loc == TileLocation::Invalid)
+      raise<RuntimeError>("tile ", coord_str(tile_coord(index)), " of TiledEvictable is invalid: it has no value yet");
+    if (t.loc != TileLocation::Secondary) return t;
+    // A secondary tile is promoted first.
+    lock.unlock();
+    const_cast<TiledEvictable*>(this)->promote_tiles({index}, /*inline_=*/true)->value();
+    lock.lock();
+  }
+}
+
+// Note [Reading a slot never moves a tile]: reading a slot of a tile that
+// lives in the secondary tier reads that slot through the secondary (which
+// holds the full extent in slot order), and the tile stays where it is: a
+// read is not a residency decision, and promoting a whole tile to read one
+// slot would also evict others under a residency budget. Writes still
+// promote first (the primary holds the only dirty copy). The read runs
+// outside the tile-table lock, so a user storage kind's provider is never
+// called under it, and counts as active work, so release() waits for it (or
+// refuses) instead of freeing the secondary under it. A concurrent promotion
+// only reads the secondary; an eviction can only write it after a promotion
+// and a write, which the read does not overlap in any order that matters
+// (it returns the value before that write, as if it had run first).
+Value TiledEvictable::read_value(int64_t slot) const {
+  auto [index, within] = locate(slot);
+  std::unique_lock lock(mutex_);
+  {
+    const Tile& t = tiles_[index];
+    if (t.pending) pending_conflict(index, "accessing its values");
+    if (t.loc == TileLocation::Secondary) {
+      auto* self = const_cast<TiledEvictable*>(this);
+      self->active_work_++;
+      lock.unlock();
+      struct EndRead {
+        TiledEvictable* self;
+        ~EndRead() {
+          std::lock_guard l(self->mutex_);
+          self->active_work_--;
+          self->idle_cv_.notify_all();
+        }
+      } end{self};
+      return secondary_->read_value(slot);
+    }
+  }
+  const Tile& t = readable_tile(index, lock);
+  if (t.loc == TileLocation::Implicit) {
+    switch (dtype().id()) {
+      case DTypeId::Int32: return Value::from_int(0);
+      case DTypeId::Bool: return Value::from_bool(false);
+      default: return Value::from_float(0.0);
+    }
+  }
+  return t.buffer->read_value(within);
+}
+
+void TiledEvictable::write_value(int64_t slot, const Value& value) {
+  auto [index, within] = locate(slot);
+  std::unique_lock lock(mutex_);
+  for (;;) {
+    const Tile& t = readable_tile(index, lock);
+    if (t.loc == TileLocation::Primary) break;
+    lock.unlock();  // implicit: materialise a zero buffer first
+    promote_tiles({index}, /*inline_=*/true)->value();
+    lock.lock();
+  }
+  Tile& t = tiles_[index];
+  if (t.pins > 0)
+    raise<RuntimeError>("tile ", coord_str(tile_coord(index)),
+                        " of TiledEvictable is pinned by running tiled work (its values must stay as they were); "
+                        "wait for that work before writing");
+  t.buffer->write_value(within, value);
+  t.dirty = true;
+}
+
+void TiledEvictable::read_slots(int64_t start, int64_t count, void* out) const {
+  auto* bytes = static_cast<std::byte*>(out);
+  const size_t w = slot_bytes(dtype());
+  for (int64_t k = 0; k < count; ++k) store_value(dtype(), bytes + k * w, read_value(start + k));
+}
+
+void TiledEvictable::write_slots(int64_t start, int64_t count, const void* in) {
+  // A bulk write that covers the whole footprint of an invalid tile initialises it (new_like, gradients):
+  // such a tile gets a fresh primary buffer first, and the writes below fill all of it.
+  std::vector<int64_t> covered;
+  {
+    std::lock_guard lock(mutex_);
+    for (int64_t t = 0; t < tile_count(); ++t) {
+      if (tiles_[t].loc != TileLocation::Invalid || tiles_[t].pending) continue;
+      const auto& runs = geometry_.footprint_runs(t);
+      if (std::all_of(runs.begin(), runs.end(),
+                      [&](const Run& r) { return r.offset >= start && r.offset + r.length <= start + count; }))
+        covered.push_back(t);
+    }
+  }
+  for (int64_t t : covered) {
+    CarrierPtr buf = primary_->allocate_like(tile_size(), true, dtype(), true);  // outside the lock
+    std::lock_guard lock(mutex_);
+    Tile& tile = tiles_[t];
+    if (tile.loc != TileLocation::Invalid || tile.pending) continue;
+    tile.buffer = std::move(buf);
+    tile.loc = TileLocation::Primary;
+    tile.dirty = true;
+    tile.secondary_valid = false;
+    stats_.primary_tiles++;
+    stats_.primary_bytes += tile_size() * static_cast<int64_t>(slot_bytes(dtype()));
+  }
+  auto* bytes = static_cast<const std::byte*>(in);
+  const size_t w = slot_bytes(dtype());
+  for (int64_t k = 0; k < count; ++k) write_value(start + k, load_value(dtype(), bytes + k * w));
+}
+
+bool TiledEvictable::supports_storage_dtype(const DType& d) const {
+  return primary_->supports_storage_dtype(d) && secondary_->supports_storage_dtype(d);
+}
+
+CarrierPtr TiledEvictable::allocate_like(int64_t slots, bool is_mutable, const DType& d, bool empty) const {
+  if (slots != 0 && slots != geometry_.size())
+    raise<ValueError>("TiledEvictable.allocate_like size must be 0 or the full extent ", geometry_.size(), ", got ", slots);
+  CarrierPtr p = primary_->allocate_like(0, true, d, true);
+  CarrierPtr s = secondary_->allocate_like(0, true, d, true);
+  auto out = std::make_shared<TiledEvictable>(p, s, grid_shape(), tile_shape(), policy_, is_mutable);
+  if (!empty) {
+    std::lock_guard lock(out->mutex_);
+    for (auto& t : out->tiles_) t.loc = TileLocation::Implicit;
+  }
+  return out;
+}
+
+}  // namespace sw

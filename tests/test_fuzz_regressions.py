@@ -1,0 +1,105 @@
+"""Regression cases the fuzz tests found (fuzzing.py), kept as plain tests."""
+
+from __future__ import annotations
+
+import gc
+import math
+
+import pytest
+
+import strideweave as sw
+from strideweave import Shape, Tensor
+from strideweave.carriers.tiled_evictable import TiledEvictable, TileSelection, TileSet
+
+from fuzzing import tile_table_too_big
+
+pytestmark = pytest.mark.usefixtures("fuzz_report", "fuzz_watchdog", "clear_io_faults", "grad_mode_on")
+
+
+# ================================================================ regression cases found by the fuzz tests
+
+
+def test_regression_tensor_offset_near_int64_max():
+    for off in (2**63 - 1, 2**63 - 2, 2**62):
+        with pytest.raises(ValueError, match="exceeds"):
+            Tensor(sw.CPU(4), off, sw.column_major(2))
+
+
+@pytest.mark.parametrize("grid,tile", [((2**32, 2**32), (1, 1)), ((2**62,), (2,)), ((1, 1), (2**32, 2**32)),
+                                       ((2**31, 2**31, 2), (1, 1, 1))])
+
+
+def test_regression_tiled_extent_overflow(grid, tile):
+    p, s = sw.CPU(0), sw.CPU(0)
+    with pytest.raises(ValueError, match="2\\*\\*62"):
+        TiledEvictable(p, s, grid, tile)
+    assert not p.is_owned() and not s.is_owned()
+
+
+@pytest.mark.parametrize("grid,tile,fragment", [
+    ((10**7, 10**7), (1, 1), "has 100000000000000 tiles; at most 2**24 (16777216) tiles are supported"),
+    ((2**40,), (1,), "has 1099511627776 tiles; at most 2**24"),
+    ((2**24 + 1,), (1,), "has 16777217 tiles; at most 2**24"),
+    ((4096, 4097), (1, 1), "has 16781312 tiles"),
+    ((2, 1), (1, 2**40), "need 2199023255552 contiguous runs; at most 2**26 (67108864) are supported"),
+    ((2, 1), (3, 2**25 + 1), "need 67108866 contiguous runs"),
+])
+def test_regression_tile_table_limits(grid, tile, fragment):
+    """A geometry within the 2**62 extent whose tile table would be too big: ValueError up front, no giant
+    allocation (Note [Tile table limits]), and nothing claimed or changed: the tiers build a sane carrier."""
+    import resource
+
+    p, s = sw.CPU(0), sw.FileBacked()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(ValueError) as info:
+        TiledEvictable(p, s, grid, tile)
+    assert fragment in str(info.value) and "TiledEvictable" in str(info.value)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 64 * 1024  # KiB: nothing was built
+    assert not p.is_owned() and not s.is_owned() and p.size() == 0 and s.size() == 0
+    assert not p.is_released() and not s.is_released() and p.is_mutable() and s.is_mutable()
+    c = TiledEvictable(p, s, (2,), (2,))
+    assert c.size() == 4 and p.is_owned() and s.is_owned()
+    c.release()
+
+
+@pytest.mark.parametrize("grid,tile", [((1, 4), (2**30, 2**27)), ((1, 1, 3), (2**20, 2**20, 2**10)), ((4,), (2**40,))])
+def test_tile_table_limits_count_coalesced_runs(grid, tile):
+    """Huge tiles with few runs are fine: a footprint's axes coalesce into one run while the grid axes
+    before them are 1 (4 tiles of 2**57 slots are 4 runs, not 2**29)."""
+    assert not tile_table_too_big(grid, tile)
+    c = TiledEvictable(sw.CPU(0), sw.FileBacked(), grid, tile)
+    assert c.grid_shape == grid and c.tile_shape == tile and c.size() == math.prod(grid) * math.prod(tile)
+    assert c.tile_state(tuple(g - 1 for g in grid)).location == "invalid"
+    c.release()
+
+
+@pytest.mark.parametrize("grid", [(10**30,), (2**63,), (1, 2**64)])
+def test_regression_grid_extent_beyond_int64(grid):
+    p, s = sw.CPU(0), sw.FileBacked()
+    with pytest.raises(ValueError, match="grid_shape .* is out of range"):
+        TiledEvictable(p, s, grid, (1,) * len(grid))
+    assert not p.is_owned() and not s.is_owned()
+
+
+def test_regression_tile_coordinates_beyond_int64():
+    c = TiledEvictable(sw.CPU(0), sw.CPU(8), (4,), (2,))
+    full = Tensor(c, 0, sw.column_major(8))
+    for bad in (2**63, 2**70):
+        with pytest.raises(ValueError, match="out of range"):
+            c.promote(TileSet([(bad,)]))
+        with pytest.raises(ValueError, match="out of range"):
+            c.project(full, TileSelection([[bad]]))
+    assert c.tile_state((0,)).location == "secondary"
+    c.release()
+
+
+def test_regression_deeply_nested_coordinate():
+    key = [1]
+    for _ in range(100_000):
+        key = [key]
+    t = sw.friendly.tensor([1.0, 2.0])
+    for call in (lambda: Shape(2, 3).encode(key), lambda: sw.column_major(2, 3).index(key), lambda: t[key],
+                 lambda: t.__setitem__(key, 1.0)):
+        with pytest.raises(ValueError, match="deeper than 64"):
+            call()
+    gc.collect()
