@@ -12,7 +12,7 @@ PYTHON ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
 JOBS ?= $(shell nproc)
-APT_PACKAGES := libgtest-dev libopenblas-dev g++
+APT_PACKAGES := libgtest-dev libopenblas-dev g++ nlohmann-json3-dev
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 CMAKE := $(VENV)/bin/cmake
 

@@ -1,5 +1,7 @@
 #include "strideweave/carriers/storage.hpp"
 
+#include "files.hpp"
+
 #include <fcntl.h>
 #include <linux/fs.h>
 #include <sys/ioctl.h>
@@ -31,7 +33,8 @@ const CarrierKind& evictable_kind() {
   return k;
 }
 
-namespace {
+namespace detail {
+
 bool file_dtype(const DType& d) { return d.id() == DTypeId::Float32 || d.id() == DTypeId::Int32; }
 
 std::string temp_dir() {
@@ -121,7 +124,14 @@ std::string absolute_path(const std::string& path) {
   std::filesystem::path p = std::filesystem::absolute(path, ec);
   return ec ? path : p.string();
 }
-}  // namespace
+}  // namespace detail
+
+using detail::absolute_path;
+using detail::file_dtype;
+using detail::check_file_intact;
+using detail::open_anonymous;
+using detail::stat_open_file;
+using detail::temp_dir;
 
 // ---------------------------------------------------------------- FileBacked
 

@@ -1,0 +1,132 @@
+// strideweave/carriers/checkpoint.hpp — the checkpoint tier: a storage-only
+// carrier whose slots are byte ranges of existing files, where they lie.
+//
+// Note [A checkpoint tier]: a model checkpoint holds each expert's matrix as
+// one byte range of one file (safetensors: a data area after a JSON header;
+// sharded checkpoints spread the tensors over several files). A checkpoint
+// tier is the concatenation, in slot order, of such ranges: range r holds
+// slots [start_r, start_r + slots_r) at byte offset offset_r of its file. A
+// TiledEvictable over it whose tile t is range t (one tile per tensor) promotes
+// a tile with exactly one read of that range, and touches no other byte of the
+// file: nothing is copied into a file of our own first.
+//
+// Writes. A checkpoint is an input, usually shared (a cache of downloaded
+// models), so by default its files are opened read-only and never written
+// (Writes::Overlay): the first write to a range copies the range's bytes
+// into a scratch file (an anonymous file in the checkpoint's folder, or in
+// TMPDIR where that folder is not writable; Note [Anonymous files leave no
+// name] in storage.cpp) unless the write covers the whole range, and from then
+// on that range is read and written there. The scratch file vanishes with the
+// carrier. Writes::InPlace opens the files read-write and writes each range
+// where it lies (fine-tuning a private copy).
+//
+// Files. Each file is opened once (CheckpointFile) and shared by every carrier
+// over it; a named file that is deleted, replaced or truncated while in use
+// fails the next batch of writes with RuntimeError, as FileBacked does (Note
+// [Files changed under a carrier] in storage.cpp), and reads past a truncated
+// end fail (Note [A short read is an error] in io.cpp).
+//
+// allocate_like gives scratch space for values that are not the checkpoint's
+// (a gradient of a checkpoint-backed weight): an empty anonymous FileBacked.
+//
+// Thread-safety: reads and writes of distinct slots may run concurrently from
+// any thread (the I/O threads of a TiledEvictable do); concurrent writes to
+// the same slots race as on plain memory. The first write to a range takes a
+// lock while it copies the range into the overlay (once per range).
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "strideweave/carrier.hpp"
+
+namespace sw {
+
+const CarrierKind& checkpoint_kind();
+
+// One file of a checkpoint, opened once. ValueError for a path with a NUL byte or a directory; RuntimeError when
+// it cannot be opened.
+class CheckpointFile {
+ public:
+  CheckpointFile(const std::string& path, bool writable);
+  ~CheckpointFile();
+  CheckpointFile(const CheckpointFile&) = delete;
+  CheckpointFile& operator=(const CheckpointFile&) = delete;
+
+  const std::string& path() const noexcept { return path_; }
+  int fd() const noexcept { return fd_; }
+  bool writable() const noexcept { return writable_; }
+  uint64_t size_at_open() const noexcept { return size_; }
+  // RuntimeError naming the file and `action` when its name no longer leads to it or it was truncated below
+  // `need_bytes`.
+  void check_intact(uint64_t need_bytes, const char* action) const;
+  // Bytes read from this file through checkpoint carriers since it was opened (tests, stats).
+  uint64_t bytes_read() const noexcept { return bytes_read_.load(std::memory_order_relaxed); }
+  void count_read(uint64_t bytes) const noexcept { bytes_read_.fetch_add(bytes, std::memory_order_relaxed); }
+
+ private:
+  std::string path_, absolute_;
+  bool writable_;
+  int fd_ = -1;
+  uint64_t size_ = 0;
+  mutable std::atomic<uint64_t> bytes_read_{0};
+};
+
+class CheckpointCarrier final : public Carrier {
+ public:
+  enum class Writes { Overlay, InPlace };
+  // One byte range of a file: `slots` slots of the carrier's dtype at byte `offset`.
+  struct Range {
+    std::shared_ptr<CheckpointFile> file;
+    uint64_t offset = 0;
+    int64_t slots = 0;
+  };
+  // ValueError when a range does not lie inside its file, or InPlace is asked of a file opened read-only;
+  // TypeError for a dtype without a fixed element size.
+  CheckpointCarrier(std::vector<Range> ranges, const DType& dtype, Writes writes);
+  ~CheckpointCarrier() override;
+
+  int64_t size() const override { return is_released() ? 0 : total_; }
+  void read_slots(int64_t start, int64_t count, void* out) const override;
+  void write_slots(int64_t start, int64_t count, const void* in) override;
+  bool supports_storage_dtype(const DType& dtype) const override;
+  bool can_grow() const override { return false; }
+  void check_storage_intact(const char* action) const override;
+  // InPlace: fsync of every file written. Overlay: nothing (the overlay is scratch, gone with the carrier).
+  void flush() override;
+  CarrierPtr allocate_like(int64_t slots, bool is_mutable, const DType& dtype, bool empty) const override;
+
+  Writes writes() const noexcept { return writes_; }
+  const std::vector<Range>& ranges() const noexcept { return ranges_; }
+  // Ranges whose values now live in the overlay (Writes::Overlay).
+  int64_t overlaid_ranges() const;
+
+ protected:
+  void do_release() override;
+
+ private:
+  // Index of the range holding `slot`.
+  size_t range_of(int64_t slot) const;
+  // The overlay offset of range r, copying the range there first unless `whole` (Writes::Overlay).
+  int64_t overlay_for(size_t r, bool whole);
+  template <class F>
+  void for_pieces(int64_t start, int64_t count, F&& f) const;
+
+  std::vector<Range> ranges_;
+  std::vector<std::pair<std::shared_ptr<CheckpointFile>, uint64_t>> files_;  // each file once, with the bytes it must hold
+  std::vector<int64_t> starts_;  // starts_[r]: first slot of range r; starts_.back() == total_
+  int64_t total_ = 0;
+  size_t itemsize_;
+  Writes writes_;
+  // Overlay: byte offset of each range in the scratch file, -1 while it lives in the checkpoint.
+  std::unique_ptr<std::atomic<int64_t>[]> overlay_at_;
+  mutable std::mutex overlay_mutex_;  // guards overlay_fd_/overlay_end_ and first writes
+  int overlay_fd_ = -1;
+  std::string overlay_name_;
+  int64_t overlay_end_ = 0;
+};
+
+}  // namespace sw

@@ -1,0 +1,304 @@
+// 16-bit floating-point conversions and products. See Note [Half-precision
+// conversions] and Note [Products of half-precision operands] in half.hpp.
+#include "half.hpp"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <atomic>
+#include <cstring>
+
+#include "strided.hpp"
+
+// GCC 12 reports the intrinsics header's own deliberately undefined vector in
+// _mm512_reduce_add_ps as used uninitialized.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+#define SW_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
+#define SW_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma")))
+
+namespace sw::detail {
+
+namespace {
+
+std::atomic<bool> g_portable{false};
+
+bool has_avx512() {
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+                         __builtin_cpu_supports("fma");
+  return ok && !g_portable.load(std::memory_order_relaxed);
+}
+
+bool has_avx512_bf16() {
+  static const bool ok = __builtin_cpu_supports("avx512bf16");
+  return ok && has_avx512();
+}
+
+uint32_t bits_of(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+float float_of(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline __mmask16 lanes16(int64_t r) {
+  return r >= 16 ? __mmask16(0xFFFF) : r <= 0 ? __mmask16(0) : __mmask16((1u << r) - 1u);
+}
+inline __mmask32 lanes32(int64_t r) {
+  return r >= 32 ? __mmask32(0xFFFFFFFFu) : r <= 0 ? __mmask32(0) : __mmask32((1u << r) - 1u);
+}
+
+// ---------------------------------------------------------------- conversions, AVX-512F
+
+SW_AVX512 __m512 widen_bf16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+
+// Round to nearest even on the integer bits; NaN -> quiet NaN (Note [Half-precision conversions]).
+SW_AVX512 __m256i narrow_bf16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  const __m512i r = _mm512_mask_or_epi32(rounded, nan, u, _mm512_set1_epi32(0x00400000));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+
+SW_AVX512 void bf16_to_f32_avx512(const uint16_t* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = lanes16(n - i);
+    _mm512_mask_storeu_ps(dst + i, m, widen_bf16(_mm256_maskz_loadu_epi16(m, src + i)));
+  }
+}
+
+SW_AVX512 void f32_to_bf16_avx512(const float* src, uint16_t* dst, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = lanes16(n - i);
+    _mm256_mask_storeu_epi16(dst + i, m, narrow_bf16(_mm512_maskz_loadu_ps(m, src + i)));
+  }
+}
+
+SW_AVX512 void f16_to_f32_avx512(const uint16_t* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = lanes16(n - i);
+    _mm512_mask_storeu_ps(dst + i, m, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, src + i)));
+  }
+}
+
+SW_AVX512 void f32_to_f16_avx512(const float* src, uint16_t* dst, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = lanes16(n - i);
+    const __m256i h = _mm512_cvtps_ph(_mm512_maskz_loadu_ps(m, src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm256_mask_storeu_epi16(dst + i, m, h);
+  }
+}
+
+// ---------------------------------------------------------------- products
+// Blocks of MR rows of A by NR rows of B, each an inner-product over p; every
+// accumulator is one zmm of Float32 partial sums, reduced once at the end.
+
+template <int MR, int NR>
+SW_AVX512_BF16 void block_bf16_dp(int64_t k, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb,
+                                  float* out) {
+  __m512 acc[MR][NR];
+#pragma GCC unroll 4
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < k; p += 32) {
+    const __mmask32 m = lanes32(k - p);
+    __m512bh a[MR];
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; ++i) a[i] = (__m512bh)_mm512_maskz_loadu_epi16(m, A + i * lda + p);
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) {
+      const __m512bh b = (__m512bh)_mm512_maskz_loadu_epi16(m, B + j * ldb + p);
+#pragma GCC unroll 4
+      for (int i = 0; i < MR; ++i) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], a[i], b);
+    }
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) out[i * NR + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+template <HalfKind K>
+SW_AVX512 __m512 widen16(const uint16_t* p, __mmask16 m) {
+  const __m256i h = _mm256_maskz_loadu_epi16(m, p);
+  if constexpr (K == HalfKind::BFloat16) return widen_bf16(h);
+  else return _mm512_cvtph_ps(h);
+}
+
+template <HalfKind K, int MR, int NR>
+SW_AVX512 void block_widen(int64_t k, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, float* out) {
+  __m512 acc[MR][NR];
+#pragma GCC unroll 4
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < k; p += 16) {
+    const __mmask16 m = lanes16(k - p);
+    __m512 a[MR];
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; ++i) a[i] = widen16<K>(A + i * lda + p, m);
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) {
+      const __m512 b = widen16<K>(B + j * ldb + p, m);
+#pragma GCC unroll 4
+      for (int i = 0; i < MR; ++i) acc[i][j] = _mm512_fmadd_ps(a[i], b, acc[i][j]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) out[i * NR + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+template <int MR, int NR>
+void block_scalar(HalfKind kind, int64_t k, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb,
+                  float* out) {
+  float (*widen)(uint16_t) noexcept = kind == HalfKind::BFloat16 ? bf16_to_float : f16_to_float;
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) {
+      float s = 0.f;
+      for (int64_t p = 0; p < k; ++p) s = std::fma(widen(A[i * lda + p]), widen(B[j * ldb + p]), s);
+      out[i * NR + j] = s;
+    }
+}
+
+constexpr int kMR = 4, kNR = 4;
+using BlockFn = void (*)(int64_t, const uint16_t*, int64_t, const uint16_t*, int64_t, float*);
+
+// One table of block kernels per path, indexed [rows - 1][columns - 1].
+template <template <int, int> class Pick>
+constexpr auto block_table() {
+  return std::array<std::array<BlockFn, kNR>, kMR>{{
+      {Pick<1, 1>::fn, Pick<1, 2>::fn, Pick<1, 3>::fn, Pick<1, 4>::fn},
+      {Pick<2, 1>::fn, Pick<2, 2>::fn, Pick<2, 3>::fn, Pick<2, 4>::fn},
+      {Pick<3, 1>::fn, Pick<3, 2>::fn, Pick<3, 3>::fn, Pick<3, 4>::fn},
+      {Pick<4, 1>::fn, Pick<4, 2>::fn, Pick<4, 3>::fn, Pick<4, 4>::fn},
+  }};
+}
+template <int MR, int NR> struct PickDp { static constexpr BlockFn fn = block_bf16_dp<MR, NR>; };
+template <int MR, int NR> struct PickWideBf { static constexpr BlockFn fn = block_widen<HalfKind::BFloat16, MR, NR>; };
+template <int MR, int NR> struct PickWideF16 { static constexpr BlockFn fn = block_widen<HalfKind::Float16, MR, NR>; };
+template <int MR, int NR> struct PickScalarBf {
+  static void run(int64_t k, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, float* out) {
+    block_scalar<MR, NR>(HalfKind::BFloat16, k, A, lda, B, ldb, out);
+  }
+  static constexpr BlockFn fn = run;
+};
+template <int MR, int NR> struct PickScalarF16 {
+  static void run(int64_t k, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, float* out) {
+    block_scalar<MR, NR>(HalfKind::Float16, k, A, lda, B, ldb, out);
+  }
+  static constexpr BlockFn fn = run;
+};
+
+constexpr auto kDpBlocks = block_table<PickDp>();
+constexpr auto kWideBfBlocks = block_table<PickWideBf>();
+constexpr auto kWideF16Blocks = block_table<PickWideF16>();
+constexpr auto kScalarBfBlocks = block_table<PickScalarBf>();
+constexpr auto kScalarF16Blocks = block_table<PickScalarF16>();
+
+const std::array<std::array<BlockFn, kNR>, kMR>& blocks_for(HalfKind kind) {
+  if (kind == HalfKind::BFloat16) return has_avx512_bf16() ? kDpBlocks : has_avx512() ? kWideBfBlocks : kScalarBfBlocks;
+  return has_avx512() ? kWideF16Blocks : kScalarF16Blocks;
+}
+
+// Work of at least this many multiply-adds is split over the compute threads (as the Float32 skinny kernels).
+constexpr int64_t kParallelMacs = int64_t{1} << 18;
+
+}  // namespace
+
+float bf16_to_float(uint16_t bits) noexcept { return float_of(uint32_t{bits} << 16); }
+
+uint16_t float_to_bf16(float value) noexcept {
+  const uint32_t u = bits_of(value);
+  if (value != value) return static_cast<uint16_t>((u | 0x00400000u) >> 16);
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+float f16_to_float(uint16_t h) noexcept {
+  const uint32_t sign = uint32_t{h & 0x8000u} << 16;
+  const uint32_t exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+  if (exp == 0x1F) return float_of(sign | 0x7F800000u | (man << 13));  // inf, NaN (payload kept)
+  if (exp != 0) return float_of(sign | ((exp + 112) << 23) | (man << 13));
+  // zero or subnormal: man * 2^-24, exact in Float32
+  const float mag = static_cast<float>(man) * 0x1p-24f;
+  return sign ? -mag : mag;
+}
+
+uint16_t float_to_f16(float value) noexcept {
+  const uint32_t u = bits_of(value);
+  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+  const uint32_t a = u & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return static_cast<uint16_t>(sign | 0x7E00u | ((a >> 13) & 0x3FFu));  // NaN -> quiet NaN
+  if (a >= 0x477FF000u) return static_cast<uint16_t>(sign | 0x7C00u);  // >= 65520: rounds to infinity
+  if (a < 0x38800000u) {  // below 2^-14: a subnormal (or zero) half, in units of 2^-24, rounded to nearest even
+    const float units = float_of(a) * 0x1p24f;  // exact: a power-of-two scaling of a value >= 2^-149
+    return static_cast<uint16_t>(sign | static_cast<uint16_t>(std::nearbyint(units)));
+  }
+  const uint32_t rounded = a + 0xFFFu + ((a >> 13) & 1u);
+  return static_cast<uint16_t>(sign | ((rounded - 0x38000000u) >> 13));
+}
+
+void bf16_to_f32(const uint16_t* src, float* dst, int64_t n) noexcept {
+  if (has_avx512()) return bf16_to_f32_avx512(src, dst, n);
+  for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_float(src[i]);
+}
+void f32_to_bf16(const float* src, uint16_t* dst, int64_t n) noexcept {
+  if (has_avx512()) return f32_to_bf16_avx512(src, dst, n);
+  for (int64_t i = 0; i < n; ++i) dst[i] = float_to_bf16(src[i]);
+}
+void f16_to_f32(const uint16_t* src, float* dst, int64_t n) noexcept {
+  if (has_avx512()) return f16_to_f32_avx512(src, dst, n);
+  for (int64_t i = 0; i < n; ++i) dst[i] = f16_to_float(src[i]);
+}
+void f32_to_f16(const float* src, uint16_t* dst, int64_t n) noexcept {
+  if (has_avx512()) return f32_to_f16_avx512(src, dst, n);
+  for (int64_t i = 0; i < n; ++i) dst[i] = float_to_f16(src[i]);
+}
+
+const char* half_gemm_path(HalfKind kind) {
+  if (kind == HalfKind::BFloat16 && has_avx512_bf16()) return "avx512-bf16";
+  return has_avx512() ? "avx512f" : "scalar";
+}
+
+bool force_portable_half_kernels(bool on) noexcept { return g_portable.exchange(on); }
+
+void half_gemm(HalfKind kind, int64_t m, int64_t n, int64_t k, const uint16_t* A, int64_t lda, const uint16_t* B,
+               int64_t ldb, float* C, int64_t c_si, int64_t c_sj, bool accumulate) {
+  if (m <= 0 || n <= 0) return;
+  const auto& blocks = blocks_for(kind);
+  // Rows of B in blocks of kNR, each block against every row of A: B (the large operand: a weight) streams
+  // through memory once, A (a few token rows) stays in cache.
+  const int64_t nblocks = (n + kNR - 1) / kNR;
+  auto run = [&](int64_t b0, int64_t b1) {
+    float out[kMR * kNR];
+    for (int64_t jb = b0; jb < b1; ++jb) {
+      const int64_t j0 = jb * kNR, nr = std::min<int64_t>(kNR, n - j0);
+      for (int64_t i0 = 0; i0 < m; i0 += kMR) {
+        const int64_t mr = std::min<int64_t>(kMR, m - i0);
+        blocks[static_cast<size_t>(mr - 1)][static_cast<size_t>(nr - 1)](k, A + i0 * lda, lda, B + j0 * ldb, ldb,
+                                                                         out);
+        for (int64_t i = 0; i < mr; ++i)
+          for (int64_t j = 0; j < nr; ++j) {
+            float& c = C[(i0 + i) * c_si + (j0 + j) * c_sj];
+            c = accumulate ? c + out[i * nr + j] : out[i * nr + j];
+          }
+      }
+    }
+  };
+  if (m * n * k < kParallelMacs) run(0, nblocks);
+  else parallel_for(nblocks, 1, run);
+}
+
+}  // namespace sw::detail

@@ -1,0 +1,148 @@
+// The checkpoint tier (Note [A checkpoint tier]): slots read where they lie in
+// existing files, writes into a copy-on-write overlay that never changes the
+// files (or in place when asked), and a TiledEvictable over it that reads
+// exactly the bytes of the tiles it promotes.
+#include "strideweave/carriers/checkpoint.hpp"
+
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <iterator>
+
+#include "strideweave/carriers/native.hpp"
+#include "strideweave/carriers/storage.hpp"
+#include "strideweave/tiled/tiled_evictable.hpp"
+#include "test_support.hpp"
+
+using namespace sw;
+using namespace sw::testing_support;
+using Range = CheckpointCarrier::Range;
+using Writes = CheckpointCarrier::Writes;
+
+namespace {
+
+// A file of `floats` Float32 values 0, 1, 2, ... after a `skip`-byte preamble of 0xEE bytes.
+void write_floats(const std::string& path, int64_t skip, int64_t floats) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out << std::string(static_cast<size_t>(skip), '\xEE');
+  for (int64_t i = 0; i < floats; ++i) {
+    const float f = static_cast<float>(i);
+    out.write(reinterpret_cast<const char*>(&f), 4);
+  }
+}
+
+std::string contents(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+std::vector<float> read_all(const Carrier& c) {
+  std::vector<float> out(static_cast<size_t>(c.size()));
+  c.read_slots(0, c.size(), out.data());
+  return out;
+}
+
+// Ranges of 4 floats at float offsets 8, 0 and 4 of `file` (out of file order), after its 12-byte preamble.
+std::vector<Range> three_ranges(const std::shared_ptr<CheckpointFile>& file) {
+  return {{file, 12 + 8 * 4, 4}, {file, 12, 4}, {file, 12 + 4 * 4, 4}};
+}
+
+}  // namespace
+
+TEST(CheckpointTier, ReadsRangesWhereTheyLieInSlotOrder) {
+  TempPath path("sw-ckpt");
+  write_floats(path.path(), 12, 12);
+  auto file = std::make_shared<CheckpointFile>(path.path(), false);
+  CheckpointCarrier c(three_ranges(file), DType::Float32(), Writes::Overlay);
+  EXPECT_EQ(c.size(), 12);
+  EXPECT_EQ(read_all(c), (std::vector<float>{8, 9, 10, 11, 0, 1, 2, 3, 4, 5, 6, 7}));
+  std::vector<float> piece(6);
+  c.read_slots(3, 6, piece.data());  // across two range boundaries
+  EXPECT_EQ(piece, (std::vector<float>{11, 0, 1, 2, 3, 4}));
+  EXPECT_EQ(file->bytes_read(), (12 + 6) * 4u);
+}
+
+TEST(CheckpointTier, OverlayWritesNeverChangeTheFile) {
+  TempPath path("sw-ckpt");
+  write_floats(path.path(), 12, 12);
+  const std::string before = contents(path.path());
+  auto file = std::make_shared<CheckpointFile>(path.path(), false);
+  CheckpointCarrier c(three_ranges(file), DType::Float32(), Writes::Overlay);
+  const float two[2] = {-1.f, -2.f};
+  c.write_slots(5, 2, two);  // part of range 1: its other values are copied to the overlay first
+  EXPECT_EQ(c.overlaid_ranges(), 1);
+  const uint64_t read_before_whole = file->bytes_read();
+  const float four[4] = {-4.f, -5.f, -6.f, -7.f};
+  c.write_slots(8, 4, four);  // all of range 2: nothing to copy
+  EXPECT_EQ(file->bytes_read(), read_before_whole);
+  EXPECT_EQ(c.overlaid_ranges(), 2);
+  EXPECT_EQ(read_all(c), (std::vector<float>{8, 9, 10, 11, 0, -1, -2, 3, -4, -5, -6, -7}));
+  EXPECT_EQ(contents(path.path()), before);
+  c.flush();  // nothing to make durable: the overlay is scratch
+  EXPECT_EQ(contents(path.path()), before);
+}
+
+TEST(CheckpointTier, InPlaceWritesReachTheFile) {
+  TempPath path("sw-ckpt");
+  write_floats(path.path(), 12, 12);
+  auto file = std::make_shared<CheckpointFile>(path.path(), true);
+  CheckpointCarrier c(three_ranges(file), DType::Float32(), Writes::InPlace);
+  const float v[3] = {-1.f, -2.f, -3.f};
+  c.write_slots(3, 3, v);  // the last slot of range 0 (file float 11), the first two of range 1 (floats 0, 1)
+  c.flush();
+  EXPECT_EQ(c.overlaid_ranges(), 0);
+  CheckpointCarrier whole({{std::make_shared<CheckpointFile>(path.path(), false), 12, 12}}, DType::Float32(),
+                          Writes::Overlay);
+  EXPECT_EQ(read_all(whole), (std::vector<float>{-2, -3, 2, 3, 4, 5, 6, 7, 8, 9, 10, -1}));
+}
+
+TEST(CheckpointTier, RefusesRangesPastTheEndAndInPlaceWritesToAReadOnlyFile) {
+  TempPath path("sw-ckpt");
+  write_floats(path.path(), 0, 4);
+  auto file = std::make_shared<CheckpointFile>(path.path(), false);
+  EXPECT_SW_THROW(ValueError, "checkpoint range 1 [8, 24) lies past the end of",
+                  CheckpointCarrier({{file, 0, 2}, {file, 8, 4}}, DType::Float32(), Writes::Overlay));
+  EXPECT_SW_THROW(ValueError, "was opened read-only; it cannot be written in place",
+                  CheckpointCarrier({{file, 0, 2}}, DType::Float32(), Writes::InPlace));
+  EXPECT_SW_THROW(RuntimeError, "/nonexistent/ckpt", CheckpointFile("/nonexistent/ckpt", false));
+  EXPECT_SW_THROW(ValueError, "is not a regular file", CheckpointFile(temp_dir(), false));
+}
+
+TEST(CheckpointTier, InPlaceWritesRefuseAReplacedFile) {
+  TempPath path("sw-ckpt");
+  write_floats(path.path(), 0, 8);
+  CheckpointCarrier c({{std::make_shared<CheckpointFile>(path.path(), true), 0, 8}}, DType::Float32(),
+                      Writes::InPlace);
+  c.check_storage_intact("evict tiles");
+  TempPath other("sw-ckpt-new");
+  write_floats(other.path(), 0, 8);
+  ASSERT_EQ(::rename(other.path().c_str(), path.path().c_str()), 0);
+  EXPECT_SW_THROW(RuntimeError, "was replaced by another file while in use; cannot evict tiles",
+                  c.check_storage_intact("evict tiles"));
+}
+
+TEST(CheckpointTier, TiledEvictablePromotesExactlyTheBytesOfItsTilesAndEvictsIntoTheOverlay) {
+  TempPath path("sw-ckpt");
+  const int64_t tiles = 6, tile = 256;
+  write_floats(path.path(), 100, tiles * tile);
+  const std::string before = contents(path.path());
+  auto file = std::make_shared<CheckpointFile>(path.path(), false);
+  std::vector<Range> ranges;
+  for (int64_t t = tiles - 1; t >= 0; --t) ranges.push_back({file, static_cast<uint64_t>(100 + t * tile * 4), tile});
+  auto secondary = std::make_shared<CheckpointCarrier>(ranges, DType::Float32(), Writes::Overlay);
+  auto te = std::make_shared<TiledEvictable>(std::make_shared<CPUCarrier>(0, DType::Float32(), true, false),
+                                             secondary, std::vector<int64_t>{tiles}, std::vector<int64_t>{tile},
+                                             nullptr);
+  te->promote_async({1, 4})->value();
+  EXPECT_EQ(file->bytes_read(), 2u * tile * 4);  // one read of each promoted tile, nothing else
+  // Tile 1 is file tile 4 (ranges were listed last tile first).
+  EXPECT_EQ(te->read_value(1 * tile + 7).f, static_cast<double>(4 * tile + 7));
+  te->write_value(1 * tile + 7, Value::from_float(-3.0));
+  te->evict_async({1, 4})->value();  // tile 1 is dirty: written to the overlay; tile 4 is clean: dropped
+  EXPECT_EQ(secondary->overlaid_ranges(), 1);
+  EXPECT_EQ(contents(path.path()), before);
+  te->promote_async({1})->value();
+  EXPECT_EQ(te->read_value(1 * tile + 7).f, -3.0);
+  EXPECT_EQ(te->read_value(1 * tile + 8).f, static_cast<double>(4 * tile + 8));
+  EXPECT_EQ(file->bytes_read(), 2u * tile * 4);  // the dirty tile came back from the overlay
+}
