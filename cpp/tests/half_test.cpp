@@ -10,6 +10,7 @@
 #include <array>
 #include <random>
 #include <string>
+#include <utility>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -166,7 +167,8 @@ TEST(HalfGemm, MatchesFloat64WithinTheFloat32SumBoundOnEveryPath) {
     const auto narrow = kind == HalfKind::BFloat16 ? float_to_bf16 : float_to_f16;
     const auto widen = kind == HalfKind::BFloat16 ? bf16_to_float : f16_to_float;
     for (auto [m, n, k] : std::vector<std::array<int64_t, 3>>{
-             {1, 1, 1}, {3, 5, 31}, {4, 4, 32}, {5, 9, 33}, {7, 6, 100}, {9, 13, 257}, {64, 96, 512}}) {
+             {1, 1, 1}, {3, 5, 31}, {4, 4, 32}, {5, 9, 33}, {7, 6, 100}, {9, 13, 257}, {64, 96, 512},
+             {16, 1, 2}, {17, 7, 33}, {33, 12, 64}, {80, 13, 65}, {130, 5, 9}}) {
       const int64_t lda = k + 3, ldb = k + 5;  // padded rows: the kernels must not read the padding
       std::vector<uint16_t> A(static_cast<size_t>(m * lda), narrow(NAN)), B(static_cast<size_t>(n * ldb), narrow(NAN));
       for (int64_t i = 0; i < m; ++i)
@@ -176,11 +178,12 @@ TEST(HalfGemm, MatchesFloat64WithinTheFloat32SumBoundOnEveryPath) {
       on_every_path([&](const char* path) {
         SCOPED_TRACE(std::string(path) + " " + half_gemm_path(kind) + " m=" + std::to_string(m) + " n=" +
                      std::to_string(n) + " k=" + std::to_string(k) + " seed=" + std::to_string(seed));
-        for (bool accumulate : {false, true}) {
-          // C column-major with a padded leading dimension; accumulate starts from 1.5 everywhere.
-          const int64_t ldc = m + 2;
-          std::vector<float> C(static_cast<size_t>(ldc * n), 1.5f);
-          half_gemm(kind, m, n, k, A.data(), lda, B.data(), ldb, C.data(), 1, ldc, accumulate);
+        for (auto [accumulate, row_major_c] : {std::pair{false, false}, {true, false}, {false, true}, {true, true}}) {
+          // C column-major (or row-major) with a padded leading dimension; accumulate starts from 1.5 everywhere.
+          const int64_t ldc = row_major_c ? n + 2 : m + 2, outer = row_major_c ? m : n;
+          const int64_t c_si = row_major_c ? ldc : 1, c_sj = row_major_c ? 1 : ldc;
+          std::vector<float> C(static_cast<size_t>(ldc * outer), 1.5f);
+          half_gemm(kind, m, n, k, A.data(), lda, B.data(), ldb, C.data(), c_si, c_sj, accumulate);
           const double gamma = static_cast<double>(k + 1) * 0x1p-24 / (1 - static_cast<double>(k + 1) * 0x1p-24);
           for (int64_t i = 0; i < m; ++i)
             for (int64_t j = 0; j < n; ++j) {
@@ -191,11 +194,12 @@ TEST(HalfGemm, MatchesFloat64WithinTheFloat32SumBoundOnEveryPath) {
                 exact += prod;
                 mag += std::fabs(prod);
               }
-              ASSERT_LE(std::fabs(static_cast<double>(C[static_cast<size_t>(i + j * ldc)]) - exact), gamma * mag)
-                  << "C(" << i << ", " << j << ") accumulate=" << accumulate;
+              ASSERT_LE(std::fabs(static_cast<double>(C[static_cast<size_t>(i * c_si + j * c_sj)]) - exact), gamma * mag)
+                  << "C(" << i << ", " << j << ") accumulate=" << accumulate << " row-major C=" << row_major_c;
             }
-          for (int64_t j = 0; j < n; ++j)  // the padding rows of C are untouched
-            for (int64_t i = m; i < ldc; ++i) ASSERT_EQ(C[static_cast<size_t>(i + j * ldc)], 1.5f);
+          const int64_t inner = row_major_c ? n : m;
+          for (int64_t o = 0; o < outer; ++o)  // the padding of C is untouched
+            for (int64_t x = inner; x < ldc; ++x) ASSERT_EQ(C[static_cast<size_t>(x + o * ldc)], 1.5f);
         }
       });
     }

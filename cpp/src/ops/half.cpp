@@ -9,6 +9,8 @@
 #include <cmath>
 #include <atomic>
 #include <cstring>
+#include <utility>
+#include <vector>
 
 #include "strided.hpp"
 
@@ -173,6 +175,85 @@ void block_scalar(HalfKind kind, int64_t k, const uint16_t* A, int64_t lda, cons
     }
 }
 
+// Note [Outer products for many rows]: with 16 or more rows of A and AVX-512 BF16, A is packed once into
+// pairs of the inner index interleaved across rows (Ap[(q * mp + i) * 2 + h] = A(i, 2q + h), zero-padded to a
+// multiple of 16 rows), and one pair of B(j, 2q), B(j, 2q + 1) is broadcast: each VDPBF16PS then adds the two
+// products into 16 rows of one column of C. C's columns stay in registers for the whole inner loop and need no
+// horizontal sum (the dot-product blocks above spend one per element of C), and each pair of B is read once per
+// 64 rows. Up to 4 groups of 16 rows by 6 columns: 24 accumulators, 4 loads and 6 broadcasts per 24 products.
+constexpr int kOuterGroups = 4, kOuterCols = 6;
+
+template <int R, int NR>
+SW_AVX512_BF16 void outer_bf16(int64_t k, const uint16_t* Ap, int64_t mp, const uint16_t* B, int64_t ldb, float* C,
+                               int64_t c_si, int64_t c_sj, int64_t rows, bool accumulate) {
+  __m512 acc[R][NR];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 6
+    for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_setzero_ps();
+  const int64_t pairs = (k + 1) / 2, full = k / 2;
+  const uint16_t* a = Ap;
+  for (int64_t q = 0; q < pairs; ++q, a += 2 * mp) {
+    __m512bh av[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) av[r] = (__m512bh)_mm512_loadu_si512(a + 32 * r);
+#pragma GCC unroll 6
+    for (int j = 0; j < NR; ++j) {
+      uint32_t pair;
+      if (q < full) std::memcpy(&pair, B + j * ldb + 2 * q, 4);
+      else pair = B[j * ldb + 2 * q];  // an odd k: the last value alone (its partner in Ap is zero)
+      const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], av[r], b);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    const int64_t here = std::min<int64_t>(16, rows - 16 * r);
+    if (here <= 0) break;
+#pragma GCC unroll 6
+    for (int j = 0; j < NR; ++j) {
+      float* c = C + 16 * r * c_si + j * c_sj;
+      if (c_si == 1) {
+        const __mmask16 m = lanes16(here);
+        const __m512 v = accumulate ? _mm512_add_ps(_mm512_maskz_loadu_ps(m, c), acc[r][j]) : acc[r][j];
+        _mm512_mask_storeu_ps(c, m, v);
+      } else {
+        alignas(64) float t[16];
+        _mm512_store_ps(t, acc[r][j]);
+        for (int64_t i = 0; i < here; ++i) c[i * c_si] = accumulate ? c[i * c_si] + t[i] : t[i];
+      }
+    }
+  }
+}
+
+using OuterFn = void (*)(int64_t, const uint16_t*, int64_t, const uint16_t*, int64_t, float*, int64_t, int64_t,
+                         int64_t, bool);
+template <int R, int NR> struct PickOuter { static constexpr OuterFn fn = outer_bf16<R, NR>; };
+template <int R, size_t... J>
+constexpr std::array<OuterFn, kOuterCols> outer_row(std::index_sequence<J...>) {
+  return {PickOuter<R, static_cast<int>(J) + 1>::fn...};
+}
+constexpr std::array<std::array<OuterFn, kOuterCols>, kOuterGroups> kOuterBlocks{{
+    outer_row<1>(std::make_index_sequence<kOuterCols>{}), outer_row<2>(std::make_index_sequence<kOuterCols>{}),
+    outer_row<3>(std::make_index_sequence<kOuterCols>{}), outer_row<4>(std::make_index_sequence<kOuterCols>{}),
+}};
+
+// Ap for rows [0, m) of A: pairs of the inner index interleaved across rows, zero-padded (Note [Outer products
+// for many rows]). Reused per thread: the packed operand is a few hundred KiB at most for the shapes this serves.
+const uint16_t* pack_pairs(int64_t m, int64_t k, const uint16_t* A, int64_t lda, int64_t mp) {
+  thread_local std::vector<uint32_t> buf;
+  const int64_t pairs = (k + 1) / 2, full = k / 2;
+  buf.assign(static_cast<size_t>(pairs * mp), 0u);
+  for (int64_t i = 0; i < m; ++i) {
+    const uint16_t* row = A + i * lda;
+    uint32_t* out = buf.data() + i;
+    for (int64_t q = 0; q < full; ++q) std::memcpy(out + q * mp, row + 2 * q, 4);
+    if (full < pairs) out[full * mp] = row[2 * full];
+  }
+  return reinterpret_cast<const uint16_t*>(buf.data());
+}
+
 constexpr int kMR = 4, kNR = 4;
 using BlockFn = void (*)(int64_t, const uint16_t*, int64_t, const uint16_t*, int64_t, float*);
 
@@ -277,6 +358,25 @@ bool force_portable_half_kernels(bool on) noexcept { return g_portable.exchange(
 void half_gemm(HalfKind kind, int64_t m, int64_t n, int64_t k, const uint16_t* A, int64_t lda, const uint16_t* B,
                int64_t ldb, float* C, int64_t c_si, int64_t c_sj, bool accumulate) {
   if (m <= 0 || n <= 0) return;
+  if (kind == HalfKind::BFloat16 && m >= 16 && has_avx512_bf16()) {  // Note [Outer products for many rows]
+    const int64_t mp = (m + 15) / 16 * 16;
+    const uint16_t* Ap = pack_pairs(m, k, A, lda, mp);
+    const int64_t cblocks = (n + kOuterCols - 1) / kOuterCols;
+    auto run = [&](int64_t b0, int64_t b1) {
+      for (int64_t g0 = 0; g0 < mp / 16; g0 += kOuterGroups) {
+        const int64_t groups = std::min<int64_t>(kOuterGroups, mp / 16 - g0);
+        const int64_t rows = std::min<int64_t>(m - 16 * g0, 16 * groups);
+        for (int64_t cb = b0; cb < b1; ++cb) {
+          const int64_t j0 = cb * kOuterCols, nc = std::min<int64_t>(kOuterCols, n - j0);
+          kOuterBlocks[static_cast<size_t>(groups - 1)][static_cast<size_t>(nc - 1)](
+              k, Ap + 32 * g0, mp, B + j0 * ldb, ldb, C + 16 * g0 * c_si + j0 * c_sj, c_si, c_sj, rows, accumulate);
+        }
+      }
+    };
+    if (m * n * k < kParallelMacs) run(0, cblocks);
+    else parallel_for(cblocks, 1, run);
+    return;
+  }
   const auto& blocks = blocks_for(kind);
   // Rows of B in blocks of kNR, each block against every row of A: B (the large operand: a weight) streams
   // through memory once, A (a few token rows) stays in cache.

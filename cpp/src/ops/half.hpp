@@ -23,7 +23,8 @@
 // widened to Float32 in registers (exact) and multiplied with FMA. Either way
 // the error is that of a Float32 sum of k exact products, |e| <= gamma_k
 // sum |a||b| with gamma_k = k u / (1 - k u), u = 2^-24 (plus the subnormal
-// flush on the BF16 path, below 2^-126 per product).
+// flush on the BF16 path, below 2^-126 per product). With 16 rows or more, the bf16 path forms outer products
+// instead of dot products (Note [Outer products for many rows] in half.cpp); the bound is the same.
 #pragma once
 
 #include <cstdint>
