@@ -21,6 +21,7 @@ void bind_dtype(nb::module_& m);
 void bind_layout(nb::module_& m);
 void bind_carriers(nb::module_& m);
 void bind_tensor(nb::module_& m);
+void bind_dlpack(nb::module_& m);  // after bind_tensor: it adds Tensor's DLPack methods
 void bind_completion(nb::module_& m);
 void bind_extension(nb::module_& m);
 void bind_ops(nb::module_& m);

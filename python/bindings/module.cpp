@@ -13,6 +13,7 @@ NB_MODULE(_core, m) {
   swpy::bind_layout(m);
   swpy::bind_carriers(m);
   swpy::bind_tensor(m);
+  swpy::bind_dlpack(m);
   swpy::bind_completion(m);
   swpy::bind_extension(m);
   swpy::bind_ops(m);

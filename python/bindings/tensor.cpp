@@ -157,8 +157,6 @@ void bind_tensor(nb::module_& m) {
         else if (!copy.is_none() && nb::cast<bool>(copy)) arr = arr.attr("copy")();
         return arr;
       }, nb::arg("dtype") = nb::none(), nb::kw_only(), nb::arg("copy") = nb::none())
-      .def("__dlpack__", [](nb::handle self, nb::kwargs kw) { return to_numpy(self).attr("__dlpack__")(**kw); })
-      .def("__dlpack_device__", [](nb::handle) { return nb::make_tuple(1, 0); })
       .def("__repr__", [](const TensorImpl& t) {
         return "Tensor(" + t.carrier->kind_name() + ", offset=" + std::to_string(t.offset) + ", layout=" +
                t.layout.str() + ", dtype=DType." + t.dtype().name() + ")";

@@ -304,7 +304,8 @@ AlignedBuffer::AlignedBuffer(size_t bytes, bool zero, const char* what) : bytes_
 
 AlignedBuffer::~AlignedBuffer() { reset(); }
 
-AlignedBuffer::AlignedBuffer(AlignedBuffer&& o) noexcept : data_(o.data_), bytes_(o.bytes_), mapped_(o.mapped_) {
+AlignedBuffer::AlignedBuffer(AlignedBuffer&& o) noexcept
+    : data_(o.data_), bytes_(o.bytes_), mapped_(o.mapped_), owner_(std::move(o.owner_)) {
   o.data_ = nullptr;
   o.bytes_ = 0;
 }
@@ -315,6 +316,7 @@ AlignedBuffer& AlignedBuffer::operator=(AlignedBuffer&& o) noexcept {
     data_ = o.data_;
     bytes_ = o.bytes_;
     mapped_ = o.mapped_;
+    owner_ = std::move(o.owner_);
     o.data_ = nullptr;
     o.bytes_ = 0;
   }
@@ -323,7 +325,8 @@ AlignedBuffer& AlignedBuffer::operator=(AlignedBuffer&& o) noexcept {
 
 void AlignedBuffer::reset() noexcept {
   if (!data_) return;
-  if (mapped_) mapping_cache().give(data_, bytes_);
+  if (owner_) owner_.reset();  // borrowed: Note [Borrowed memory]
+  else if (mapped_) mapping_cache().give(data_, bytes_);
   else std::free(data_);
   data_ = nullptr;
   bytes_ = 0;
@@ -450,7 +453,7 @@ CPUCarrier::~CPUCarrier() { buffer_->holders.fetch_sub(1, std::memory_order_acq_
 // A writer unshares before it reads the values it will overwrite, so the old
 // buffer is never read after its last other holder has let go of it.
 std::shared_ptr<CPUCarrier> CPUCarrier::share_snapshot() const {
-  if (is_released() || slots_ == 0) return nullptr;
+  if (is_released() || slots_ == 0 || buffer_->is_borrowed()) return nullptr;
   std::shared_ptr<AlignedBuffer> b = buffer_;  // one more use: ours
   if (b.use_count() != static_cast<long>(b->holders.load(std::memory_order_acquire)) + 1) return nullptr;
   b->holders.fetch_add(1, std::memory_order_acq_rel);
@@ -508,5 +511,35 @@ CarrierPtr CPUCarrier::allocate_like(int64_t slots, bool is_mutable, const DType
 // Drops the carrier's share of the memory; an export still holding native_owner() keeps it
 // until the export is gone (see Note [Exports outlive release]).
 void CPUCarrier::do_release() { set_buffer(std::make_shared<AlignedBuffer>()); }
+
+// ---------------------------------------------------------------- borrowed memory
+
+// Note [Borrowed memory]: a DLPack import (sw.from_dlpack, docs/guide.md "Carriers") makes a CPU carrier over
+// memory another library owns, without copying it. The AlignedBuffer then holds the memory's owner (for the
+// bindings, the consumed capsule, which keeps the producer alive) instead of owning the bytes: dropping the last
+// hold on the buffer drops the owner, and nothing is freed here. The carrier and its own exports hold that buffer
+// like any other (Note [Exports outlive release] in carrier.hpp), so the owner outlives them all. The producer
+// may write the memory at any time, as an export may, so a borrowed buffer is never shared copy-on-write
+// (share_snapshot() refuses it). Writes and grow() behave as for owned memory; a released carrier drops its hold.
+std::shared_ptr<AlignedBuffer> AlignedBuffer::borrow(std::byte* data, size_t bytes, std::shared_ptr<const void> owner) {
+  SW_ASSERT(owner != nullptr, "borrowed memory needs an owner");
+  auto b = std::make_shared<AlignedBuffer>();
+  b->data_ = data;
+  b->bytes_ = bytes;
+  b->owner_ = std::move(owner);
+  return b;
+}
+
+CPUCarrier::CPUCarrier(std::byte* data, int64_t slots, const DType& dtype, bool is_mutable,
+                       std::shared_ptr<const void> owner)
+    : Carrier(&cpu_kind(), dtype, is_mutable), slots_(slots) {
+  check_slots("CPU", slots);
+  check_storage_dtype("CPU", dtype);
+  const size_t w = slot_bytes(dtype);
+  if (reinterpret_cast<uintptr_t>(data) % w != 0)
+    raise<ValueError>("CPU carrier over borrowed memory: address ", static_cast<const void*>(data),
+                      " is not aligned to the ", w, "-byte elements of ", dtype.name());
+  set_buffer(AlignedBuffer::borrow(data, static_cast<size_t>(slots) * w, std::move(owner)));
+}
 
 }  // namespace sw

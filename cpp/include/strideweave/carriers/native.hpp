@@ -6,7 +6,8 @@
 //          huge-page advised from 1 MiB up, so first touch is cheap; freed
 //          large mappings are recycled, see Note [Mapping cache] in
 //          native.cpp); the fast kernels run here; native_data() exposes the
-//          pointer.
+//          pointer. A CPU carrier may also borrow memory it does not own
+//          (a DLPack import: Note [Borrowed memory] in native.cpp).
 // Both are allocatable when empty and are final.
 #pragma once
 
@@ -36,6 +37,12 @@ class AlignedBuffer {
   size_t bytes() const noexcept { return bytes_; }
   void reset() noexcept;
 
+  // A buffer over memory it does not own (Note [Borrowed memory] in native.cpp):
+  // `data` stays valid while `owner` (never null) lives; the buffer frees
+  // nothing, it holds `owner` until it is reset or destroyed.
+  static std::shared_ptr<AlignedBuffer> borrow(std::byte* data, size_t bytes, std::shared_ptr<const void> owner);
+  bool is_borrowed() const noexcept { return owner_ != nullptr; }
+
   // How many carriers use this buffer as their storage (Note [Shared snapshots]
   // in native.cpp): more than one means it is shared copy-on-write.
   std::atomic<int> holders{1};
@@ -44,6 +51,7 @@ class AlignedBuffer {
   std::byte* data_ = nullptr;
   size_t bytes_ = 0;
   bool mapped_ = false;
+  std::shared_ptr<const void> owner_;  // borrowed memory's owner, else null
 };
 
 // Freed AlignedBuffer mappings (the 1 MiB-and-up, huge-page path) are kept for
@@ -97,12 +105,17 @@ class GenericCarrier final : public Carrier {
 class CPUCarrier final : public Carrier {
  public:
   CPUCarrier(int64_t slots, const DType& dtype, bool is_mutable, bool empty);
+  // A carrier over `slots` elements of `dtype` at `data`, memory it does not
+  // own and never frees: valid while `owner` (never null) lives, which this
+  // carrier and every export of it hold (Note [Borrowed memory] in native.cpp).
+  // ValueError when `data` is not aligned to the dtype's itemsize.
+  CPUCarrier(std::byte* data, int64_t slots, const DType& dtype, bool is_mutable, std::shared_ptr<const void> owner);
   ~CPUCarrier() override;
   // A new mutable carrier holding this one's current values without copying
   // them: both share the memory until either writes, and the writer first takes
   // a private copy (Note [Shared snapshots] in native.cpp). nullptr when this
   // carrier's memory is exported (a NumPy or DLPack view could write it
-  // behind the carriers' backs) or released.
+  // behind the carriers' backs), borrowed or released.
   std::shared_ptr<CPUCarrier> share_snapshot() const;
   // Whether the memory is currently shared with another carrier.
   bool shares_memory() const noexcept { return buffer_->holders.load(std::memory_order_acquire) > 1; }
