@@ -65,9 +65,11 @@ TEST_F(TiledTest, ABlockedWithinTileOrderIsUniformButNoPermutation) {
       const int64_t slot = blocked->layout.flat().index(te->geometry().slot(t, w));
       EXPECT_EQ(te->geometry().locate(slot), (std::pair<int64_t, int64_t>{t, b.physical_within(t, w)})) << t << " " << w;
     }
-  // A row step of 5 slots is one row and one column: no single digit, so no uniform map.
-  Tiled sq = make_tiled({1, 1}, {4, 4});
-  EXPECT_FALSE(TileAccess(*sq, *make_tensor(sq, 0, Layout(Shape::flat({4, 4}), Stride::flat({5, 1})))).uniform);
+  // Leaves (3, 2) over tiles of 2 along that mode: no leaf boundary at the tile boundary, so no uniform map.
+  Tiled line = make_tiled({1, 3}, {1, 2});
+  TensorPtr unsplit = make_tensor(line, 0, Layout(Shape(IntTuple::tuple({1, IntTuple::tuple({3, 2})})),
+                                                  Stride(IntTuple::tuple({1, IntTuple::tuple({2, 1})}))));
+  EXPECT_FALSE(TileAccess(*line, *unsplit).uniform);
 }
 
 TEST_F(TiledTest, ProjectingRowMajorTilesKeepsTheirOrderAndSharesOneTile) {
