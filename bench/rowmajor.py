@@ -18,7 +18,10 @@ ratio row-major / column-major, timed interleaved by harness.compare):
 * ``forward``: ``sw.matmul(x, w)`` with x (64 tokens, in) and w a one-expert projection (out, in);
 * ``backward``: one training step of one expert: project it, ``y = sw.matmul(x, w)``, ``y.backward(g)``,
   which adds the expert's weight gradient into ``full.grad``, a tiled gradient (in place, into the resident
-  gradient tile, after the first step).
+  gradient tile, after the first step);
+* ``backward of 2 experts``: the same step with the two-expert projection (x: 64 x 2 in): the compact gradient
+  is scattered into a fresh tiled gradient (row-major: one run per row and expert) and summed into ``full.grad``
+  tile by tile.
 
 Usage: python bench/rowmajor.py [--quick] [--reps N] [--quiet]
 """
@@ -97,12 +100,20 @@ def main(argv=None) -> None:
             w = carrier.project(full, one).wait()
             sw.matmul(x, w).backward(g)
 
+        x2 = friendly.tensor(rng.standard_normal((TOKENS, 2 * IN), dtype=np.float32))
+
+        def step2(carrier, full):
+            w = carrier.project(full, pair).wait()
+            sw.matmul(x2, w).backward(g)
+
         timings = [
             ("project 2 experts (512x256 each)", lambda: project(rm, rfull), lambda: project(cm, cfull),
              2 * OUT * IN * 4),
             (f"forward x({TOKENS}x{IN}) @ W^T", lambda: forward(w_r), lambda: forward(w_c), OUT * IN * 4),
             ("backward step: project 1, matmul, backward into full.grad", lambda: step(rm, rfull),
              lambda: step(cm, cfull), OUT * IN * 4),
+            ("backward step of 2 experts (scattered, then summed tile by tile)", lambda: step2(rm, rfull),
+             lambda: step2(cm, cfull), 2 * OUT * IN * 4),
         ]
         for name, ours, reference, nbytes in timings:
             case = harness.compare(name, ours, reference, reps=reps, warmup=3, min_sample_s=0.05, bytes=nbytes,
