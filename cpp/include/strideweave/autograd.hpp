@@ -47,6 +47,9 @@ struct SavedTensor {
 struct GradientSink {
   float* data = nullptr;
   int64_t rows = 0, cols = 0;
+  // `data` holds the gradient row-major (its transpose, cols x rows, column-major): a tile of PyTorch's (out, in)
+  // layout. A producer that cannot write that order ignores the sink.
+  bool transposed = false;
   std::shared_ptr<void> keep_alive;  // the memory behind `data`
   std::function<void()> commit;      // after the write: dirty state, versions
   bool used = false;

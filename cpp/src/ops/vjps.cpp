@@ -32,7 +32,17 @@ bool add_product_into(GradientSink& sink, const TensorImpl& lhs, const TensorImp
   const int64_t m = lhs.layout.shape().extents()[0], k = lhs.layout.shape().extents()[1];
   const int64_t n = rhs.layout.shape().extents()[0];
   if (m != sink.rows || n != sink.cols || rhs.layout.shape().extents()[1] != k) return false;
+  // A transposed sink holds (lhs rhs^T)^T = rhs lhs^T column-major.
+  if (sink.transposed) return cpu_matmul_accumulate(rhs, lhs, n, m, k, sink.data);
   return cpu_matmul_accumulate(lhs, rhs, m, n, k, sink.data);
+}
+
+// Whether a two-mode tensor is row-major (mode 1 contiguous, mode 0 one row apart, neither of extent 1): PyTorch's
+// (out, in) weight, a projection of row-major tiles (Note [Within-tile layouts] in cpp/src/tiled/tile_copies.hpp).
+bool row_major_2d(const TensorImpl& t) {
+  if (t.layout.rank() != 2) return false;
+  auto r = t.layout.mode_as_leaf(0), c = t.layout.mode_as_leaf(1);
+  return r && c && r->first > 1 && c->first > 1 && c->second == 1 && r->second == c->first;
 }
 
 // g where a > 0, else 0.
@@ -137,7 +147,11 @@ void vjp_matmul(const VjpArgs& a, std::span<TensorPtr> grads) {
       sink->used = true;
       continue;
     }
-    grads[i] = op(OpId::Matmul, lhs[i], rhs[i]);
+    // A row-major operand gets its gradient row-major: the transposed product, computed as such (BLAS writes
+    // either order at the same speed), so that a projection's VJP copies it into row-major tiles run by run, or
+    // adopts it whole, instead of transposing it element by element.
+    if (row_major_2d(*a.inputs[i])) grads[i] = transpose(op(OpId::Matmul, rhs[i], lhs[i]));
+    else grads[i] = op(OpId::Matmul, lhs[i], rhs[i]);
   }
 }
 

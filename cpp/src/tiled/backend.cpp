@@ -1,5 +1,7 @@
 // The operation backend of TiledEvictable (direct operations on full tiled tensors: materialise, compute densely,
 // record one node), with the tiled gradient rules (Note [Tiled gradient accumulation], data.hpp).
+#include <functional>
+
 #include "strideweave/autograd.hpp"
 #include "strideweave/grad_mode.hpp"
 #include "strideweave/ops.hpp"
@@ -24,8 +26,26 @@ TensorPtr materialize(const TensorPtr& t, const char* purpose) {
   auto c = std::static_pointer_cast<TiledEvictable>(t->carrier);
   GradModeGuard off(false);
   TensorPtr dense = project_for(c, t, full_selection(*c), nullptr, purpose)->value();
-  // Keep the caller's hierarchy (nested modes) over the dense values.
-  return make_tensor(dense->carrier, 0, column_major(t->layout.shape()));
+  // Keep the caller's hierarchy (nested modes) over the dense values, in the compact tensor's mode order (a
+  // row-major tensor's projection is row-major: Note [Within-tile layouts] in tile_copies.hpp): mode k's leaves
+  // step through its ordinals, each ordinal `mode_stride[k]` slots apart.
+  const std::vector<int64_t> mode_stride = *mode_strides(dense->layout);
+  std::function<IntTuple(const IntTuple&, int64_t&)> strides_of = [&](const IntTuple& node, int64_t& step) {
+    if (node.is_leaf()) {
+      IntTuple leaf(step);
+      step *= node.value();
+      return leaf;
+    }
+    std::vector<IntTuple> children;
+    for (const IntTuple& child : node.children()) children.push_back(strides_of(child, step));
+    return IntTuple::tuple(std::move(children));
+  };
+  std::vector<IntTuple> modes;
+  for (size_t k = 0; k < t->layout.rank(); ++k) {
+    int64_t step = mode_stride[k];
+    modes.push_back(strides_of(t->layout.shape().tree()[k], step));
+  }
+  return make_tensor(dense->carrier, 0, Layout(t->layout.shape(), Stride(IntTuple::tuple(std::move(modes)))));
 }
 
 class TiledBackend final : public OpBackend {

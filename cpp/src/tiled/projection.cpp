@@ -34,8 +34,8 @@ struct ProjectionNode final : Node {
   // Note [Gradient sinks]: a one-tile projection of a leaf whose tiled .grad
   // accumulates in place (what accumulate_into would do with this node's
   // gradient: the same conditions) offers that gradient's resident tile, in
-  // canonical within-tile order, so the tile's values are the compact
-  // gradient's in column-major order.
+  // the buffer order of its tiles, so the tile's values are the compact
+  // gradient's in column-major order (or row-major: a transposed sink).
   std::optional<GradientSink> gradient_sink() override {
     const TensorPtr& leaf = inputs[0];
     if (selection.per_axis.size() != 2 || selection.per_axis[0].size() != 1 || selection.per_axis[1].size() != 1)
@@ -49,15 +49,18 @@ struct ProjectionNode final : Node {
     if (!current || current.use_count() != 2 || !current->carrier->is_mutable() || current->carrier->is_owned() ||
         current->carrier.get() == carrier.get())
       return std::nullopt;
-    if (current->offset != 0 || !current->layout.is_column_major() || !(current->layout == leaf->layout) ||
-        current->offset != leaf->offset)
-      return std::nullopt;
+    if (!(current->layout == leaf->layout) || current->offset != leaf->offset) return std::nullopt;
     // Checked before `acc` below takes a reference of its own. Requests on other tiles may be under way
     // (Note [Requests' own references]); hold_tile_for_update refuses a tile one is transitioning.
     const auto* raw = dynamic_cast<const TiledEvictable*>(current->carrier.get());
     if (!raw || raw->is_released() || raw->dtype().id() != DTypeId::Float32 || raw->grid_shape() != carrier->grid_shape() ||
         raw->tile_shape() != carrier->tile_shape() || !TiledInternals::only_reference_is(*raw, current->carrier))
       return std::nullopt;
+    // The tile holds the gradient in its buffer order: column-major, or row-major (the sink's transpose) for
+    // PyTorch's (out, in) tiles (Note [Within-tile layouts]); any other order gets no sink.
+    const TileAccess access(*raw, *current);
+    if (!access.dense_permutation) return std::nullopt;
+    const bool transposed = access.mode_order[0] == 1 && raw->tile_shape()[0] > 1 && raw->tile_shape()[1] > 1;
     auto acc = std::static_pointer_cast<TiledEvictable>(current->carrier);
     const int64_t index = acc->tile_index({selection.per_axis[0][0], selection.per_axis[1][0]});
     // The tile is held from here until the sink is committed or dropped: another thread that took a reference
@@ -69,6 +72,7 @@ struct ProjectionNode final : Node {
     sink.data = write->data();
     sink.rows = acc->tile_shape()[0];
     sink.cols = acc->tile_shape()[1];
+    sink.transposed = transposed;
     sink.keep_alive = write;  // the hold (and the carrier) until the sink is dropped
     sink.commit = [write] { write->commit(); };
     return sink;
@@ -123,8 +127,12 @@ CompletionPtr<TensorPtr> project_for(const std::shared_ptr<TiledEvictable>& c, c
   const bool record = is_grad_enabled() && tensor->is_differentiable();
   // Work starts: one request pins the tiles and promotes the missing ones.
   // Note [Shared snapshots] (native.cpp): without a destination, one tile whose buffer already holds the compact
-  // values in dense order (canonical access: the identity within the tile) is shared, not copied, once readable.
-  const bool may_share = !dest && src.size() == 1 && TileAccess(*c, *tensor).canonical && &proto.kind() == &cpu_kind();
+  // values in the compact tensor's order (a dense permutation: the buffer as is) is shared, not copied, once
+  // readable.
+  // The compact tensor keeps the tiles' own order where it is a dense permutation (Note [Within-tile layouts]).
+  const TileAccess access(*c, *tensor);
+  std::vector<int64_t> dstride = access.compact_strides(cshape);
+  const bool may_share = !dest && src.size() == 1 && access.dense_permutation && &proto.kind() == &cpu_kind();
   // The work's token ends it exactly once: in `finish`, or on an error path below.
   auto work = std::make_shared<WorkToken>(TiledInternals::begin_work(c, src, purpose));
   Carrier::Claim claim;
@@ -153,10 +161,7 @@ CompletionPtr<TensorPtr> project_for(const std::shared_ptr<TiledEvictable>& c, c
   st->claim = std::move(claim);
   st->dest = dest;
   std::vector<int64_t> counts = counts_of(sel);
-  std::vector<int64_t> dstride = TileGeometry::dense_strides(cshape);
-  // The compact region's runs, once per projection (a shared tile is not copied: none needed).
-  std::vector<Run> region = may_share ? std::vector<Run>() : c->geometry().region_runs(dstride);
-  auto finish = [c, tensor, sel, work, done, st, cshape, record]() {
+  auto finish = [c, tensor, sel, work, done, st, cshape, dstride, record]() {
     st->claim.end();
     // A failed deferred eviction fails the projection (Note [A failed deferred eviction reaches the work]).
     if (std::exception_ptr error = work->end(st->error)) {
@@ -166,7 +171,7 @@ CompletionPtr<TensorPtr> project_for(const std::shared_ptr<TiledEvictable>& c, c
     TensorPtr result;
     try {
       const CarrierPtr& dest = st->dest;
-      result = make_tensor(dest, 0, column_major(Shape::flat(cshape)));
+      result = make_tensor(dest, 0, Layout(Shape::flat(cshape), Stride::flat(dstride)));
       dest->bump_version();
       if (record) {
         auto node = std::make_shared<ProjectionNode>();
@@ -184,7 +189,7 @@ CompletionPtr<TensorPtr> project_for(const std::shared_ptr<TiledEvictable>& c, c
     }
     done->set_value(std::move(result));
   };
-  auto gather = [c, tensor, st, counts, dstride, region, finish, need](int64_t k, int64_t index) {
+  auto gather = [c, tensor, st, counts, dstride, finish, need](int64_t k, int64_t index) {
     try {
       if (!st->error && !st->dest) {  // may_share: the one tile is readable now
         CarrierPtr buffer = TiledInternals::tile_buffer(*c, index);
@@ -196,7 +201,7 @@ CompletionPtr<TensorPtr> project_for(const std::shared_ptr<TiledEvictable>& c, c
       } else if (!st->error) {
         TileAccess access(*c, *tensor);
         gather_tile(*c, access, index, TiledInternals::tile_buffer(*c, index), *st->dest,
-                    c->geometry().region_base(TileGeometry::compact_coord(k, counts), dstride), dstride, region);
+                    TileGeometry::compact_coord(k, counts), dstride);
       }
     } catch (...) {
       std::lock_guard lock(st->m);

@@ -80,21 +80,19 @@ CompletionPtr<TensorPtr> scatter(const std::shared_ptr<TiledEvictable>& c, const
   auto work = add ? std::make_shared<WorkToken>(TiledInternals::begin_work(c, src, "scatter")) : nullptr;
   auto done = std::make_shared<Completion<TensorPtr>>();
   auto ccl = compact->carrier->claim("a scatter");
-  auto job = [c, compact, templ, sel, add, work, done, src, cshape, record,
+  auto job = [c, compact, templ, sel, add, work, done, src, record,
               claim = std::make_shared<Carrier::Claim>(std::move(ccl))]() mutable {
     try {
       if (work) work->ready()->value();
       auto fresh = std::static_pointer_cast<TiledEvictable>(c->allocate_like(c->size(), true, c->dtype(), true));
       TileAccess access(*c, *templ);
       std::vector<int64_t> counts = counts_of(sel);
-      const TileGeometry& g = c->geometry();
-      std::vector<int64_t> cstride = TileGeometry::dense_strides(cshape);
-      const std::vector<Run> region = g.region_runs(cstride);
       std::vector<std::pair<int64_t, CarrierPtr>> tiles;
       for (size_t k = 0; k < src.size(); ++k) {
-        const int64_t base = g.region_base(TileGeometry::compact_coord(static_cast<int64_t>(k), counts), cstride);
         CarrierPtr existing = add ? TiledInternals::tile_buffer(*c, src[k]) : nullptr;
-        tiles.emplace_back(src[k], scatter_tile(*c, access, src[k], *compact, base, cstride, region, existing, add));
+        tiles.emplace_back(src[k], scatter_tile(*c, access, src[k], *compact,
+                                                TileGeometry::compact_coord(static_cast<int64_t>(k), counts), existing,
+                                                add));
       }
       // A failed deferred eviction fails the scatter before it publishes anything (Note [A failed deferred
       // eviction reaches the work]).

@@ -3,21 +3,220 @@
 #include "tile_copies.hpp"
 
 #include <algorithm>
+#include <cstring>
 
 #include "strideweave/carriers/native.hpp"
 #include "strideweave/errors.hpp"
 
 namespace sw {
 
-void gather_tile(const TiledEvictable& c, const TileAccess& access, int64_t index, const CarrierPtr& buffer,
-                 Carrier& dest, int64_t base, std::span<const int64_t> dstride, std::span<const Run> region) {
-  if (access.canonical && buffer) {
-    for (const Run& r : region) copy_slots(*buffer, r.ordinal, dest, base + r.offset, r.length);
+TileAccess::TileAccess(const TiledEvictable& carrier, const TensorImpl& tensor)
+    : geometry(carrier.geometry()), t(tensor), canonical(tensor.offset == 0 && tensor.layout.is_column_major()) {
+  const std::vector<int64_t>& tile = geometry.tile_shape();
+  const std::vector<int64_t> tstride = TileGeometry::dense_strides(tile);
+  if (canonical) {
+    for (size_t k = 0; k < tile.size(); ++k) {
+      mode_order.push_back(k);
+      if (tile[k] == 1) continue;
+      within.extents.push_back(tile[k]);
+      within.strides.push_back(tstride[k]);
+      leaf_mode.push_back(k);
+      leaf_scale.push_back(1);
+    }
+    uniform = dense_permutation = true;
     return;
   }
+  uniform = derive_within();
+  if (!uniform) {
+    within = FlatLayout{};
+    leaf_mode.clear();
+    leaf_scale.clear();
+    return;
+  }
+  // A dense permutation: at most one leaf per mode, dense in the order of their buffer strides (a mode of tile
+  // extent 1 keeps its column-major place, so a canonical order stays column-major).
+  std::vector<int64_t> key(tile.size()), leaves(tile.size(), 0);
+  for (size_t k = 0; k < tile.size(); ++k) key[k] = tstride[k];
+  for (size_t l = 0; l < leaf_mode.size(); ++l) {
+    key[leaf_mode[l]] = within.strides[l];
+    ++leaves[leaf_mode[l]];
+  }
+  mode_order.resize(tile.size());
+  for (size_t k = 0; k < tile.size(); ++k) mode_order[k] = k;
+  std::stable_sort(mode_order.begin(), mode_order.end(), [&](size_t a, size_t b) { return key[a] < key[b]; });
+  int64_t running = 1;
+  dense_permutation = true;
+  for (size_t k : mode_order) {
+    if (tile[k] == 1) continue;
+    if (leaves[k] != 1 || key[k] != running) dense_permutation = false;
+    running *= tile[k];
+  }
+  if (!dense_permutation) mode_order.clear();
+}
+
+bool TileAccess::derive_within() {
+  const std::vector<int64_t>& tile = geometry.tile_shape();
+  const std::vector<int64_t>& logical = geometry.logical_shape();
+  const std::vector<int64_t>& sstride = geometry.slot_strides();
+  const std::vector<int64_t> tstride = TileGeometry::dense_strides(tile);
+  const size_t rank = tile.size();
+  if (t.layout.rank() != rank) return false;
+  // The slot axes as digits, an axis that a tile spans whole merged with the next (its footprint is contiguous
+  // across them): per digit, its slot stride, radix, tile extent and buffer stride.
+  struct Digit {
+    int64_t slot_stride, radix, extent, buffer_stride, reach = 0;
+  };
+  std::vector<Digit> digits;
+  for (size_t d = 0; d < rank; ++d) {
+    if (!digits.empty() && digits.back().extent == digits.back().radix) {
+      digits.back().radix *= logical[d];
+      digits.back().extent *= tile[d];
+    } else {
+      digits.push_back({sstride[d], logical[d], tile[d], tstride[d]});
+    }
+  }
+  const FlatLayout& flat = t.layout.flat();
+  size_t first = 0;
+  for (size_t k = 0; k < rank; ++k) {
+    const IntTuple& mode = t.layout.shape().tree()[k];
+    const size_t count = mode.is_leaf() ? 1 : mode.leaf_count();
+    int64_t need = tile[k], scale = 1;
+    for (size_t j = first; j < first + count && need > 1; ++j) {
+      const int64_t e = flat.extents[j], s = flat.strides[j];
+      if (e == 1) continue;
+      int64_t take;
+      if (need % e == 0) take = e;
+      else if (e % need == 0) take = need;  // the leaf splits at the tile boundary
+      else return false;
+      // The stride as a step in slot space: exactly one non-zero digit.
+      if (s <= 0 || s >= geometry.size()) return false;
+      Digit* on = nullptr;
+      int64_t step = 0;
+      for (Digit& dg : digits) {
+        const int64_t v = (s / dg.slot_stride) % dg.radix;
+        if (v == 0) continue;
+        if (on) return false;
+        on = &dg;
+        step = v;
+      }
+      if (!on) return false;
+      on->reach += step * (take - 1);
+      within.extents.push_back(take);
+      within.strides.push_back(step * on->buffer_stride);
+      leaf_mode.push_back(k);
+      leaf_scale.push_back(scale);
+      scale *= take;
+      need /= take;
+    }
+    if (need != 1) return false;
+    first += count;
+  }
+  // No carry from one digit into the next: the buffer ordinal is then the sum of the leaves' steps.
+  for (const Digit& dg : digits)
+    if (dg.reach > dg.extent - 1) return false;
+  return true;
+}
+
+std::vector<int64_t> TileAccess::compact_strides(std::span<const int64_t> cshape) const {
+  if (!dense_permutation) return TileGeometry::dense_strides(cshape);
+  std::vector<int64_t> out(cshape.size(), 0);
+  int64_t running = 1;
+  for (size_t k : mode_order) {
+    out[k] = running;
+    running *= cshape[k];
+  }
+  return out;
+}
+
+bool TileAccess::buffer_order_is(const Layout& layout) const {
+  if (!dense_permutation) return false;
+  const std::vector<int64_t>& tile = geometry.tile_shape();
+  if (layout.shape().extents() != tile) return false;
+  std::optional<std::vector<int64_t>> s = mode_strides(layout);
+  if (!s) return false;
+  const std::vector<int64_t> want = compact_strides(tile);
+  for (size_t k = 0; k < tile.size(); ++k)
+    if (tile[k] > 1 && (*s)[k] != want[k]) return false;
+  return true;
+}
+
+std::optional<std::vector<int64_t>> mode_strides(const Layout& layout) {
+  std::vector<int64_t> out;
+  for (size_t k = 0; k < layout.rank(); ++k) {
+    auto leaf = layout.mode_as_leaf(k);
+    if (!leaf) return std::nullopt;
+    out.push_back(leaf->second);
+  }
+  return out;
+}
+
+namespace {
+
+// Calls fn(buffer ordinal, region offset, length) for the runs of one tile of a uniform access (Note [Within-tile
+// layouts]) against a region with per-mode strides `rstride`: the leaves in buffer order, the leading ones that
+// are contiguous on both sides merged into one run (a row-major tile in a row-major region: one run per row, or
+// the whole tile), the others walked by an odometer.
+template <class F>
+void for_each_run_pair(const TileAccess& a, std::span<const int64_t> rstride, F&& fn) {
+  const size_t n = a.within.extents.size();
+  std::vector<size_t> order(n);
+  for (size_t l = 0; l < n; ++l) order[l] = l;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t x, size_t y) { return a.within.strides[x] < a.within.strides[y]; });
+  std::vector<int64_t> ext(n), bs(n), rs(n), c(n, 0);
+  for (size_t i = 0; i < n; ++i) {
+    const size_t l = order[i];
+    ext[i] = a.within.extents[l];
+    bs[i] = a.within.strides[l];
+    rs[i] = rstride[a.leaf_mode[l]] * a.leaf_scale[l];
+  }
+  int64_t len = 1;
+  size_t first = 0;
+  while (first < n && bs[first] == len && rs[first] == len) len *= ext[first++];
+  int64_t bo = 0, ro = 0;
+  for (;;) {
+    fn(bo, ro, len);
+    size_t j = first;
+    for (; j < n; ++j) {
+      bo += bs[j];
+      ro += rs[j];
+      if (++c[j] < ext[j]) break;
+      bo -= bs[j] * ext[j];
+      ro -= rs[j] * ext[j];
+      c[j] = 0;
+    }
+    if (j == n) return;
+  }
+}
+
+}  // namespace
+
+void gather_tile(const TiledEvictable& c, const TileAccess& access, int64_t index, const CarrierPtr& buffer,
+                 Carrier& dest, const TileCoord& cc, std::span<const int64_t> dstride) {
   const TileGeometry& g = c.geometry();
+  const int64_t base = g.region_base(cc, dstride);
+  const size_t w = slot_bytes(c.dtype());
+  if (access.uniform) {
+    std::byte* d = dest.mutable_native_data();
+    const std::byte* s = buffer ? buffer->native_data() : nullptr;
+    std::vector<std::byte> zero;
+    for_each_run_pair(access, dstride, [&](int64_t bo, int64_t ro, int64_t len) {
+      const size_t bytes = static_cast<size_t>(len) * w;
+      if (buffer && s && d) {
+        std::memcpy(d + static_cast<size_t>(base + ro) * w, s + static_cast<size_t>(bo) * w, bytes);
+      } else if (buffer) {
+        copy_slots(*buffer, bo, dest, base + ro, len);
+      } else if (d) {
+        std::memset(d + static_cast<size_t>(base + ro) * w, 0, bytes);
+      } else {
+        if (zero.size() < bytes) zero.resize(bytes, std::byte{0});
+        dest.write_slots(base + ro, len, zero.data());
+      }
+    });
+    return;
+  }
   const int64_t n = g.tile_size();
-  std::vector<std::byte> zero(slot_bytes(c.dtype()), std::byte{0});
+  std::vector<std::byte> zero(w, std::byte{0});
   for (int64_t wo = 0; wo < n; ++wo) {
     const int64_t off = base + g.region_offset(wo, dstride);
     if (buffer) copy_slots(*buffer, access.physical_within(index, wo), dest, off, 1);
@@ -26,23 +225,30 @@ void gather_tile(const TiledEvictable& c, const TileAccess& access, int64_t inde
 }
 
 CarrierPtr scatter_tile(const TiledEvictable& c, const TileAccess& access, int64_t index, const TensorImpl& compact,
-                        int64_t base, std::span<const int64_t> cstride, std::span<const Run> region,
-                        const CarrierPtr& existing, bool add) {
+                        const TileCoord& cc, const CarrierPtr& existing, bool add) {
   const TileGeometry& g = c.geometry();
   const int64_t n = g.tile_size();
-  // Fast path: canonical tile order and a dense compact tensor: one bulk copy
-  // per contiguous run of the compact region, then (add) one vectorisable pass.
+  // Fast path: a uniform access (Note [Within-tile layouts]) and a compact tensor whose modes are single leaves:
+  // one bulk copy per run, then (add) one vectorisable pass in buffer order.
   const bool float_add_native = c.dtype().id() == DTypeId::Float32 &&
                                 (!existing || existing->native_data() != nullptr);
-  if (access.canonical && compact.layout.is_column_major() && (!add || float_add_native)) {
+  std::optional<std::vector<int64_t>> cs = access.uniform ? mode_strides(compact.layout) : std::nullopt;
+  if (cs && (!add || float_add_native)) {
     CarrierPtr buf = c.primary()->allocate_like(n, true, c.dtype(), /*empty=*/true);
-    for (const Run& r : region)
-      copy_slots(*compact.carrier, compact.offset + base + r.offset, *buf, r.ordinal, r.length);
+    const int64_t base = compact.offset + g.region_base(cc, *cs);
+    const size_t w = slot_bytes(c.dtype());
+    const std::byte* s = compact.carrier->native_data();
+    std::byte* d = buf->mutable_native_data();
+    for_each_run_pair(access, *cs, [&](int64_t bo, int64_t ro, int64_t len) {
+      if (s && d) std::memcpy(d + static_cast<size_t>(bo) * w, s + static_cast<size_t>(base + ro) * w,
+                              static_cast<size_t>(len) * w);
+      else copy_slots(*compact.carrier, base + ro, *buf, bo, len);
+    });
     if (add && existing) {
-      float* d = reinterpret_cast<float*>(buf->mutable_native_data());
       const float* e = reinterpret_cast<const float*>(existing->native_data());
       if (d) {
-        for (int64_t k = 0; k < n; ++k) d[k] = e[k] + d[k];
+        float* f = reinterpret_cast<float*>(d);
+        for (int64_t k = 0; k < n; ++k) f[k] = e[k] + f[k];
       } else {
         std::vector<float> v(static_cast<size_t>(n));
         buf->read_slots(0, n, v.data());
@@ -52,9 +258,12 @@ CarrierPtr scatter_tile(const TiledEvictable& c, const TileAccess& access, int64
     }
     return buf;
   }
+  // Slot by slot: the compact tensor's logical ordinal of each within-tile ordinal.
+  const std::vector<int64_t> ostride = TileGeometry::dense_strides(compact.layout.shape().extents());
+  const int64_t obase = g.region_base(cc, ostride);
   CarrierPtr buf = c.primary()->allocate_like(n, true, c.dtype(), /*empty=*/false);
   for (int64_t wo = 0; wo < n; ++wo) {
-    const int64_t ord = base + g.region_offset(wo, cstride);
+    const int64_t ord = obase + g.region_offset(wo, ostride);
     const int64_t pw = access.physical_within(index, wo);
     Value v = compact.carrier->read_value(compact.offset + compact.layout.flat().index(ord));
     if (add) {
@@ -93,13 +302,13 @@ namespace {
 // Note [Adopting a compact gradient]: the cotangent of a one-tile projection is
 // usually a fresh dense tensor that only the backward engine holds (a matmul's
 // VJP result, say). When its storage is exactly what the tile's buffer would
-// hold — the primary's kind and dtype, one tile's slots, canonical order on
-// both sides — the buffer becomes the gradient tile as is: no allocation, no
+// hold — the primary's kind and dtype, one tile's slots, the buffer's own order
+// on both sides (Note [Within-tile layouts]) — the buffer becomes the gradient tile as is: no allocation, no
 // copy. In the MoE workload this saves two passes over every expert's
 // gradient (4 MiB each) per projection. Anything shared (the caller's seed, a
 // gradient also handed to another input, a retained .grad) is copied as before.
 CarrierPtr adoptable_gradient(const TiledEvictable& fresh, const TileAccess& access, const TensorPtr& g) {
-  if (!access.canonical || g.use_count() != 1 || g->offset != 0 || !g->layout.is_column_major()) return nullptr;
+  if (g.use_count() != 1 || g->offset != 0 || !access.buffer_order_is(g->layout)) return nullptr;
   const CarrierPtr& buf = g->carrier;
   if (buf.use_count() != 1 || &buf->kind() != &fresh.primary()->kind() || !(buf->dtype() == fresh.dtype()) ||
       buf->size() != fresh.tile_size() || !buf->is_mutable() || buf->is_released() || !buf->native_data())
@@ -116,19 +325,13 @@ TensorPtr scatter_add_gradient(const std::shared_ptr<TiledEvictable>& c, const T
   const TileGeometry& g = c->geometry();
   std::vector<int64_t> src = g.select(sel.per_axis);
   std::vector<int64_t> counts = counts_of(sel);
-  Layout cl = column_major(Shape::flat(g.compact_shape(sel.per_axis)));
-  const std::vector<int64_t>& cstride = cl.flat().strides;
-  std::vector<Run> region;  // the compact region's runs, made when a tile is first copied
   std::vector<std::pair<int64_t, CarrierPtr>> tiles;
   std::vector<std::byte> raw;
   for (size_t k = 0; k < src.size(); ++k) {
     CarrierPtr buf = src.size() == 1 ? adoptable_gradient(*fresh, access, compact_grad) : nullptr;
-    if (!buf) {
-      if (region.empty()) region = g.region_runs(cstride);
-      buf = scatter_tile(*fresh, access, src[k], *compact_grad,
-                         g.region_base(TileGeometry::compact_coord(static_cast<int64_t>(k), counts), cstride), cstride,
-                         region, nullptr, false);
-    }
+    if (!buf)
+      buf = scatter_tile(*fresh, access, src[k], *compact_grad, TileGeometry::compact_coord(static_cast<int64_t>(k), counts),
+                         nullptr, false);
     // A tile whose gradient is all (+0) zero stays a valid implicit zero: summed
     // gradients keep untouched tiles implicit.
     if (all_zero_bytes(*buf, fresh->tile_size(), raw)) {

@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <memory>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -15,32 +16,64 @@ namespace sw {
 
 // Where the values of one source tile live for a given full tensor: for each logical within-tile ordinal, the
 // within-tile ordinal of the carrier tile buffer holding it. Canonical tensors (offset 0, column-major) map identity.
+//
+// Note [Within-tile layouts]: a full tensor whose layout splits, mode by mode, into a within-tile part and a tile
+// part (each mode's leaves, first fastest, reach the tile extent exactly, a leaf split where needed), and whose
+// within-tile leaves each step along one digit of the carrier's slot space without carrying into the next (the
+// digits are the slot axes, an axis that tiles span whole merged with the next: a tile's footprint is contiguous
+// across them), maps every tile the same way: `within`, a layout over the tile's logical within-tile ordinal with buffer strides
+// (uniform). A valid footprint (TileGeometry::check_footprints) starts every tile's logical region at the tile's
+// first slot (strides are >= 0 and the region covers the footprint exactly), so no per-tile offset remains.
+// PyTorch's row-major (out, in) tiles are such a tensor: within strides (in, 1). When every mode is at most one
+// within-tile leaf and the buffer is dense in some order of the modes (`dense_permutation`, `mode_order` fastest
+// first), a projection's compact tensor keeps that order (compact_strides): its tiles are then copied run by run
+// (a row-major tile, one run per row; a one-tile projection, one run, or none when the tile is shared), a matmul
+// reads it through BLAS's transposition flags, and a gradient in that layout goes back into tiles run by run. A
+// tensor that is not uniform is read slot by slot (physical_within), as before.
 struct TileAccess {
   const TileGeometry& geometry;
   const TensorImpl& t;
   bool canonical;
+  bool uniform = false;            // `within` holds for every tile
+  FlatLayout within;               // leaves (modes in order, each mode's leaves first fastest) -> buffer ordinal
+  std::vector<size_t> leaf_mode;   // the tile mode of each leaf of `within`
+  std::vector<int64_t> leaf_scale; // the leaf's step in its mode's within-tile coordinate
+  bool dense_permutation = false;  // the buffer is dense in `mode_order` (fastest first)
+  std::vector<size_t> mode_order;
 
-  TileAccess(const TiledEvictable& carrier, const TensorImpl& tensor)
-      : geometry(carrier.geometry()), t(tensor), canonical(tensor.offset == 0 && tensor.layout.is_column_major()) {}
+  TileAccess(const TiledEvictable& carrier, const TensorImpl& tensor);
 
   // Within-buffer ordinal of logical within-tile ordinal `w` of source tile `index`: the tensor's logical ordinal
   // of that value is its canonical slot.
   int64_t physical_within(int64_t index, int64_t w) const {
-    if (canonical) return w;
+    if (uniform) return within.index(w);
     return geometry.locate(t.offset + t.layout.flat().index(geometry.slot(index, w))).second;
   }
+
+  // The strides of a projection's compact tensor of shape `cshape`: dense in the buffer's mode order when the
+  // buffer is a dense permutation (column-major for a canonical tensor), column-major otherwise.
+  std::vector<int64_t> compact_strides(std::span<const int64_t> cshape) const;
+
+  // Whether one tile's buffer holds a tensor of the tile's shape with `layout` at offset 0 in its own order: a
+  // one-tile compact tensor in that layout is the buffer as is (shared by a projection, adopted by a gradient).
+  bool buffer_order_is(const Layout& layout) const;
+
+ private:
+  bool derive_within();
 };
 
-// Copies source tile `index` (`buffer`, or an implicit zero when null) into the region of `dest` that starts at
-// `base`, a dense tensor with column-major `dstride`; `region` is TileGeometry::region_runs(dstride).
-void gather_tile(const TiledEvictable& c, const TileAccess& access, int64_t index, const CarrierPtr& buffer,
-                 Carrier& dest, int64_t base, std::span<const int64_t> dstride, std::span<const Run> region);
+// Per top-level mode, the stride of a layout whose every mode is one leaf (Layout::mode_as_leaf), or none.
+std::optional<std::vector<int64_t>> mode_strides(const Layout& layout);
 
-// The inverse: a fresh tile buffer for source tile `index` holding the region of `compact` (column-major strides
-// `cstride`, runs `region`) that starts at `base`, plus `existing` values for "add" (null means zero).
+// Copies source tile `index` (`buffer`, or an implicit zero when null) into its region of `dest`, a dense tensor at
+// offset 0 with per-mode strides `dstride` (TileAccess::compact_strides), compact tile coordinate `cc`.
+void gather_tile(const TiledEvictable& c, const TileAccess& access, int64_t index, const CarrierPtr& buffer,
+                 Carrier& dest, const TileCoord& cc, std::span<const int64_t> dstride);
+
+// The inverse: a fresh tile buffer for source tile `index` holding the region of `compact` at compact tile
+// coordinate `cc`, plus `existing` values for "add" (null means zero).
 CarrierPtr scatter_tile(const TiledEvictable& c, const TileAccess& access, int64_t index, const TensorImpl& compact,
-                        int64_t base, std::span<const int64_t> cstride, std::span<const Run> region,
-                        const CarrierPtr& existing, bool add);
+                        const TileCoord& cc, const CarrierPtr& existing, bool add);
 
 // Per axis, how many coordinates a selection names (the compact grid's extents).
 std::vector<int64_t> counts_of(const TileSelection& sel);

@@ -1,0 +1,133 @@
+// Row-major tiles (PyTorch's (out, in) order within each tile): the within-tile layout a full tensor gives every
+// tile (Note [Within-tile layouts] in cpp/src/tiled/tile_copies.hpp), compact tensors that keep it, one-tile
+// projections that share the tile, and the matmul gradient written into a row-major gradient tile.
+#include <gtest/gtest.h>
+
+#include "strideweave/autograd.hpp"
+#include "strideweave/grad_mode.hpp"
+#include "strideweave/ops.hpp"
+#include "strideweave/tiled/data.hpp"
+#include "../src/tiled/tile_copies.hpp"
+#include "tiled_support.hpp"
+
+namespace sw {
+namespace {
+
+using namespace testing_support;
+using namespace tiled_testing;
+
+constexpr int64_t kOut = 6, kIn = 4, kE = 3;
+
+// The expert-last full tensor over grid (1, E), tile (out, in): row-major or column-major within the tile.
+TensorPtr expert_full(const Tiled& te, bool row_major) {
+  Shape s(IntTuple::tuple({kOut, IntTuple::tuple({kIn, kE})}));
+  Stride st = row_major ? Stride(IntTuple::tuple({kIn, IntTuple::tuple({1, kOut * kIn})}))
+                        : Stride(IntTuple::tuple({1, IntTuple::tuple({kOut, kOut * kIn})}));
+  return make_tensor(te, 0, Layout(s, st));
+}
+
+// The value of expert e at (o, i) in the row-major form: slot o * in + i + out * in * e of the secondary.
+Value row_major_value(int64_t e, int64_t o, int64_t i) { return value_for(F32(), o * kIn + i + kOut * kIn * e); }
+
+TEST_F(TiledTest, ARowMajorTensorMapsEveryTileThroughOneDensePermutation) {
+  Tiled te = make_tiled({1, kE}, {kOut, kIn});
+  TensorPtr row = expert_full(te, true);
+  te->check_footprints(*row);
+  TileAccess a(*te, *row);
+  EXPECT_FALSE(a.canonical);
+  ASSERT_TRUE(a.uniform);
+  ASSERT_TRUE(a.dense_permutation);
+  EXPECT_EQ(a.mode_order, (std::vector<size_t>{1, 0}));
+  const std::vector<int64_t> cshape{kOut, 2 * kIn};
+  EXPECT_EQ(a.compact_strides(cshape), (std::vector<int64_t>{2 * kIn, 1}));
+  // Every tile, every within-tile ordinal: the layout agrees with the slot-by-slot answer.
+  for (int64_t t = 0; t < kE; ++t)
+    for (int64_t w = 0; w < kOut * kIn; ++w) {
+      const int64_t slot = row->layout.flat().index(te->geometry().slot(t, w));
+      EXPECT_EQ(te->geometry().locate(slot), (std::pair<int64_t, int64_t>{t, a.physical_within(t, w)})) << t << " " << w;
+    }
+  TileAccess col(*te, *expert_full(te, false));
+  EXPECT_TRUE(col.canonical && col.dense_permutation);
+  EXPECT_EQ(col.compact_strides(cshape), (std::vector<int64_t>{1, kOut}));
+}
+
+TEST_F(TiledTest, ABlockedWithinTileOrderIsUniformButNoPermutation) {
+  Tiled te = make_tiled({2, 3}, {4, 6});  // logical (8, 18): footprints not contiguous
+  // row r = a + 2 b + 4 t, column q = e + 2 f + 6 u: slot a + 2 e + 8 (b + 2 f) + 4 t + 48 u
+  TensorPtr blocked = make_tensor(te, 0, Layout(Shape(IntTuple::tuple({IntTuple::tuple({2, 2, 2}), IntTuple::tuple({2, 3, 3})})),
+                                                Stride(IntTuple::tuple({IntTuple::tuple({1, 8, 4}), IntTuple::tuple({2, 16, 48})}))));
+  te->check_footprints(*blocked);
+  TileAccess b(*te, *blocked);
+  EXPECT_TRUE(b.uniform);
+  EXPECT_FALSE(b.dense_permutation);
+  for (int64_t t = 0; t < te->tile_count(); ++t)
+    for (int64_t w = 0; w < 24; ++w) {
+      const int64_t slot = blocked->layout.flat().index(te->geometry().slot(t, w));
+      EXPECT_EQ(te->geometry().locate(slot), (std::pair<int64_t, int64_t>{t, b.physical_within(t, w)})) << t << " " << w;
+    }
+  // Leaves (3, 2) over tiles of 2 along that mode: no leaf boundary at the tile boundary, so no uniform map.
+  Tiled line = make_tiled({1, 3}, {1, 2});
+  TensorPtr unsplit = make_tensor(line, 0, Layout(Shape(IntTuple::tuple({1, IntTuple::tuple({3, 2})})),
+                                                  Stride(IntTuple::tuple({1, IntTuple::tuple({2, 1})}))));
+  EXPECT_FALSE(TileAccess(*line, *unsplit).uniform);
+}
+
+TEST_F(TiledTest, ProjectingRowMajorTilesKeepsTheirOrderAndSharesOneTile) {
+  GradModeGuard no_grad(false);
+  Tiled te = make_tiled({1, kE}, {kOut, kIn});
+  TensorPtr full = expert_full(te, true);
+  te->promote_async(all_tiles(*te))->value();
+  TensorPtr one = project(te, full, {{{0}, {2}}}, nullptr)->value();
+  EXPECT_EQ(one->layout, Layout(Shape::flat({kOut, kIn}), Stride::flat({kIn, 1})));
+  EXPECT_EQ(one->carrier->native_data(), TiledInternals::tile_buffer(*te, 2)->native_data());  // no copy
+  TensorPtr two = project(te, full, {{{0}, {2, 0}}}, nullptr)->value();
+  EXPECT_EQ(two->layout, Layout(Shape::flat({kOut, 2 * kIn}), Stride::flat({2 * kIn, 1})));
+  const int64_t chosen[2] = {2, 0};
+  for (int64_t o = 0; o < kOut; ++o)
+    for (int64_t q = 0; q < 2 * kIn; ++q) {
+      const Value want = row_major_value(chosen[q / kIn], o, q % kIn);
+      EXPECT_EQ(two->carrier->read_value(two->layout.index(Coord::tuple({o, q}))), want) << o << " " << q;
+      if (q < kIn) EXPECT_EQ(one->carrier->read_value(one->layout.index(Coord::tuple({o, q}))), want);
+    }
+}
+
+// y = x w^T for a one-expert projection w, backward(g) twice: the first gradient is adopted as the tile, the
+// second added into the resident row-major tile through a transposed sink. Both equal g^T x (times the count of
+// steps), within the Float32 bound of a sum of n products: n u / (1 - n u) times the sum of magnitudes.
+TEST_F(TiledTest, MatmulGradientsLandInRowMajorTilesInTheirOrder) {
+  Tiled te = make_tiled({1, kE}, {kOut, kIn});
+  TensorPtr full = expert_full(te, true);
+  constexpr int64_t kTokens = 3;
+  std::vector<float> x(kTokens * kIn), g(kTokens * kOut);  // column-major (tokens, in) and (tokens, out)
+  for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(i % 7) * 0.25f - 0.5f;
+  for (size_t i = 0; i < g.size(); ++i) g[i] = static_cast<float>(i % 5) * 0.5f - 1.0f;
+  auto cpu = [](const std::vector<float>& v, int64_t r, int64_t c) {
+    auto car = std::make_shared<CPUCarrier>(r * c, F32(), true, false);
+    car->write_slots(0, r * c, v.data());
+    return make_tensor(car, 0, column_major(Shape::flat({r, c})));
+  };
+  TensorPtr xt = cpu(x, kTokens, kIn), gt = cpu(g, kTokens, kOut);
+  for (int step = 1; step <= 3; ++step) {
+    TensorPtr w = project(te, full, {{{0}, {1}}}, nullptr)->value();
+    const Operand ops[] = {Operand::of(xt), Operand::of(w)};
+    TensorPtr y = call_op(OpId::Matmul, ops);
+    backward(y, gt, false);
+    ASSERT_TRUE(full->grad);
+    EXPECT_EQ(full->grad->layout, full->layout);
+    for (int64_t o = 0; o < kOut; ++o)
+      for (int64_t i = 0; i < kIn; ++i) {
+        double want = 0, mag = 0;
+        for (int64_t t = 0; t < kTokens; ++t) {
+          want += double(g[t + kTokens * o]) * double(x[t + kTokens * i]);
+          mag += std::abs(double(g[t + kTokens * o]) * double(x[t + kTokens * i]));
+        }
+        const double n = step * kTokens, u = std::ldexp(1.0, -24);
+        const Value got = full->grad->carrier->read_value(o * kIn + i + kOut * kIn * 1);
+        EXPECT_NEAR(got.f, step * want, n * u / (1 - n * u) * step * mag) << step << " " << o << " " << i;
+        EXPECT_EQ(full->grad->carrier->read_value(o * kIn + i).f, 0.0);  // expert 0 untouched
+      }
+  }
+}
+
+}  // namespace
+}  // namespace sw
