@@ -105,6 +105,15 @@ def write_sharded(folder, tensors: dict, dtype: str, shards=2):
     return folder
 
 
+def numpy_dtype(dtype: str):
+    """NumPy's type for `dtype` (bf16 through ml_dtypes, as StrideWeave exports it); the values converted are exact."""
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return {"float32": np.float32, "float16": np.float16}[dtype]
+
+
 def sha256(path) -> str:
     return hashlib.sha256(open(path, "rb").read()).hexdigest()
 
@@ -219,7 +228,7 @@ def test_scatter_writes_a_fresh_tensor_and_leaves_the_file_alone(tmp_path, rng, 
     names = per_expert_names()["w2"]
     full = ckpt.tiled(names)
     new = _values(rng, (H, I, 2), dtype).to(torch.float64).numpy()
-    compact = sw.friendly.tensor(new, dtype=getattr(sw.DType, SW_DTYPE[dtype]))
+    compact = sw.friendly.tensor(new.astype(numpy_dtype(dtype)), dtype=getattr(sw.DType, SW_DTYPE[dtype]))
     sel = sw.TileSelection(((0,), (0,), (2, 0)))
     ref = reference(path)
     source = np.stack([ref[n] for n in names], axis=-1)
