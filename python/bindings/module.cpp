@@ -2,6 +2,8 @@
 #include "common.hpp"
 #include "strideweave/completion.hpp"
 
+namespace swpy { void bind_checkpoint(nb::module_& m); }  // checkpoint.cpp
+
 NB_MODULE(_core, m) {
   m.doc() = "StrideWeave engine (C++20). Import `strideweave`, not this module.";
   // DType singletons live as class attributes for the life of the process; the
@@ -19,6 +21,7 @@ NB_MODULE(_core, m) {
   swpy::bind_ops(m);
   swpy::bind_tiled(m);
   swpy::bind_tensor_operators(m);
+  swpy::bind_checkpoint(m);
   // Note [Drain at exit] (completion.hpp): let pool threads drop their references to
   // Python-owned objects before finalization. Bounded, so work that never completes
   // (a transfer nobody finishes) cannot hang the exit.

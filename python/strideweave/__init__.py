@@ -63,6 +63,7 @@ from .carriers.extension import (
 )
 from .friendly import column_major, row_major
 from . import policies  # noqa: E402  (built-in residency policies)
+from . import safetensors  # noqa: E402  (sw.safetensors.open / save)
 
 
 def move(tensor: Tensor, destination: Carrier) -> Tensor:
@@ -129,4 +130,5 @@ __all__ = [
     "policies",
     "register_carrier_definition",
     "row_major",
+    "safetensors",
 ]

@@ -36,6 +36,7 @@
 #include "strideweave/carriers/checkpoint.hpp"
 #include "strideweave/dtype.hpp"
 #include "strideweave/tensor.hpp"
+#include "strideweave/tiled/tiled_evictable.hpp"
 
 namespace sw::safetensors {
 
@@ -134,8 +135,25 @@ class Checkpoint {
   // The checkpoint tier over `names`, one range per name in the order given (slot order). The tensors must share
   // shape and dtype (ValueError naming the first that differs); `names` must be non-empty and distinct.
   std::shared_ptr<CheckpointCarrier> tier(const std::vector<std::string>& names, CheckpointCarrier::Writes writes);
+  // The checkpoint tier over one tensor split along its first axis: one range per slab (index i of that axis), each
+  // contiguous in the file, in index order. ValueError for a tensor of rank 0 or with a first axis of extent 0.
+  std::shared_ptr<CheckpointCarrier> split_tier(const std::string& name, CheckpointCarrier::Writes writes);
   // Bytes read from the checkpoint's files so far (all tiers over it).
   uint64_t bytes_read() const;
+
+  // Note [A checkpoint's tensors]: a tensor of the file is a Tensor of its own shape with row-major strides over a
+  // CheckpointCarrier of one range (Writes::Overlay: writes never reach the file), no copy. ValueError for an
+  // unknown name or a tensor with an extent 0 (a Shape has no empty modes); TypeError for an element type without
+  // a dtype.
+  TensorPtr tensor(const std::string& name);
+  // The full tensor of shape (*shape, tiles.size()) over a TiledEvictable whose secondary tier is tier(names,
+  // writes) (tiled_layout); `primary` an empty carrier (nullptr: an empty allocatable CPU carrier).
+  TensorPtr tiled(const std::vector<std::string>& names, CarrierPtr primary, std::shared_ptr<ResidencyPolicy> policy,
+                  CheckpointCarrier::Writes writes);
+  // The same over split_tier(name, writes): shape (*shape[1:], shape[0]), the same logical shape as one tensor per
+  // slab.
+  TensorPtr tiled_split(const std::string& name, CarrierPtr primary, std::shared_ptr<ResidencyPolicy> policy,
+                        CheckpointCarrier::Writes writes);
 
  private:
   Checkpoint() = default;
@@ -149,6 +167,20 @@ class Checkpoint {
   std::map<std::string, std::string> metadata_;
   mutable std::mutex mutex_;  // guards readers_ and writers_
 };
+
+// Note [A checkpoint's tiled tensor]: `tiles` tensors of one row-major shape s (rank r; PyTorch's (out, in)) as
+// one full tensor of shape (*s, tiles), the last mode the tile index. The TiledEvictable's geometry is grid
+// (1, .., 1, tiles) and tile (*s, 1): tile e covers slots [e T, (e + 1) T) (T = prod(s)), which the checkpoint tier
+// maps to exactly the e-th tensor's bytes, so promoting a tile is one read of that range. The full tensor reads
+// those slots row-major: strides (row-major strides of s, T). Its shape is the geometry's logical shape and each
+// tile's coordinates reach only that tile's slots, so the footprint check (TileGeometry::check_footprints) takes
+// it, and a TileSelection ((0,), .., (0,), (e1, e2, ..)) projects experts e1, e2, ...
+struct TiledView {
+  std::vector<int64_t> grid, tile;  // of the TiledEvictable
+  Layout layout;                    // of the full tensor over it (offset 0)
+};
+// ValueError for tiles < 1 or an extent < 1.
+TiledView tiled_view(const std::vector<int64_t>& shape, int64_t tiles);
 
 // The safetensors element type of a StrideWeave dtype ("F32"); TypeError for one the format cannot hold.
 std::string_view element_type_of(const DType& dtype);

@@ -1,0 +1,91 @@
+// A checkpoint's tensors as StrideWeave tensors, where they lie in the files: one tensor over its byte range
+// (Note [A checkpoint's tensors]) and many same-shape tensors, or the slabs of one, as the tiles of one full tensor
+// (Note [A checkpoint's tiled tensor]), both in strideweave/checkpoint/safetensors.hpp.
+#include "strideweave/carriers/native.hpp"
+#include "strideweave/checkpoint/safetensors.hpp"
+#include "strideweave/errors.hpp"
+
+namespace sw::safetensors {
+
+namespace {
+
+std::vector<int64_t> row_major_strides(const std::vector<int64_t>& shape) {
+  std::vector<int64_t> strides(shape.size());
+  int64_t s = 1;
+  for (size_t k = shape.size(); k-- > 0;) {
+    strides[k] = s;
+    s *= shape[k];
+  }
+  return strides;
+}
+
+void check_extents(const std::vector<int64_t>& shape, const std::string& what) {
+  for (int64_t e : shape)
+    if (e < 1)
+      raise<ValueError>(what, " has an extent ", e, ": StrideWeave tensors have no empty modes, so it has no view");
+}
+
+TensorPtr tiled_over(std::shared_ptr<CheckpointCarrier> tier, const std::vector<int64_t>& shape, CarrierPtr primary,
+                     std::shared_ptr<ResidencyPolicy> policy) {
+  const int64_t tiles = static_cast<int64_t>(tier->ranges().size());
+  TiledView v = tiled_view(shape, tiles);
+  if (!primary) primary = std::make_shared<CPUCarrier>(0, tier->dtype(), true, false);
+  auto carrier = std::make_shared<TiledEvictable>(std::move(primary), std::move(tier), v.grid, v.tile, std::move(policy));
+  return make_tensor(std::move(carrier), 0, v.layout);
+}
+
+}  // namespace
+
+TiledView tiled_view(const std::vector<int64_t>& shape, int64_t tiles) {
+  if (tiles < 1) raise<ValueError>("a tiled tensor needs at least one tile, got ", tiles);
+  check_extents(shape, "the tile shape");
+  TiledView v;
+  v.grid.assign(shape.size(), 1);
+  v.grid.push_back(tiles);
+  v.tile = shape;
+  v.tile.push_back(1);
+  std::vector<int64_t> full = shape, strides = row_major_strides(shape);
+  full.push_back(tiles);
+  strides.push_back(TileGeometry::product(shape));
+  v.layout = Layout(Shape::flat(full), Stride::flat(strides));
+  return v;
+}
+
+std::shared_ptr<CheckpointCarrier> Checkpoint::split_tier(const std::string& name, CheckpointCarrier::Writes writes) {
+  const TensorInfo& t = info(name);
+  const DType& d = dtype(name);
+  if (t.shape.empty() || t.shape[0] < 1)
+    raise<ValueError>("tensor '", name, "' has ", t.shape.empty() ? "rank 0" : "a first axis of extent 0",
+                      ": it cannot be split into tiles along its first axis");
+  const int64_t slabs = t.shape[0], slab = t.elements() / slabs;
+  const auto& f = file(where_.at(name), writes == CheckpointCarrier::Writes::InPlace);
+  std::vector<CheckpointCarrier::Range> ranges;
+  ranges.reserve(static_cast<size_t>(slabs));
+  for (int64_t i = 0; i < slabs; ++i)
+    ranges.push_back({f, t.begin + static_cast<uint64_t>(i * slab * t.itemsize), slab});
+  return std::make_shared<CheckpointCarrier>(std::move(ranges), d, writes);
+}
+
+TensorPtr Checkpoint::tensor(const std::string& name) {
+  const TensorInfo& t = info(name);
+  const DType& d = dtype(name);
+  check_extents(t.shape, "tensor '" + name + "'");
+  std::vector<CheckpointCarrier::Range> ranges{{file(where_.at(name), false), t.begin, t.elements()}};
+  auto carrier = std::make_shared<CheckpointCarrier>(std::move(ranges), d, CheckpointCarrier::Writes::Overlay);
+  return make_tensor(std::move(carrier), 0, row_major(Shape::flat(t.shape)));
+}
+
+TensorPtr Checkpoint::tiled(const std::vector<std::string>& names, CarrierPtr primary,
+                            std::shared_ptr<ResidencyPolicy> policy, CheckpointCarrier::Writes writes) {
+  auto t = tier(names, writes);  // checks names, shapes and dtypes
+  return tiled_over(std::move(t), info(names[0]).shape, std::move(primary), std::move(policy));
+}
+
+TensorPtr Checkpoint::tiled_split(const std::string& name, CarrierPtr primary, std::shared_ptr<ResidencyPolicy> policy,
+                                  CheckpointCarrier::Writes writes) {
+  auto t = split_tier(name, writes);
+  const std::vector<int64_t>& s = info(name).shape;
+  return tiled_over(std::move(t), std::vector<int64_t>(s.begin() + 1, s.end()), std::move(primary), std::move(policy));
+}
+
+}  // namespace sw::safetensors

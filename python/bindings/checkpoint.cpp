@@ -1,0 +1,158 @@
+// Safetensors checkpoints (strideweave/checkpoint/safetensors.hpp): the Checkpoint, its tier's carrier, open and
+// save. strideweave/safetensors.py is the public face (sw.safetensors.open / save); everything here is C++.
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include "common.hpp"
+#include "strideweave/carriers/native.hpp"
+#include "strideweave/checkpoint/safetensors.hpp"
+#include "strideweave/errors.hpp"
+#include "typing.hpp"
+
+namespace swpy {
+
+namespace {
+
+using sw::CheckpointCarrier;
+using sw::safetensors::Checkpoint;
+using Writes = CheckpointCarrier::Writes;
+using IntsTuple = nb::typed<nb::tuple, int, nb::ellipsis>;
+
+IntsTuple ints_tuple(const std::vector<int64_t>& v) {
+  nb::list out;
+  for (int64_t x : v) out.append(x);
+  return nb::borrow<IntsTuple>(nb::tuple(out));
+}
+
+std::string str_arg(nb::handle h, const char* what) {
+  if (!PyUnicode_Check(h.ptr()))
+    sw::raise<sw::TypeError>(what, " must be a str, got ", nb::type_name(h.type()).c_str());
+  return nb::cast<std::string>(h);
+}
+
+}  // namespace
+
+void bind_checkpoint(nb::module_& m) {
+  nb::class_<CheckpointCarrier, sw::Carrier>(m, "CheckpointCarrier", nb::is_final(),
+                                             "The checkpoint tier: slots that are byte ranges of existing files, where "
+                                             "they lie (made by sw.safetensors; docs/guide.md, \"Opening a Hugging Face "
+                                             "checkpoint\").")
+      .def("__init__", [](CheckpointCarrier*, nb::args, nb::kwargs) {
+        sw::raise<sw::TypeError>("CheckpointCarrier is not constructible directly; use sw.safetensors.open");
+      })
+      .def_prop_ro("writes", [](const CheckpointCarrier& c) {
+        return c.writes() == Writes::InPlace ? "in_place" : "overlay";
+      }, "'overlay' (writes go to a scratch copy; the files are never written) or 'in_place'.")
+      .def_prop_ro("range_count", [](const CheckpointCarrier& c) { return c.ranges().size(); },
+                   "The number of byte ranges (tiles of a tiled checkpoint tensor).")
+      .def_prop_ro("overlaid_ranges", &CheckpointCarrier::overlaid_ranges,
+                   "Ranges whose values now live in the scratch overlay (writes='overlay').");
+
+  nb::class_<Checkpoint>(m, "Checkpoint",
+                         "A safetensors checkpoint opened where it lies (sw.safetensors.open): headers read and "
+                         "validated, no tensor byte read until a tensor or tile is.")
+      .def("__init__", [](Checkpoint*, nb::args, nb::kwargs) {
+        sw::raise<sw::TypeError>("Checkpoint is not constructible directly; use sw.safetensors.open");
+      })
+      .def("keys", [](const Checkpoint& c) { return c.keys(); }, "The tensor names, sorted.")
+      .def("__contains__", [](const Checkpoint& c, nb::handle name) {
+        return PyUnicode_Check(name.ptr()) && c.contains(nb::cast<std::string>(name));
+      }, nb::arg("name").none(), nb::sig("def __contains__(self, name: object) -> bool"))
+      .def("__len__", [](const Checkpoint& c) { return c.keys().size(); })
+      .def("dtype", [](const Checkpoint& c, nb::handle name) -> const sw::DType& {
+        return c.dtype(str_arg(name, "a tensor name"));
+      }, nb::rv_policy::reference, nb::arg("name"), nb::sig("def dtype(self, name: str) -> DType"),
+         "The tensor's DType; TypeError for an element type StrideWeave has no DType for.")
+      .def("shape", [](const Checkpoint& c, nb::handle name) { return ints_tuple(c.info(str_arg(name, "a tensor name")).shape); },
+           nb::arg("name"), nb::sig("def shape(self, name: str) -> tuple[int, ...]"))
+      .def("file_of", [](const Checkpoint& c, nb::handle name) { return c.file_of(str_arg(name, "a tensor name")); },
+           nb::arg("name"), nb::sig("def file_of(self, name: str) -> str"), "The file holding the tensor.")
+      .def_prop_ro("metadata", [](const Checkpoint& c) {
+        nb::dict d;
+        for (const auto& [k, v] : c.metadata()) d[nb::str(k.c_str())] = nb::str(v.c_str());
+        return nb::borrow<nb::typed<nb::dict, nb::str, nb::str>>(d);
+      }, "The files' __metadata__ (str -> str; the first file's value wins).")
+      .def_prop_ro("bytes_read", &Checkpoint::bytes_read,
+                   "Bytes read from the checkpoint's files so far, by every tensor and tier over it.")
+      .def("tensor", [](Checkpoint& c, nb::handle name) {
+        std::string n = str_arg(name, "a tensor name");
+        GilRelease nogil;
+        return c.tensor(n);
+      }, nb::arg("name"), nb::sig("def tensor(self, name: str) -> Tensor"),
+         "The tensor over its byte range, of its own shape with row-major strides; no copy. Writes go to a scratch "
+         "overlay, never to the file.")
+      .def("tiled", [](Checkpoint& c, nb::handle names, nb::handle primary, nb::handle policy, bool is_mutable) {
+        // Note [A checkpoint's tiled tensor] (strideweave/checkpoint/safetensors.hpp). The TiledEvictable is built
+        // by its Python class, which wraps the residency policy; the tier and the geometry come from the core.
+        const Writes w = is_mutable ? Writes::InPlace : Writes::Overlay;
+        std::shared_ptr<CheckpointCarrier> tier;
+        std::vector<int64_t> shape;
+        if (PyUnicode_Check(names.ptr())) {  // one fused tensor, split along its first axis
+          const std::string n = nb::cast<std::string>(names);
+          {
+            GilRelease nogil;
+            tier = c.split_tier(n, w);
+          }
+          shape.assign(c.info(n).shape.begin() + 1, c.info(n).shape.end());
+        } else {
+          if (!nb::isinstance<nb::iterable>(names))
+            sw::raise<sw::TypeError>("tiled takes a tensor name or a sequence of names, got ",
+                                     nb::type_name(names.type()).c_str());
+          std::vector<std::string> list;
+          for (nb::handle h : names) list.push_back(str_arg(h, "each tensor name"));
+          if (list.empty()) sw::raise<sw::ValueError>("tiled needs at least one tensor name");
+          {
+            GilRelease nogil;
+            tier = c.tier(list, w);
+          }
+          shape = c.info(list[0]).shape;
+        }
+        const sw::safetensors::TiledView v = sw::safetensors::tiled_view(shape, static_cast<int64_t>(tier->ranges().size()));
+        if (!primary.is_none() && !nb::isinstance<sw::Carrier>(primary))
+          sw::raise<sw::TypeError>("tiled: primary must be a Carrier or None");
+        nb::object prim = primary.is_none()
+                              ? nb::cast(sw::CarrierPtr(std::make_shared<sw::CPUCarrier>(0, tier->dtype(), true, false)))
+                              : nb::borrow(primary);
+        nb::object carrier = nb::type<sw::TiledEvictable>()(prim, nb::cast(sw::CarrierPtr(tier)), ints_tuple(v.grid),
+                                                            ints_tuple(v.tile), nb::arg("residency_policy") = policy);
+        return sw::make_tensor(nb::cast<sw::CarrierPtr>(carrier), 0, v.layout);
+      }, nb::arg("names"), nb::arg("primary") = nb::none(), nb::arg("residency_policy") = nb::none(),
+         nb::arg("mutable") = false,
+         nb::sig("def tiled(self, names: str | collections.abc.Sequence[str], primary: Carrier | None = None, "
+                 "residency_policy: strideweave.carriers.tiled_evictable.ResidencyPolicy | None = None, "
+                 "mutable: bool = False) -> Tensor"),
+         "Same-shape, same-dtype tensors (or the first-axis slabs of one tensor, given its name alone) as the tiles "
+         "of one full tensor of shape (*shape, tiles) over a TiledEvictable; each tile's bytes where they lie.")
+      .def("__repr__", [](const Checkpoint& c) {
+        return "Checkpoint(" + std::to_string(c.keys().size()) + " tensors)";
+      });
+
+  m.def("_safetensors_open", [](const std::vector<std::string>& paths) {
+    GilRelease nogil;
+    return Checkpoint::open(paths);
+  }, nb::arg("paths"));
+
+  m.def("_safetensors_save", [](const std::string& path, nb::handle tensors, nb::handle metadata) {
+    if (!nb::hasattr(tensors, "items")) sw::raise<sw::TypeError>("safetensors.save takes a dict of name -> Tensor");
+    std::vector<std::pair<std::string, sw::TensorPtr>> list;
+    for (nb::handle item : tensors.attr("items")()) {
+      nb::object name = item[0], value = item[1];
+      std::string n = str_arg(name, "a tensor name");
+      if (!nb::isinstance<sw::TensorImpl>(value))
+        sw::raise<sw::TypeError>("safetensors.save: tensor '", n, "' is a ", nb::type_name(value.type()).c_str(),
+                                 ", not a Tensor");
+      list.emplace_back(std::move(n), nb::cast<sw::TensorPtr>(value));
+    }
+    std::map<std::string, std::string> meta;
+    if (!metadata.is_none()) {
+      if (!nb::hasattr(metadata, "items")) sw::raise<sw::TypeError>("safetensors.save: metadata must be a dict of str -> str");
+      for (nb::handle item : metadata.attr("items")())
+        meta[str_arg(item[0], "a metadata key")] = str_arg(item[1], "a metadata value");
+    }
+    GilRelease nogil;
+    sw::safetensors::save(path, list, meta);
+  }, nb::arg("path"), nb::arg("tensors"), nb::arg("metadata").none());
+}
+
+}  // namespace swpy
