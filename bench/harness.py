@@ -201,13 +201,27 @@ def _meets(ratio: float, target: float, better: str) -> bool:
     return ratio <= target if better == "lower" else ratio >= target
 
 
-def record(bench: str, cases: list[Case], *, target: float, better: str, quick: bool, note: str = "") -> dict:
-    """The JSON record of benchmarks.md for a list of cases (worst case leads)."""
+def record(bench: str, cases: list[Case], *, target: float, better: str, quick: bool, note: str = "",
+           case_targets: dict[str, float] | None = None) -> dict:
+    """The JSON record of benchmarks.md for a list of cases (worst case leads).
+
+    `case_targets` gives some cases a target of their own (by case name; the others have `target`): the worst
+    case is then the one furthest from its own target (ratio / target), and the record's target is its target.
+    """
     if better not in ("lower", "higher"):
         raise ValueError("better must be 'lower' or 'higher'")
     if not cases:
         raise ValueError("record needs at least one case")
-    worst = max(cases, key=lambda c: c.ratio) if better == "lower" else min(cases, key=lambda c: c.ratio)
+    targets = case_targets or {}
+
+    def target_of(c: Case) -> float:
+        return targets.get(c.name, target)
+
+    def score(c: Case) -> float:
+        return c.ratio / target_of(c)
+
+    worst = max(cases, key=score) if better == "lower" else min(cases, key=score)
+    target = target_of(worst)
     detail = "; ".join(c.summary() for c in cases)
     if len(cases) > 1:
         detail = f"worst: {worst.name}; " + detail
@@ -238,7 +252,8 @@ def record(bench: str, cases: list[Case], *, target: float, better: str, quick: 
                 "bytes": int(c.bytes),
                 "reps": c.reps,
                 "inner": c.inner,
-                "meets_target": _meets(c.ratio, target, better),
+                "target": target_of(c),
+                "meets_target": _meets(c.ratio, target_of(c), better),
             }
             for c in cases
         ],

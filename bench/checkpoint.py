@@ -1,0 +1,148 @@
+"""checkpoint: bf16 experts of a safetensors checkpoint, opened where they lie.
+
+Three cases, each a ratio ours / reference measured in interleaved pairs (bench/harness.py):
+
+* ``promote vs safe_open``: ``carrier.promote`` of 16 bf16 experts (1024 x 1024, 2 MiB each) of a
+  safetensors file in the page cache, through ``sw.safetensors.open(path).tiled(names)``, against
+  ``safetensors.safe_open(path, "pt").get_tensor(name)`` of the same 16 tensors (PyTorch tensors).
+  Target <= 1.0.
+* ``promote vs preadv``: the same promotion against one ``os.preadv`` of the same 16 byte ranges into 16
+  touched buffers (the floor of any reader). Target <= 1.25.
+* ``bf16 matmul``: ``sw.matmul`` of a (64 x 4096) bf16 activation by a (4096 x 4096) bf16 row-major
+  PyTorch-style weight read as its transpose, against ``x @ w.T`` of PyTorch's bf16 CPU matmul with the
+  same threads. Target <= 1.0.
+
+The record's ratio is the worst case against its own target: each case's ratio is divided by its
+target, so "meets target" means every case does.
+
+Every StrideWeave promotion starts from evicted tiles (clean: eviction drops the buffers without
+writing), evicted outside the timed region. Values are checked once against the safetensors package's
+own load before timing.
+
+Usage: python bench/checkpoint.py [--quick] [--reps N] [--quiet]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import sys
+import tempfile
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
+
+import strideweave as sw  # noqa: E402
+
+EXPERTS, OUT, IN = 16, 1024, 1024
+TOKENS, HIDDEN = 64, 4096
+TARGETS = {"promote vs safe_open": 1.0, "promote vs preadv": 1.25, "bf16 matmul": 1.0}
+
+
+def data_ranges(path: str, names: list[str]) -> list[tuple[int, int]]:
+    """(absolute offset, bytes) of each tensor, from the file's header (for the preadv reference only)."""
+    with open(path, "rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(n))
+    return [(8 + n + header[k]["data_offsets"][0], header[k]["data_offsets"][1] - header[k]["data_offsets"][0])
+            for k in names]
+
+
+def main(argv=None) -> None:
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    args = harness.parse_args("checkpoint", argv, __doc__)
+    reps = args.reps or (40 if args.quick else 200)
+    budget = 20.0 if args.quick else None
+    gen = torch.Generator().manual_seed(0)
+    names = [f"model.layers.0.block_sparse_moe.experts.{e}.w1.weight" for e in range(EXPERTS)]
+    weights = {k: torch.randn(OUT, IN, generator=gen).bfloat16() for k in names}
+    nbytes = EXPERTS * OUT * IN * 2
+    tmpdir = tempfile.mkdtemp(prefix="sw-bench-checkpoint-")
+    path = os.path.join(tmpdir, "model.safetensors")
+    save_file(weights, path)
+    cases = []
+    try:
+        with open(path, "rb") as fh:  # the page cache holds the file for both sides
+            while fh.read(8 << 20):
+                pass
+        ckpt = sw.safetensors.open(path)
+        full = ckpt.tiled(names)
+        carrier = full.carrier
+        everything = sw.TileSelection(((0,), (0,), tuple(range(EXPERTS))))
+
+        # Same bytes, checked once before timing: every expert against the safetensors package's own load.
+        got = np.asarray(carrier.project(full, everything).wait())
+        for e, k in enumerate(names):
+            if not np.array_equal(got[:, :, e].view(np.uint16), weights[k].view(torch.int16).numpy().view(np.uint16)):
+                raise SystemExit(f"checkpoint: expert {e} differs from safetensors' load")
+        del got
+        carrier.evict(everything)
+
+        def ours():
+            carrier.promote(everything)
+
+        def evict():
+            carrier.evict(everything)
+
+        with safe_open(path, "pt") as f:
+            def safe_open_ref():
+                for k in names:
+                    f.get_tensor(k)
+
+            cases.append(harness.compare("promote vs safe_open", ours, safe_open_ref, reps=reps, warmup=5, inner=1,
+                                         bytes=nbytes, budget_s=budget, prepare_ours=evict))
+
+        ranges = data_ranges(path, names)
+        buffers = [np.ones(size, dtype=np.uint8) for _, size in ranges]  # touched
+        fd = os.open(path, os.O_RDONLY)
+
+        def preadv_ref():
+            for (offset, size), buf in zip(ranges, buffers):
+                if os.preadv(fd, [buf], offset) != size:
+                    raise SystemExit("checkpoint: short read")
+
+        cases.append(harness.compare("promote vs preadv", ours, preadv_ref, reps=reps, warmup=5, inner=1,
+                                     bytes=nbytes, budget_s=budget, prepare_ours=evict))
+        os.close(fd)
+        carrier.release()
+        del full, ckpt
+    finally:
+        for p in (path,):
+            try:
+                os.unlink(p)
+            except OSError:
+                pass
+        os.rmdir(tmpdir)
+
+    # bf16 matmul: x (TOKENS x HIDDEN) times a row-major (HIDDEN x HIDDEN) weight read as its transpose.
+    x = torch.randn(TOKENS, HIDDEN, generator=gen).bfloat16()
+    w = torch.randn(HIDDEN, HIDDEN, generator=gen).bfloat16()
+    xs = sw.from_dlpack(x)
+    ws = sw.from_dlpack(w)
+    wt = sw.Tensor(ws.carrier, 0, sw.Layout(sw.Shape(HIDDEN, HIDDEN), sw.Stride(1, HIDDEN)))  # w.T, no copy
+    with sw.no_grad():
+        ours_y = np.asarray(sw.matmul(xs, wt)).astype(np.float64)
+        ref_y = (x @ w.T).float().numpy().astype(np.float64)
+        # Both round a Float32 sum of exact bf16 products once to bf16: within 2 bf16 ulps of each other.
+        bound = 2 * 2.0 ** -8 * np.abs(x.float().numpy().astype(np.float64)) @ np.abs(w.float().numpy().T.astype(np.float64))
+        if np.any(np.abs(ours_y - ref_y) > bound):
+            raise SystemExit("checkpoint: bf16 matmul differs from PyTorch's beyond two bf16 ulps")
+        cases.append(harness.compare("bf16 matmul", lambda: sw.matmul(xs, wt), lambda: x @ w.T, reps=reps,
+                                     warmup=3, inner=1, bytes=HIDDEN * HIDDEN * 2, budget_s=budget))
+
+    for c in cases:
+        harness.log(args, c.summary())
+    harness.emit(harness.record("checkpoint", cases, target=1.0, better="lower", quick=args.quick,
+                                case_targets=TARGETS,
+                                note=f"{EXPERTS} bf16 experts ({OUT}x{IN}) in page cache; torch threads "
+                                     f"{torch.get_num_threads()}"))
+
+
+if __name__ == "__main__":
+    main()
