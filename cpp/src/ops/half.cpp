@@ -218,13 +218,11 @@ constexpr int64_t kParallelMacs = int64_t{1} << 18;
 
 }  // namespace
 
-float bf16_to_float(uint16_t bits) noexcept { return float_of(uint32_t{bits} << 16); }
-
-uint16_t float_to_bf16(float value) noexcept {
-  const uint32_t u = bits_of(value);
-  if (value != value) return static_cast<uint16_t>((u | 0x00400000u) >> 16);
-  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
+// The bf16 scalar conversions are inline in strideweave/dtype.hpp (the element type bfloat16 uses them).
+float bf16_to_float(uint16_t bits) noexcept { return bf16_bits_to_float(bits); }
+uint16_t float_to_bf16(float value) noexcept { return float_to_bf16_bits(value); }
+float f16_bits_to_float(uint16_t bits) noexcept { return f16_to_float(bits); }
+uint16_t float_to_f16_bits(float value) noexcept { return float_to_f16(value); }
 
 float f16_to_float(uint16_t h) noexcept {
   const uint32_t sign = uint32_t{h & 0x8000u} << 16;
