@@ -43,10 +43,8 @@ void write_result(Carrier& out, int64_t i, double f, int64_t n, bool integer, bo
     out.write_value(i, Value::from_int(n));
   } else if (d.id() == DTypeId::Bool) {
     out.write_value(i, Value::from_bool(integer ? n != 0 : f != 0.0));
-  } else if (exact_sum && d.is_half()) {
-    out.write_value(i, Value::from_float(f));
-  } else {
-    out.write_value(i, Value::from_float(static_cast<double>(static_cast<float>(f))));
+  } else {  // write_value stores what it is given: the value is converted (rounded) to the result dtype first
+    out.write_value(i, d.convert(Value::from_float(exact_sum && d.is_half() ? f : static_cast<double>(static_cast<float>(f)))));
   }
 }
 
