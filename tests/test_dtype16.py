@@ -123,6 +123,18 @@ def test_every_storage_kind_stores_them(dtype, tmp_path):
         assert carrier[1] == dtype.convert(x) and carrier[0] == 0.0
         carrier[2] = -3
         assert carrier[2] == -3.0 and type(carrier[2]) is float
+    # a TiledEvictable over 16-bit tiers (tiles are byte copies of the tiers' slots)
+    sec = sw.FileBacked(dtype=dtype).allocate_like(6)
+    for s in range(6):
+        sec[s] = s + 0.1
+    tiled = sw.TiledEvictable(sw.CPU(0, dtype=dtype), sec, (3,), (2,))
+    t = Tensor(tiled, 0, sw.Layout(Shape(6), sw.Stride(1)))
+    assert [t[i] for i in range(6)] == [dtype.convert(s + 0.1) for s in range(6)]
+    t[3] = x
+    assert t[3] == dtype.convert(x)
+    doubled = sw.add(t, t)
+    assert doubled.dtype() is dtype
+    assert np.asarray(doubled).astype(np.float64).tolist() == [2 * t[i] for i in range(6)]  # exact: doubling
 
 
 def test_promotion_table():
