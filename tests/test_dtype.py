@@ -1,6 +1,6 @@
 """Contract tests for DType (docs/guide.md, "DTypes").
 
-Four singletons compared with `is`; `name`, `bits`, `DType.registered()`; and
+Six singletons compared with `is` (BFloat16 and Float16: tests/test_dtype16.py); `name`, `bits`, `DType.registered()`; and
 `dtype.convert(value)`, the storage rules applied to a Python element value:
 Float32 rounds to binary32, Int32 raises OverflowError out of range, Bool
 accepts only bool, any other type raises TypeError. Float64 is the accumulator

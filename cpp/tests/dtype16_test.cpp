@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "strideweave/autograd.hpp"
+#include "strideweave/checkpoint/safetensors.hpp"
 #include "strideweave/ops.hpp"
 #include "test_support.hpp"
 
@@ -171,6 +172,24 @@ TEST_P(Half, EveryNativeAndFileKindStoresIt) {
     c->read_slots(0, 4, raw);
     EXPECT_EQ(value_of_bits(dt, raw[1]), want);
   }
+}
+
+TEST_P(Half, ASafetensorsCheckpointHoldsItAndItsTierReadsTheBytesWhereTheyLie) {
+  const DType& dt = d();
+  testing_support::TempPath file("sw-dtype16");
+  TensorPtr a = dense_tensor(true, Shape::of({6}), {0.5, -1.25, 3, 0, 7.5, -2}, dt);
+  TensorPtr b = dense_tensor(true, Shape::of({6}), {1, 2, 3, 4, 5, 6}, dt);
+  safetensors::save(file.path(), {{"a", a}, {"b", b}}, {});
+  EXPECT_EQ(safetensors::element_type_of(dt), dt == BF() ? "BF16" : "F16");
+  auto ck = safetensors::Checkpoint::open({file.path()});
+  EXPECT_EQ(&ck->dtype("a"), &dt);
+  auto tier = ck->tier({"a", "b"}, CheckpointCarrier::Writes::Overlay);
+  EXPECT_EQ(&tier->dtype(), &dt);
+  EXPECT_TRUE(tier->supports_storage_dtype(dt));
+  std::vector<uint16_t> raw(12);
+  tier->read_slots(0, 12, raw.data());
+  const std::vector<double> want{0.5, -1.25, 3, 0, 7.5, -2, 1, 2, 3, 4, 5, 6};
+  for (size_t k = 0; k < want.size(); ++k) EXPECT_EQ(value_of_bits(dt, raw[k]), want[k]) << k;
 }
 
 // ---------------------------------------------------------------- promotion

@@ -83,6 +83,20 @@ inline float detail::bf16_bits_to_float(uint16_t bits) noexcept {
   __builtin_memcpy(&f, &u, 4);
   return f;
 }
+inline float detail::f16_bits_to_float(uint16_t h) noexcept {  // exact (inline: kernels widen per element)
+  const uint32_t sign = uint32_t{h & 0x8000u} << 16;
+  const uint32_t exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+  uint32_t u;
+  if (exp == 0x1F) u = sign | 0x7F800000u | (man << 13);  // inf, NaN (payload kept)
+  else if (exp != 0) u = sign | ((exp + 112) << 23) | (man << 13);
+  else {  // zero or subnormal: man * 2^-24, exact in Float32
+    const float mag = static_cast<float>(man) * 0x1p-24f;
+    return sign ? -mag : mag;
+  }
+  float f;
+  __builtin_memcpy(&f, &u, 4);
+  return f;
+}
 inline uint16_t detail::float_to_bf16_bits(float value) noexcept {
   uint32_t u;
   __builtin_memcpy(&u, &value, 4);
