@@ -443,12 +443,27 @@ bool inner_contiguous(const TensorImpl& t, const uint16_t*& ptr, int64_t& ld) {
   return true;
 }
 
-// The rows x k elements of `t` packed inner-contiguous (row r at r * k).
+// The rows x k elements of `t` packed inner-contiguous (row r at r * k): a blocked transpose when each mode is one
+// strided leaf, the layout's runs otherwise.
 std::vector<uint16_t> pack_inner(const TensorImpl& t, int64_t rows, int64_t k) {
   std::vector<uint16_t> out(static_cast<size_t>(rows * k));
+  const auto* x = reinterpret_cast<const uint16_t*>(t.carrier->native_data());
+  auto r = t.layout.rank() == 2 ? t.layout.mode_as_leaf(0) : std::nullopt;
+  auto p = t.layout.rank() == 2 ? t.layout.mode_as_leaf(1) : std::nullopt;
+  if (r && p) {
+    const int64_t sr = r->second, sp = p->second;
+    constexpr int64_t kB = 64;
+    parallel_for((rows + kB - 1) / kB, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t rb = b0 * kB; rb < std::min(rows, b1 * kB); rb += kB)
+        for (int64_t pb = 0; pb < k; pb += kB)
+          for (int64_t q = pb; q < std::min(k, pb + kB); ++q)
+            for (int64_t i = rb; i < std::min(rows, rb + kB); ++i)
+              out[static_cast<size_t>(i * k + q)] = x[t.offset + i * sr + q * sp];
+    });
+    return out;
+  }
   std::array<const std::vector<int64_t>*, 1> strides{&t.layout.flat().strides};
   auto plan = StridedPlan<1>::make(t.layout.flat().extents, strides, {t.offset});
-  const auto* x = reinterpret_cast<const uint16_t*>(t.carrier->native_data());
   plan.for_each_run(0, plan.size, [&](int64_t ord, const std::array<int64_t, 1>& off, int64_t n,
                                       const std::array<int64_t, 1>& st) {
     for (int64_t i = 0; i < n; ++i) {
