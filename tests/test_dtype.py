@@ -1,6 +1,6 @@
 """Contract tests for DType (docs/guide.md, "DTypes").
 
-Four singletons compared with `is`; `name`, `bits`, `DType.registered()`; and
+Six singletons compared with `is` (BFloat16 and Float16: tests/test_dtype16.py); `name`, `bits`, `DType.registered()`; and
 `dtype.convert(value)`, the storage rules applied to a Python element value:
 Float32 rounds to binary32, Int32 raises OverflowError out of range, Bool
 accepts only bool, any other type raises TypeError. Float64 is the accumulator
@@ -46,14 +46,16 @@ def test_singletons_compare_with_is():
             assert (a != b) == (a is not b)
 
 
-def test_registered_is_a_tuple_of_all_four_in_order():
+def test_registered_is_a_tuple_of_all_six_in_order():
     reg = DType.registered()
     assert type(reg) is tuple
-    assert len(reg) == 4
+    assert len(reg) == 6  # issue 18 added BFloat16 and Float16 after the first four
     assert reg[0] is DType.Float32
     assert reg[1] is DType.Int32
     assert reg[2] is DType.Bool
     assert reg[3] is DType.Float64
+    assert reg[4] is DType.BFloat16
+    assert reg[5] is DType.Float16
     assert all(a is b for a, b in zip(DType.registered(), reg))  # same singletons every call
 
 
@@ -90,7 +92,7 @@ def test_dtype_is_immutable_and_hashable():
         with pytest.raises(AttributeError):
             d.bits = 1
         assert hash(d) == hash(d)
-    assert len({d: d.name for d in DType.registered()}) == 4
+    assert len({d: d.name for d in DType.registered()}) == 6
     assert DType.Float32.name == "Float32" and DType.Float32.bits == 32
 
 

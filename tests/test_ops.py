@@ -40,6 +40,7 @@ from devices import block_device
 
 F32, I32, BOOL, F64 = DType.Float32, DType.Int32, DType.Bool, DType.Float64
 DTYPES = (F32, I32, BOOL)
+HALF_DTYPES = (DType.BFloat16, DType.Float16)  # their operations: tests/test_dtype16.py
 DTYPE_PAIRS = [(a, b) for a in DTYPES for b in DTYPES]
 PAIR_IDS = [f"{a.name}-{b.name}" for a, b in DTYPE_PAIRS]
 NP_DTYPE = {F32: np.float32, I32: np.int32, BOOL: np.bool_}
@@ -1241,7 +1242,7 @@ def test_operation_capabilities_entries(kind):
         for o in e.operands:
             with pytest.raises(dataclasses.FrozenInstanceError):
                 o.dtype = F64
-            assert o.dtype in DTYPES
+            assert o.dtype in DTYPES + HALF_DTYPES
             if o.role.value == "tensor":
                 assert carrier.supports_storage_dtype(o.dtype)
     assert hash(caps) == hash(carrier.operation_capabilities())  # frozen all the way down
@@ -1268,7 +1269,8 @@ def test_operation_capabilities_unknown_name_is_empty():
 
 def test_every_advertised_signature_executes():
     """Each CPU capability entry runs, with the dtype plan of §8."""
-    values = {F32: [0.5, -1.0, 2.0, 3.0], I32: [1, -2, 3, 4], BOOL: [True, False, True, True]}
+    values = {F32: [0.5, -1.0, 2.0, 3.0], I32: [1, -2, 3, 4], BOOL: [True, False, True, True],
+              DType.BFloat16: [0.5, -1.0, 2.0, 3.0], DType.Float16: [0.5, -1.0, 2.0, 3.0]}
     for e in sw.CPU(4).operation_capabilities():
         operands = []
         for o in e.operands:
@@ -1280,14 +1282,19 @@ def test_every_advertised_signature_executes():
         r = getattr(sw, e.operation)(*operands)
         assert type(r.carrier) is sw.CPU
         dts = [o.dtype for o in e.operands]
+        tensor_dts = [o.dtype for o in e.operands if o.role.value == "tensor"]
+        halves = {d for d in tensor_dts if d in HALF_DTYPES}
+        # the float dtype (docs/guide.md, "DTypes"): a 16-bit dtype when it is the only float dtype among the
+        # tensor operands (Int32, Bool and weak scalars do not promote it), else Float32
+        float_dtype = halves.pop() if len(halves) == 1 and F32 not in tensor_dts else F32
         if e.operation in ("relu", "reduce_sum"):
             assert r.dtype() is dts[0]
         elif e.operation in ("div", "exp"):
-            assert r.dtype() is F32
+            assert r.dtype() is float_dtype
         elif e.operation == "neg":
-            assert r.dtype() is UNARY_DTYPE["neg"](dts[0])
+            assert r.dtype() is (UNARY_DTYPE["neg"](dts[0]) if dts[0] not in HALF_DTYPES else dts[0])
         else:
-            assert r.dtype() is (I32 if all(d is I32 for d in dts) else F32), e
+            assert r.dtype() is (I32 if all(d is I32 for d in dts) else float_dtype), e
 
 
 # ============================================================ Tensor operators

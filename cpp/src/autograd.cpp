@@ -88,12 +88,34 @@ TensorPtr on_leaf_kind(const TensorImpl& leaf, const TensorPtr& g, bool owned) {
     TensorPtr dense = same_kind ? m->materialize_for_backward(g) : g;
     return m->gradient_from_dense(make_tensor(leaf.carrier, leaf.offset, leaf.layout), dense);
   }
-  if (owned && &g->carrier->kind() == &leaf.carrier->kind() && g->layout == column_major(leaf.layout.shape()))
+  const DType& dtype = leaf.dtype();
+  if (owned && &g->carrier->kind() == &leaf.carrier->kind() && g->layout == column_major(leaf.layout.shape()) &&
+      g->dtype() == dtype)
     return g;
-  CarrierPtr c = leaf.carrier->allocate_like(g->size(), true, DType::Float32(), /*empty=*/true);
+  CarrierPtr c = leaf.carrier->allocate_like(g->size(), true, dtype, /*empty=*/true);
   TensorPtr dense = g;
   if (!g->layout.is_contiguous() || g->offset != 0) dense = expand_dense(g, g->layout.shape());
-  copy_slots(*dense->carrier, 0, *c, 0, dense->size());
+  if (dense->dtype() == dtype) {
+    copy_slots(*dense->carrier, 0, *c, 0, dense->size());
+  } else {
+    // Note [Gradients of 16-bit parameters]: the VJPs compute in Float32; the leaf's gradient takes the
+    // leaf's dtype here, rounded once (nearest even). An accumulation adds the new contribution to the held
+    // gradient in Float32 first (add_grads: a 16-bit tensor with a Float32 one gives Float32), so each
+    // accumulation rounds once: after contributions g_1..g_k the held BFloat16 gradient G_k satisfies
+    // |G_k - sum g_j| <= sum_{j<=k} (2^-8 + 2^-24) |G_{j-1} + g_j| (2^-11 for Float16): one 16-bit rounding
+    // (and one Float32 rounding) of each partial sum, never one per operation.
+    const int64_t n = dense->size();
+    std::vector<float> values(static_cast<size_t>(n));
+    if (dense->dtype().id() == DTypeId::Float32) {
+      dense->carrier->read_slots(dense->offset, n, values.data());
+    } else {
+      for (int64_t i = 0; i < n; ++i) values[static_cast<size_t>(i)] = static_cast<float>(dense->carrier->read_value(i).f);
+    }
+    std::vector<std::byte> bytes(static_cast<size_t>(n) * slot_bytes(dtype));
+    for (int64_t i = 0; i < n; ++i)
+      store_value(dtype, bytes.data() + i * static_cast<int64_t>(slot_bytes(dtype)), Value::from_float(values[static_cast<size_t>(i)]));
+    c->write_slots(0, n, bytes.data());
+  }
   return make_tensor(std::move(c), 0, column_major(leaf.layout.shape()));
 }
 
@@ -151,10 +173,10 @@ void check_saved(const Node& node) {
 // would release it) and never written.
 TensorPtr seed_on_kind(const TensorImpl& seed, const Carrier& prototype) {
   const Shape& shape = seed.layout.shape();
-  TensorPtr out = full_like_kind(prototype, shape, seed.dtype(), 0.0);
+  TensorPtr out = full_like_kind(prototype, shape, DType::Float32(), 0.0);
   const int64_t n = seed.size();
   std::vector<float> values(static_cast<size_t>(n));
-  if (seed.layout.is_column_major()) {
+  if (seed.layout.is_column_major() && seed.dtype().id() == DTypeId::Float32) {
     seed.carrier->read_slots(seed.offset, n, values.data());  // one bulk read
   } else {
     const FlatLayout& flat = seed.layout.flat();
@@ -182,10 +204,12 @@ void backward(const TensorPtr& root, const TensorPtr& gradient, bool retain_grap
                         root->layout.shape().str());
     // Checked here, before any work: a wrong seed would otherwise fail (or be misread) midway, after some
     // leaves had already accumulated.
-    if (seed->dtype().id() != DTypeId::Float32)
-      raise<TypeError>("backward: gradient must be a Float32 tensor, got ", seed->dtype().name());
+    if (seed->dtype().id() != DTypeId::Float32 && seed->dtype() != root->dtype())
+      raise<TypeError>("backward: gradient must be a Float32 tensor (or of the output's dtype ", root->dtype().name(),
+                       "), got ", seed->dtype().name());
     seed->carrier->check_live("use it as a gradient");
-    if (&seed->carrier->kind() != &root->carrier->kind()) seed = seed_on_kind(*seed, *root->carrier);
+    if (&seed->carrier->kind() != &root->carrier->kind() || seed->dtype().id() != DTypeId::Float32)
+      seed = seed_on_kind(*seed, *root->carrier);  // a 16-bit seed widens (exactly) to Float32: VJPs run in Float32
   }
   GradModeGuard no_grad(false);
   std::shared_ptr<Node> root_node;

@@ -29,6 +29,13 @@ void store_value(const DType& dtype, void* dst, const Value& v) {
       std::memcpy(dst, &d, sizeof d);
       return;
     }
+    case DTypeId::BFloat16:
+    case DTypeId::Float16: {  // rounds the double directly (Note [16-bit floats])
+      const double d = v.kind == Value::Kind::Int ? static_cast<double>(v.i) : v.f;
+      const uint16_t h = dtype.id() == DTypeId::BFloat16 ? detail::double_to_bf16_bits(d) : detail::double_to_f16_bits(d);
+      std::memcpy(dst, &h, sizeof h);
+      return;
+    }
   }
 }
 
@@ -53,6 +60,12 @@ Value load_value(const DType& dtype, const void* src) {
       double d;
       std::memcpy(&d, src, sizeof d);
       return Value::from_float(d);
+    }
+    case DTypeId::BFloat16:
+    case DTypeId::Float16: {  // the exact value, as a double
+      uint16_t h;
+      std::memcpy(&h, src, sizeof h);
+      return Value::from_float(dtype.id() == DTypeId::BFloat16 ? double(bfloat16::from_bits(h)) : double(float16::from_bits(h)));
     }
   }
   return {};

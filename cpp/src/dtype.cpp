@@ -1,10 +1,12 @@
 #include "strideweave/dtype.hpp"
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 
 #include "strideweave/errors.hpp"
+#include "ops/half.hpp"
 
 namespace sw {
 
@@ -35,21 +37,63 @@ const DType& DType::Float64() {
   return d;
 }
 
+const DType& DType::BFloat16() {
+  static const DType d(DTypeId::BFloat16, "BFloat16", 16);
+  return d;
+}
+const DType& DType::Float16() {
+  static const DType d(DTypeId::Float16, "Float16", 16);
+  return d;
+}
+
 const DType& DType::from_id(DTypeId id) {
   switch (id) {
     case DTypeId::Float32: return Float32();
     case DTypeId::Int32: return Int32();
     case DTypeId::Bool: return Bool();
     case DTypeId::Float64: return Float64();
+    case DTypeId::BFloat16: return BFloat16();
+    case DTypeId::Float16: return Float16();
   }
   SW_ASSERT(false, "unknown dtype id ", static_cast<int>(id));
   return Float32();
 }
 
-const std::array<const DType*, 4>& DType::registered() {
-  static const std::array<const DType*, 4> all{&Float32(), &Int32(), &Bool(), &Float64()};
+const std::array<const DType*, 6>& DType::registered() {
+  static const std::array<const DType*, 6> all{&Float32(), &Int32(), &Bool(), &Float64(), &BFloat16(), &Float16()};
   return all;
 }
+
+namespace detail {
+
+// Note [16-bit floats]: a double rounds to a 16-bit float directly. The double is first rounded to binary32 *to
+// odd* (truncate, then set the last bit when anything was dropped): binary32 keeps 24 significant bits, at least
+// two more than either 16-bit format (8, 11) even among their subnormals (bf16's lowest bit is 2^-133, binary32's
+// 2^-149; fp16's 2^-24 is a binary32 normal), and a round-to-odd intermediate with two extra bits makes the second,
+// nearest-even rounding exact (the sticky bit records the dropped part). Beyond binary32's range the result is
+// infinite in both formats (both overflow far below FLT_MAX).
+namespace {
+float round_to_odd_float(double x) noexcept {
+  if (!(std::fabs(x) <= static_cast<double>(std::numeric_limits<float>::max())))
+    return std::isnan(x) ? static_cast<float>(x) : std::copysign(std::numeric_limits<float>::infinity(), static_cast<float>(x));
+  float f = static_cast<float>(x);  // nearest even
+  const double back = static_cast<double>(f);
+  if (back == x) return f;
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if (u & 1u) return f;  // already odd
+  // Even and inexact: step one ulp towards x (the neighbour on x's side is odd, and x lies between the two).
+  if (std::fabs(back) > std::fabs(x)) --u;
+  else ++u;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+}  // namespace
+
+uint16_t double_to_bf16_bits(double value) noexcept { return float_to_bf16_bits(round_to_odd_float(value)); }
+uint16_t double_to_f16_bits(double value) noexcept { return float_to_f16_bits(round_to_odd_float(value)); }
+
+}  // namespace detail
 
 namespace {
 
@@ -105,6 +149,15 @@ Value DType::convert(const Value& v) const {
       if (id_ == DTypeId::Float32) x = round_to_float32(x);
       return Value::from_float(x);
     }
+    case DTypeId::BFloat16:
+    case DTypeId::Float16: {
+      double x;
+      if (v.kind == K::Float || v.kind == K::BigInt) x = v.f;
+      else if (v.kind == K::Int) x = static_cast<double>(v.i);  // exact below 2^53; else the nearest double first
+      else raise<TypeError>(name_, " element must be a float or an int, got ", v.kind_name());
+      return Value::from_float(id_ == DTypeId::BFloat16 ? static_cast<double>(bfloat16::from_bits(detail::double_to_bf16_bits(x)))
+                                                        : static_cast<double>(float16::from_bits(detail::double_to_f16_bits(x))));
+    }
     case DTypeId::Int32: {
       if (v.kind == K::BigInt)
         raise<OverflowError>("Int32 element ", v.f, " is out of range [-2147483648, 2147483647]");
@@ -133,6 +186,24 @@ void DType::convert_into(const T* in, size_t n, void* out) const {
       } else {
         auto* o = static_cast<double*>(out);
         for (size_t k = 0; k < n; ++k) o[k] = static_cast<double>(in[k]);
+      }
+      return;
+    }
+    case DTypeId::BFloat16: {
+      auto* o = static_cast<uint16_t*>(out);
+      if constexpr (std::is_same_v<T, float>) {
+        detail::f32_to_bf16(in, o, static_cast<int64_t>(n));  // a float needs one rounding only (vectorised)
+      } else {
+        for (size_t k = 0; k < n; ++k) o[k] = detail::double_to_bf16_bits(static_cast<double>(in[k]));
+      }
+      return;
+    }
+    case DTypeId::Float16: {
+      auto* o = static_cast<uint16_t*>(out);
+      if constexpr (std::is_same_v<T, float>) {
+        detail::f32_to_f16(in, o, static_cast<int64_t>(n));  // a float needs one rounding only (vectorised)
+      } else {
+        for (size_t k = 0; k < n; ++k) o[k] = detail::double_to_f16_bits(static_cast<double>(in[k]));
       }
       return;
     }

@@ -68,11 +68,13 @@ TEST(DType, NamesBitsAndFlags) {
 
 TEST(DType, RegisteredOrder) {
   const auto& all = DType::registered();
-  ASSERT_EQ(all.size(), 4u);
+  ASSERT_EQ(all.size(), 6u);  // issue 18 added BFloat16 and Float16 after the first four
   EXPECT_EQ(all[0], &F32());
   EXPECT_EQ(all[1], &I32());
   EXPECT_EQ(all[2], &B());
   EXPECT_EQ(all[3], &F64());
+  EXPECT_EQ(all[4], &DType::BFloat16());
+  EXPECT_EQ(all[5], &DType::Float16());
   EXPECT_EQ(&DType::registered(), &all);  // one table
   for (size_t k = 0; k < all.size(); ++k) EXPECT_EQ(static_cast<size_t>(all[k]->id()), k);
 }

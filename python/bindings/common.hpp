@@ -120,4 +120,8 @@ sw::Stride to_stride(nb::handle h);  // a Stride, or an iterable mode list
 sw::Value to_value(nb::handle h);
 nb::object from_value(const sw::Value& v);
 
+// The NumPy dtype of a 16-bit float dtype's elements: ml_dtypes.bfloat16 for BFloat16, numpy.float16 for Float16.
+// Arrays of them are made as uint16 arrays of the same bits and viewed as this dtype (no copy).
+nb::object numpy_half_dtype(const sw::DType& d);
+
 }  // namespace swpy

@@ -138,4 +138,10 @@ nb::object from_value(const sw::Value& v) {
   return nb::none();
 }
 
+nb::object numpy_half_dtype(const sw::DType& d) {
+  nb::object numpy = nb::module_::import_("numpy");
+  if (d.id() == sw::DTypeId::BFloat16) return numpy.attr("dtype")(nb::module_::import_("ml_dtypes").attr("bfloat16"));
+  return numpy.attr("dtype")(numpy.attr("float16"));
+}
+
 }  // namespace swpy

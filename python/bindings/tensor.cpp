@@ -34,8 +34,15 @@ nb::dlpack::dtype dl_dtype(const sw::DType& d) {
   switch (d.id()) {
     case sw::DTypeId::Int32: return nb::dtype<int32_t>();
     case sw::DTypeId::Bool: return nb::dtype<bool>();
+    case sw::DTypeId::BFloat16:
+    case sw::DTypeId::Float16: return nb::dtype<uint16_t>();  // the bits, viewed as numpy_half_dtype (as_elements)
     default: return nb::dtype<float>();
   }
+}
+
+// A 16-bit float dtype's array (made of its uint16 bits) viewed as its NumPy dtype: the same memory, no copy.
+nb::object as_elements(nb::object arr, const sw::DType& d) {
+  return d.is_half() ? arr.attr("view")(numpy_half_dtype(d)) : arr;
 }
 
 nb::object to_numpy(nb::handle self) {
@@ -62,6 +69,7 @@ nb::object to_numpy(nb::handle self) {
     }
     arr = nb::cast(nb::ndarray<nb::numpy>(const_cast<std::byte*>(base) + static_cast<size_t>(t.offset) * w, shape.size(), shape.data(), owner,
                                           strides.data(), dl_dtype(t.dtype())));
+    arr = as_elements(arr, t.dtype());
     if (!t.is_mutable()) arr.attr("flags").attr("writeable") = false;
     return arr;
   }
@@ -81,7 +89,8 @@ nb::object to_numpy(nb::handle self) {
     dense[k] = run;
     run *= static_cast<int64_t>(shape[k]);
   }
-  arr = nb::cast(nb::ndarray<nb::numpy>(buf, shape.size(), shape.data(), owner, dense.data(), dl_dtype(t.dtype())));
+  arr = as_elements(nb::cast(nb::ndarray<nb::numpy>(buf, shape.size(), shape.data(), owner, dense.data(), dl_dtype(t.dtype()))),
+                    t.dtype());
   arr.attr("flags").attr("writeable") = false;
   return arr;
 }

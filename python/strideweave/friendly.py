@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from . import _core
@@ -11,7 +12,14 @@ from ._core import CPU, DType, FileBacked, Generic, Shape, Tensor, column_major,
 
 __all__ = ["tensor", "zeros", "column_major", "row_major"]
 
-_NUMPY = {"Float32": np.float32, "Int32": np.int32, "Bool": np.bool_}
+_NUMPY = {
+    "Float32": np.dtype(np.float32),
+    "Int32": np.dtype(np.int32),
+    "Bool": np.dtype(np.bool_),
+    "BFloat16": np.dtype(ml_dtypes.bfloat16),
+    "Float16": np.dtype(np.float16),
+}
+_BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 def _checked_array(data: Any, dtype: DType) -> np.ndarray:
@@ -25,6 +33,11 @@ def _checked_array(data: Any, dtype: DType) -> np.ndarray:
     if dtype.name not in _NUMPY:
         raise TypeError(f"{dtype.name} is not a storage dtype")
     arr = np.asarray(data)
+    if arr.dtype == _NUMPY[dtype.name]:
+        return arr  # already this dtype's elements: every value stays as it is (no widening, no rounding)
+    if arr.dtype == _BF16:
+        # bfloat16 arrays (kind "V" in NumPy) hold floats; widened exactly to read them as any other float array.
+        arr = arr.astype(np.float64)
     if arr.dtype.kind == "O":
         # NumPy keeps Python ints beyond 64 bits as objects; they are still ints (docs/guide.md, "DTypes").
         values = _core._storage_values(arr.reshape(-1).tolist(), dtype)
@@ -35,13 +48,14 @@ def _checked_array(data: Any, dtype: DType) -> np.ndarray:
         raise TypeError(f"a Bool tensor accepts only bool values, got {arr.dtype}")
     if dtype is DType.Int32 and kind not in "iu":
         raise TypeError(f"an Int32 tensor accepts only int values, got {arr.dtype}")
-    if dtype is DType.Float32 and kind not in "fiu":
-        raise TypeError(f"a Float32 tensor accepts float or int values, got {arr.dtype}")
+    if dtype in (DType.Float32, DType.BFloat16, DType.Float16) and kind not in "fiu":
+        raise TypeError(f"a {dtype.name} tensor accepts float or int values, got {arr.dtype}")
     if dtype is DType.Bool:
         return arr.astype(np.bool_, copy=False)
     if not arr.dtype.isnative or (kind == "f" and arr.dtype.itemsize not in (4, 8)):
-        # The core reads native integers, float32 and float64; other floats widen exactly (float16) or as a slot
-        # write reads them (long double, through a double).
+        # The core reads native integers, float32 and float64; other floats widen exactly (float16, read by
+        # the rules of the requested dtype, never kept as Float32 silently) or as a slot write reads them (long
+        # double, through a double).
         arr = arr.astype(np.float64 if kind == "f" else arr.dtype.newbyteorder("="))
     return _core._storage_array(np.ascontiguousarray(arr).reshape(-1), dtype).reshape(arr.shape)
 
@@ -58,14 +72,23 @@ def _allocate(carrier: type, size: int, dtype: DType) -> _core.Carrier:
     raise TypeError(f"carrier must be a Carrier class, got {carrier!r}")
 
 
-def tensor(data: Any, *, dtype: DType = DType.Float32, carrier: type = CPU) -> Tensor:
-    """A dense tensor (first mode fastest) holding ``data`` (nested lists or an array)."""
+def tensor(data: Any, *, dtype: DType | None = None, carrier: type = CPU) -> Tensor:
+    """A dense tensor (first mode fastest) holding ``data`` (nested lists or an array).
+
+    Without ``dtype``, a float16 array makes a Float16 tensor and an ``ml_dtypes.bfloat16`` array a BFloat16
+    one (their values kept exactly); anything else Float32. With ``dtype``, values convert by its rules
+    (``DType.convert``: BFloat16 and Float16 round to nearest even).
+    """
+    if dtype is None:
+        kind = getattr(data, "dtype", None)
+        dtype = DType.Float16 if kind == np.float16 else DType.BFloat16 if kind == _BF16 else DType.Float32
     arr = _checked_array(data, dtype)
     shape = Shape(*arr.shape)
     flat = np.ascontiguousarray(arr.reshape(-1, order="F"))
     c = _allocate(carrier, max(1, flat.size), dtype)
     if flat.size:
-        _core._fill_from_array(c, flat)
+        # 16-bit floats travel as their bits (the core takes the bytes; NumPy's buffer of bfloat16 is not standard)
+        _core._fill_from_array(c, flat.view(np.uint16) if dtype.bits == 16 else flat)
     return Tensor(c, 0, column_major(shape))
 
 

@@ -11,9 +11,11 @@
 //    must match", TypeError); there is no implicit movement.
 //  - Broadcasting: same hierarchical profile; each leaf extent equal or 1.
 //  - Dtypes: Int32 with Int32 stays Int32 (overflow -> OverflowError); any other
-//    mix gives Float32; weak int with Int32 stays Int32, weak float gives
-//    Float32; relu/reduce_sum keep the dtype; accumulator Float64 accumulates
-//    in double and returns Float32.
+//    mix gives the float dtype: BFloat16 (Float16) when it is the only float
+//    dtype among the tensor operands, else Float32 (docs/guide.md, "DTypes");
+//    weak int with Int32 stays Int32, weak float gives the float dtype (weak
+//    scalars never promote); relu/reduce_sum keep the dtype; accumulator
+//    Float64 accumulates in double and returns Float32.
 //  - Results are fresh dense carriers of the dispatching (first tensor
 //    operand's) kind at offset 0.
 //

@@ -6,7 +6,7 @@
 // impl is unique while it lives, so identity is observable from Python.
 //
 // Autograd slots (`grad`, `node`, `retains_grad`) are filled by the autograd
-// engine; a tensor is differentiable exactly when its dtype is Float32.
+// engine; a tensor is differentiable exactly when its dtype is a storage float (Float32, BFloat16, Float16).
 //
 // Thread-safety: the view (carrier, offset, layout) is immutable; the grad
 // slots are guarded by `mutex`.
@@ -35,7 +35,7 @@ struct TensorImpl : std::enable_shared_from_this<TensorImpl> {
   const DType& dtype() const { return carrier->dtype(); }
   int64_t size() const { return layout.size(); }
   uint64_t version() const { return carrier->version(); }
-  bool is_differentiable() const { return dtype().id() == DTypeId::Float32; }
+  bool is_differentiable() const { return dtype().is_storage() && dtype().is_floating(); }
   bool is_mutable() const { return carrier->is_mutable(); }
 
   // Checked element access by ordinal or coordinate.

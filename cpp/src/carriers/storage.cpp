@@ -35,7 +35,7 @@ const CarrierKind& evictable_kind() {
 
 namespace detail {
 
-bool file_dtype(const DType& d) { return d.id() == DTypeId::Float32 || d.id() == DTypeId::Int32; }
+bool file_dtype(const DType& d) { return d.id() == DTypeId::Float32 || d.id() == DTypeId::Int32 || d.is_half(); }
 
 std::string temp_dir() {
   const char* t = std::getenv("TMPDIR");
@@ -137,7 +137,7 @@ using detail::temp_dir;
 
 FileBackedCarrier::FileBackedCarrier(const std::string& filename, const DType& dtype, bool is_mutable)
     : Carrier(&file_backed_kind(), dtype, is_mutable) {
-  if (!file_dtype(dtype)) raise<TypeError>("FileBacked stores Float32 and Int32, not ", dtype.name());
+  if (!file_dtype(dtype)) raise<TypeError>("FileBacked stores Float32 and Int32 (and BFloat16, Float16), not ", dtype.name());
   if (filename.empty()) {
     anonymous_ = true;
     fd_ = open_anonymous(temp_dir(), path_);  // Note [Anonymous files leave no name]
@@ -355,7 +355,7 @@ void BlockDevice::write(int64_t offset, size_t bytes, const void* in) {
 std::shared_ptr<BlockDeviceCarrier> BlockDevice::allocate(int64_t slots, const DType& dtype, bool is_mutable,
                                                           bool empty) {
   if (slots < 0) raise<ValueError>("BlockDevice allocation size must be >= 0, got ", slots);
-  if (!file_dtype(dtype)) raise<TypeError>("BlockDeviceCarrier stores Float32 and Int32, not ", dtype.name());
+  if (!file_dtype(dtype)) raise<TypeError>("BlockDeviceCarrier stores Float32 and Int32 (and BFloat16, Float16), not ", dtype.name());
   int64_t bytes = slots * static_cast<int64_t>(slot_bytes(dtype));
   int64_t start = slots > 0 ? reserve(bytes) : 0;
   std::shared_ptr<BlockDeviceCarrier> c;

@@ -31,6 +31,8 @@ const DType* dtype_of(std::string_view element_type) {
   if (element_type == "F32") return &DType::Float32();
   if (element_type == "I32") return &DType::Int32();
   if (element_type == "BOOL") return &DType::Bool();
+  if (element_type == "BF16") return &DType::BFloat16();
+  if (element_type == "F16") return &DType::Float16();
   return nullptr;
 }
 

@@ -47,6 +47,8 @@ std::string_view element_type_of(const DType& dtype) {
     case DTypeId::Int32: return "I32";
     case DTypeId::Bool: return "BOOL";
     case DTypeId::Float64: return "F64";
+    case DTypeId::BFloat16: return "BF16";
+    case DTypeId::Float16: return "F16";
   }
   raise<TypeError>("safetensors cannot hold ", dtype.name(), " elements");
 }

@@ -3,6 +3,7 @@
 // work, and BLAS (OpenBLAS) for matmul.
 #include <cblas.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -10,6 +11,7 @@
 #include <mutex>
 
 #include "kernels.hpp"
+#include "half.hpp"
 #include "skinny_gemm.hpp"
 #include "strided.hpp"
 #include "strideweave/errors.hpp"
@@ -19,6 +21,23 @@ namespace sw::detail {
 namespace {
 
 constexpr int64_t kGrain = int64_t{1} << 16;
+
+template <class T>
+inline constexpr bool is_half_v = std::is_same_v<T, bfloat16> || std::is_same_v<T, float16>;
+
+// Float32 results narrowed to a 16-bit dtype a block at a time (half.hpp's vector conversions): a run is computed
+// into a Float32 block by `fill(block, first, count)`, then rounded once per element.
+constexpr int64_t kHalfBlock = 512;
+template <class TO, class Fill>
+void through_float_blocks(TO* out, int64_t n, Fill fill) {
+  float block[kHalfBlock];
+  for (int64_t b = 0; b < n; b += kHalfBlock) {
+    const int64_t len = std::min(kHalfBlock, n - b);
+    fill(block, b, len);
+    if constexpr (std::is_same_v<TO, bfloat16>) f32_to_bf16(block, reinterpret_cast<uint16_t*>(out + b), len);
+    else f32_to_f16(block, reinterpret_cast<uint16_t*>(out + b), len);
+  }
+}
 
 template <class T>
 const T* typed(const KernelInput& in) {
@@ -43,6 +62,9 @@ inline bool store(TO* dst, C v) {
     return v >= std::numeric_limits<int32_t>::min() && v <= std::numeric_limits<int32_t>::max();
   } else if constexpr (std::is_same_v<TO, bool>) {
     *dst = v != C(0);
+    return true;
+  } else if constexpr (is_half_v<TO>) {
+    *dst = TO(static_cast<float>(v));  // the Float32 result, rounded once (Note [16-bit floats])
     return true;
   } else {
     *dst = static_cast<TO>(v);
@@ -84,10 +106,7 @@ void binary(const KernelInput& a, const KernelInput& b, TO* out, const std::vect
   const TB* pb = typed<TB>(b);
   parallel_for(dense ? product(ext) : plan.size, kGrain, [&](int64_t begin, int64_t end) {
     bool ok = true;
-    auto run = [&](int64_t ord, const std::array<int64_t, 2>& off, int64_t n, const std::array<int64_t, 2>& st) {
-      const TA* x = pa + off[0];
-      const TB* y = pb + off[1];
-      TO* o = out + ord;
+    auto loops = [&](auto* o, const TA* x, const TB* y, int64_t n, const std::array<int64_t, 2>& st) {
       if constexpr (std::is_integral_v<C>) {
         for (int64_t i = 0; i < n; ++i) ok &= store(o + i, f(C(x[i * st[0]]), C(y[i * st[1]])));
       } else if (st[0] == 1 && st[1] == 1) {
@@ -100,6 +119,17 @@ void binary(const KernelInput& a, const KernelInput& b, TO* out, const std::vect
         for (int64_t i = 0; i < n; ++i) store(o + i, f(xv, C(y[i])));
       } else {
         for (int64_t i = 0; i < n; ++i) store(o + i, f(C(x[i * st[0]]), C(y[i * st[1]])));
+      }
+    };
+    auto run = [&](int64_t ord, const std::array<int64_t, 2>& off, int64_t n, const std::array<int64_t, 2>& st) {
+      const TA* x = pa + off[0];
+      const TB* y = pb + off[1];
+      if constexpr (is_half_v<TO>) {
+        through_float_blocks(out + ord, n, [&](float* blk, int64_t b, int64_t len) {
+          loops(blk, x + b * st[0], y + b * st[1], len, st);
+        });
+      } else {
+        loops(out + ord, x, y, n, st);
       }
     };
     if (dense) run(begin, {base[0] + begin, base[1] + begin}, end - begin, {1, 1});
@@ -119,19 +149,33 @@ void unary(const KernelInput& a, TO* out, const std::vector<int64_t>& ext, F f, 
   const TA* pa = typed<TA>(a);
   parallel_for(dense ? product(ext) : plan.size, kGrain, [&](int64_t begin, int64_t end) {
     bool ok = true;
-    auto run = [&](int64_t ord, const std::array<int64_t, 1>& off, int64_t n, const std::array<int64_t, 1>& st) {
-      const TA* x = pa + off[0];
-      TO* o = out + ord;
-      if (st[0] == 1) {
+    auto loops = [&](auto* o, const TA* x, int64_t n, int64_t st) {
+      if (st == 1) {
         for (int64_t i = 0; i < n; ++i) ok &= store(o + i, f(C(x[i])));
       } else {
-        for (int64_t i = 0; i < n; ++i) ok &= store(o + i, f(C(x[i * st[0]])));
+        for (int64_t i = 0; i < n; ++i) ok &= store(o + i, f(C(x[i * st])));
+      }
+    };
+    auto run = [&](int64_t ord, const std::array<int64_t, 1>& off, int64_t n, const std::array<int64_t, 1>& st) {
+      const TA* x = pa + off[0];
+      if constexpr (is_half_v<TO>) {
+        through_float_blocks(out + ord, n, [&](float* blk, int64_t b, int64_t len) { loops(blk, x + b * st[0], len, st[0]); });
+      } else {
+        loops(out + ord, x, n, st[0]);
       }
     };
     if (dense) run(begin, {a.offset + begin}, end - begin, {1});
     else plan.for_each_run(begin, end, run);
     if (!ok) overflow.store(true);
   });
+}
+
+// Calls f(T{}) with the element type of a float result dtype: Float32, BFloat16 or Float16.
+template <class F>
+void visit_float_result(DTypeId od, F&& f) {
+  if (od == DTypeId::BFloat16) f(bfloat16{});
+  else if (od == DTypeId::Float16) f(float16{});
+  else f(float{});
 }
 
 template <class F>
@@ -147,10 +191,13 @@ void dispatch_binary(const std::vector<KernelInput>& in, const std::vector<int64
         if (od == DTypeId::Int32) {
           binary<int64_t, int32_t, TA, TB>(in[0], in[1], reinterpret_cast<int32_t*>(out.mutable_native_data()), ext, f,
                                            overflow);
-        } else if (any_int) {  // exact: compute in double as the reference does
-          binary<double, float, TA, TB>(in[0], in[1], reinterpret_cast<float*>(out.mutable_native_data()), ext, f, overflow);
         } else {
-          binary<float, float, TA, TB>(in[0], in[1], reinterpret_cast<float*>(out.mutable_native_data()), ext, f, overflow);
+          visit_float_result(od, [&](auto to) {
+            using TO = decltype(to);
+            TO* o = reinterpret_cast<TO*>(out.mutable_native_data());
+            if (any_int) binary<double, TO, TA, TB>(in[0], in[1], o, ext, f, overflow);  // exact, as the reference
+            else binary<float, TO, TA, TB>(in[0], in[1], o, ext, f, overflow);
+          });
         }
       }
     });
@@ -170,10 +217,13 @@ void dispatch_unary(const KernelInput& a, const std::vector<int64_t>& ext, Carri
       } else if (od == DTypeId::Bool) {
         if constexpr (std::is_same_v<F, ReluF>)
           unary<int32_t, bool, TA>(a, reinterpret_cast<bool*>(out.mutable_native_data()), ext, f, overflow);
-      } else if (a.dtype == DTypeId::Int32) {
-        unary<double, float, TA>(a, reinterpret_cast<float*>(out.mutable_native_data()), ext, f, overflow);
       } else {
-        unary<float, float, TA>(a, reinterpret_cast<float*>(out.mutable_native_data()), ext, f, overflow);
+        visit_float_result(od, [&](auto to) {
+          using TO = decltype(to);
+          TO* o = reinterpret_cast<TO*>(out.mutable_native_data());
+          if (a.dtype == DTypeId::Int32) unary<double, TO, TA>(a, o, ext, f, overflow);
+          else unary<float, TO, TA>(a, o, ext, f, overflow);
+        });
       }
     }
   });
@@ -215,7 +265,7 @@ void cpu_reduce_sum(const TensorImpl& in, const Layout& permuted, int64_t kept, 
   auto plan = StridedPlan<1>::make(permuted.flat().extents, strides, {in.offset});
   const std::byte* base = in.carrier->native_data();
   const DTypeId d = in.dtype().id();
-  (void)f64;  // Float32 sums always accumulate in double here
+  (void)f64;  // float sums (Float32, BFloat16, Float16) always accumulate in double here, rounded once
   visit_dtype(d, [&](auto t) {
     using T = decltype(t);
     if constexpr (!std::is_same_v<T, double>) {
@@ -240,6 +290,8 @@ void cpu_reduce_sum(const TensorImpl& in, const Layout& permuted, int64_t kept, 
       bool ok = true;
       for (int64_t i = 0; i < kept; ++i) {
         if (od == DTypeId::Float32) ok &= store(reinterpret_cast<float*>(dst) + i, double(acc[i]));
+        else if (od == DTypeId::BFloat16) reinterpret_cast<uint16_t*>(dst)[i] = double_to_bf16_bits(double(acc[i]));
+        else if (od == DTypeId::Float16) reinterpret_cast<uint16_t*>(dst)[i] = double_to_f16_bits(double(acc[i]));
         else if (od == DTypeId::Int32) ok &= store(reinterpret_cast<int32_t*>(dst) + i, int64_t(acc[i]));
         else ok &= store(reinterpret_cast<bool*>(dst) + i, acc[i]);
       }
@@ -370,10 +422,90 @@ bool cpu_matmul_accumulate(const TensorImpl& lhs, const TensorImpl& rhs, int64_t
   return true;
 }
 
+// ---------------------------------------------------------------- 16-bit products
+//
+// matmul of two BFloat16 (or two Float16) operands: half_gemm (Note [Products of half-precision operands] in
+// half.hpp) accumulates in Float32, and the result is rounded once to the operands' dtype. half_gemm reads both
+// operands inner-contiguous (the contracted index p with unit stride): a row-major lhs and a row-major (out, in)
+// weight as rhs are read where they lie; an operand in another layout (a column-major one) is packed into that
+// form first (a copy of that operand only).
+
+namespace {
+
+// Element (r, p) of a 2-mode 16-bit tensor at ptr[r * ld + p], without a copy; false when p has no unit stride.
+bool inner_contiguous(const TensorImpl& t, const uint16_t*& ptr, int64_t& ld) {
+  if (t.layout.rank() != 2) return false;
+  auto r = t.layout.mode_as_leaf(0), p = t.layout.mode_as_leaf(1);
+  if (!r || !p || (p->first > 1 && p->second != 1)) return false;
+  ld = r->first > 1 ? r->second : std::max<int64_t>(p->first, 1);
+  if (ld < p->first && r->first > 1) return false;  // rows overlap: not a plain matrix
+  ptr = reinterpret_cast<const uint16_t*>(t.carrier->native_data()) + t.offset;
+  return true;
+}
+
+// The rows x k elements of `t` packed inner-contiguous (row r at r * k): a blocked transpose when each mode is one
+// strided leaf, the layout's runs otherwise.
+std::vector<uint16_t> pack_inner(const TensorImpl& t, int64_t rows, int64_t k) {
+  std::vector<uint16_t> out(static_cast<size_t>(rows * k));
+  const auto* x = reinterpret_cast<const uint16_t*>(t.carrier->native_data());
+  auto r = t.layout.rank() == 2 ? t.layout.mode_as_leaf(0) : std::nullopt;
+  auto p = t.layout.rank() == 2 ? t.layout.mode_as_leaf(1) : std::nullopt;
+  if (r && p) {
+    const int64_t sr = r->second, sp = p->second;
+    constexpr int64_t kB = 64;
+    parallel_for((rows + kB - 1) / kB, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t rb = b0 * kB; rb < std::min(rows, b1 * kB); rb += kB)
+        for (int64_t pb = 0; pb < k; pb += kB)
+          for (int64_t q = pb; q < std::min(k, pb + kB); ++q)
+            for (int64_t i = rb; i < std::min(rows, rb + kB); ++i)
+              out[static_cast<size_t>(i * k + q)] = x[t.offset + i * sr + q * sp];
+    });
+    return out;
+  }
+  std::array<const std::vector<int64_t>*, 1> strides{&t.layout.flat().strides};
+  auto plan = StridedPlan<1>::make(t.layout.flat().extents, strides, {t.offset});
+  plan.for_each_run(0, plan.size, [&](int64_t ord, const std::array<int64_t, 1>& off, int64_t n,
+                                      const std::array<int64_t, 1>& st) {
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t o = ord + i;  // ordinal r + rows * p
+      out[static_cast<size_t>((o % rows) * k + o / rows)] = x[off[0] + i * st[0]];
+    }
+  });
+  return out;
+}
+
+void half_matmul(const TensorImpl& lhs, const TensorImpl& rhs, int64_t m, int64_t n, int64_t k, Carrier& out) {
+  const HalfKind kind = lhs.dtype().id() == DTypeId::BFloat16 ? HalfKind::BFloat16 : HalfKind::Float16;
+  const uint16_t *A = nullptr, *B = nullptr;
+  int64_t lda = 0, ldb = 0;
+  std::vector<uint16_t> pa, pb;
+  if (!inner_contiguous(lhs, A, lda)) {
+    pa = pack_inner(lhs, m, k);
+    A = pa.data();
+    lda = k;
+  }
+  if (!inner_contiguous(rhs, B, ldb)) {
+    pb = pack_inner(rhs, n, k);
+    B = pb.data();
+    ldb = k;
+  }
+  std::vector<float> c(static_cast<size_t>(m * n), 0.0f);
+  if (m > 0 && n > 0 && k > 0) half_gemm(kind, m, n, k, A, lda, B, ldb, c.data(), 1, m, false);
+  auto* dst = reinterpret_cast<uint16_t*>(out.mutable_native_data());
+  if (kind == HalfKind::BFloat16) f32_to_bf16(c.data(), dst, m * n);
+  else f32_to_f16(c.data(), dst, m * n);
+}
+
+}  // namespace
+
 void cpu_matmul(const TensorImpl& lhs, const TensorImpl& rhs, int64_t m, int64_t n, int64_t k, bool f64,
                 Carrier& out) {
   const DTypeId ld = lhs.dtype().id(), rd = rhs.dtype().id();
   std::byte* dst = out.mutable_native_data();
+  if (ld == rd && lhs.dtype().is_half() && !f64) {
+    half_matmul(lhs, rhs, m, n, k, out);
+    return;
+  }
   if (ld == DTypeId::Int32 && rd == DTypeId::Int32 && !f64) {
     auto a = pack<int64_t>(lhs, m, k);
     auto b = pack<int64_t>(rhs, n, k);
@@ -403,6 +535,11 @@ void cpu_matmul(const TensorImpl& lhs, const TensorImpl& rhs, int64_t m, int64_t
   std::vector<double> c(static_cast<size_t>(m * n));
   gemm_split<double>(cblas_dgemm, false, false, m, n, k, a.data(), static_cast<int>(m), b.data(), static_cast<int>(n),
                      c.data());
+  if (out.dtype().id() != DTypeId::Float32) {  // a 16-bit result (a 16-bit dtype with Int32 or Bool): rounded once
+    const DType& od = out.dtype();
+    for (int64_t i = 0; i < m * n; ++i) store_value(od, dst + i * 2, Value::from_float(c[i]));
+    return;
+  }
   float* o = reinterpret_cast<float*>(dst);
   for (int64_t i = 0; i < m * n; ++i) o[i] = static_cast<float>(c[i]);
 }

@@ -33,7 +33,9 @@ double as_double(const Value& v) {
 
 int64_t as_int(const Value& v) { return v.kind == Value::Kind::Bool ? (v.b ? 1 : 0) : v.i; }
 
-void write_result(Carrier& out, int64_t i, double f, int64_t n, bool integer) {
+// A float result is written as Float32 computes it (`f` rounded to binary32; a 16-bit result then rounds that once,
+// Note [16-bit floats]), or, for a sum (`exact_sum`), as the double sum rounded once to the result dtype.
+void write_result(Carrier& out, int64_t i, double f, int64_t n, bool integer, bool exact_sum = false) {
   const DType& d = out.dtype();
   if (d.id() == DTypeId::Int32) {
     if (n < std::numeric_limits<int32_t>::min() || n > std::numeric_limits<int32_t>::max())
@@ -41,8 +43,8 @@ void write_result(Carrier& out, int64_t i, double f, int64_t n, bool integer) {
     out.write_value(i, Value::from_int(n));
   } else if (d.id() == DTypeId::Bool) {
     out.write_value(i, Value::from_bool(integer ? n != 0 : f != 0.0));
-  } else {
-    out.write_value(i, Value::from_float(static_cast<double>(static_cast<float>(f))));
+  } else {  // write_value stores what it is given: the value is converted (rounded) to the result dtype first
+    out.write_value(i, d.convert(Value::from_float(exact_sum && d.is_half() ? f : static_cast<double>(static_cast<float>(f)))));
   }
 }
 
@@ -53,7 +55,7 @@ void generic_map(const ElementwiseCall& c, F f, I i) {
   const std::vector<int64_t>& ext = c.result_extents;
   int64_t n = 1;
   for (auto e : ext) n *= e;
-  const bool integer = c.out.dtype().id() != DTypeId::Float32;
+  const bool integer = !c.out.dtype().is_floating();
   for (int64_t k = 0; k < n; ++k) {
     Value a = element(c.in[0], ext, k);
     if constexpr (Arity == 2) {
@@ -80,14 +82,16 @@ void relu(const ElementwiseCall& c) {
 }
 void neg(const ElementwiseCall& c) { generic_map<1>(c, [](double x, DTypeId) { return -x; }, std::negate<int64_t>{}); }
 void exp(const ElementwiseCall& c) {
-  auto f = [](double x, DTypeId d) { return d == DTypeId::Float32 ? std::exp(static_cast<float>(x)) : std::exp(x); };
+  auto f = [](double x, DTypeId d) {
+    return DType::from_id(d).is_floating() ? std::exp(static_cast<float>(x)) : std::exp(x);  // a float's exp is Float32's
+  };
   generic_map<1>(c, f, no_int);
 }
 }  // namespace generic
 
 void generic_reduce_sum(const TensorImpl& in, const Layout& permuted, int64_t kept, bool, Carrier& out) {
   const int64_t n = permuted.size();
-  const bool integer = in.dtype().id() != DTypeId::Float32;
+  const bool integer = !in.dtype().is_floating();
   std::vector<double> facc(static_cast<size_t>(kept), 0.0);
   std::vector<int64_t> iacc(static_cast<size_t>(kept), 0);
   for (int64_t i = 0; i < n; ++i) {
@@ -95,7 +99,7 @@ void generic_reduce_sum(const TensorImpl& in, const Layout& permuted, int64_t ke
     facc[i % kept] += as_double(v);
     iacc[i % kept] += as_int(v);
   }
-  for (int64_t o = 0; o < kept; ++o) write_result(out, o, facc[o], iacc[o], integer);
+  for (int64_t o = 0; o < kept; ++o) write_result(out, o, facc[o], iacc[o], integer, /*exact_sum=*/true);
 }
 
 void generic_matmul(const TensorImpl& lhs, const TensorImpl& rhs, int64_t m, int64_t n, int64_t k, bool f64,
@@ -113,7 +117,7 @@ void generic_matmul(const TensorImpl& lhs, const TensorImpl& rhs, int64_t m, int
         if (integer && (__builtin_mul_overflow(as_int(a), as_int(b), &t) || __builtin_add_overflow(r, t, &r)))
           raise<OverflowError>("matmul: Int32 result overflows");
       }
-      write_result(out, i + m * j, f, r, integer);
+      write_result(out, i + m * j, f, r, integer, /*exact_sum=*/true);
     }
   (void)f64;
 }

@@ -299,23 +299,12 @@ constexpr int64_t kParallelMacs = int64_t{1} << 18;
 
 }  // namespace
 
-float bf16_to_float(uint16_t bits) noexcept { return float_of(uint32_t{bits} << 16); }
+// The widening conversions and bf16's narrowing are inline in strideweave/dtype.hpp (the element types use them).
+float bf16_to_float(uint16_t bits) noexcept { return bf16_bits_to_float(bits); }
+uint16_t float_to_bf16(float value) noexcept { return float_to_bf16_bits(value); }
+uint16_t float_to_f16_bits(float value) noexcept { return float_to_f16(value); }
 
-uint16_t float_to_bf16(float value) noexcept {
-  const uint32_t u = bits_of(value);
-  if (value != value) return static_cast<uint16_t>((u | 0x00400000u) >> 16);
-  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-float f16_to_float(uint16_t h) noexcept {
-  const uint32_t sign = uint32_t{h & 0x8000u} << 16;
-  const uint32_t exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
-  if (exp == 0x1F) return float_of(sign | 0x7F800000u | (man << 13));  // inf, NaN (payload kept)
-  if (exp != 0) return float_of(sign | ((exp + 112) << 23) | (man << 13));
-  // zero or subnormal: man * 2^-24, exact in Float32
-  const float mag = static_cast<float>(man) * 0x1p-24f;
-  return sign ? -mag : mag;
-}
+float f16_to_float(uint16_t h) noexcept { return f16_bits_to_float(h); }
 
 uint16_t float_to_f16(float value) noexcept {
   const uint32_t u = bits_of(value);

@@ -29,6 +29,8 @@
 
 #include <cstdint>
 
+#include "strideweave/dtype.hpp"
+
 namespace sw::detail {
 
 float bf16_to_float(uint16_t bits) noexcept;

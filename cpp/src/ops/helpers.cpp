@@ -72,9 +72,10 @@ TensorPtr full_like_kind(const Carrier& prototype, const Shape& shape, const DTy
     std::vector<float> f(static_cast<size_t>(shape.size()), static_cast<float>(value));
     out->carrier->write_slots(0, shape.size(), f.data());
   } else {
-    for (int64_t i = 0; i < shape.size(); ++i)
-      out->carrier->write_value(i, dtype.id() == DTypeId::Int32 ? Value::from_int(int64_t(value))
-                                                                : Value::from_bool(value != 0));
+    const Value v = dtype.is_floating()           ? dtype.convert(Value::from_float(value))
+                    : dtype.id() == DTypeId::Int32 ? Value::from_int(int64_t(value))
+                                                   : Value::from_bool(value != 0);
+    for (int64_t i = 0; i < shape.size(); ++i) out->carrier->write_value(i, v);
   }
   return out;
 }

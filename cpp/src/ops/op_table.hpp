@@ -11,12 +11,13 @@
 namespace sw::detail {
 
 // Dtype rules (rules.cpp), DTypeRule.
+// "the float dtype": a 16-bit float when it is the only float dtype among the tensor operands, else Float32.
 const DType& dtype_int_or_float(std::span<const Operand> ops, const OpOptions&);  // Int32 when all are Int32
-const DType& dtype_float(std::span<const Operand> ops, const OpOptions&);         // always Float32
+const DType& dtype_float(std::span<const Operand> ops, const OpOptions&);         // the float dtype
 const DType& dtype_of_operand(std::span<const Operand> ops, const OpOptions&);    // the operand's
-const DType& dtype_signed(std::span<const Operand> ops, const OpOptions&);        // Int32 stays, else Float32
+const DType& dtype_signed(std::span<const Operand> ops, const OpOptions&);        // Int32 stays, else the float dtype
 const DType& dtype_sum(std::span<const Operand> ops, const OpOptions& options);   // the operand's; Float32 with F64
-const DType& dtype_product(std::span<const Operand> ops, const OpOptions& options);  // Int32 when all are, no F64
+const DType& dtype_product(std::span<const Operand> ops, const OpOptions& options);  // int or float; F64: Float32
 
 inline constexpr uint8_t kCentralOp = kOpCentral | kOpDifferentiable;
 inline constexpr uint8_t kOtherOp = kOpDifferentiable;

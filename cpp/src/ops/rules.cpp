@@ -98,21 +98,39 @@ bool all_int32(std::span<const Operand> ops) {
   }
   return true;
 }
+
+// The float dtype of a mix (docs/guide.md, "DTypes"): a 16-bit float dtype when it is the only float dtype among
+// the tensor operands (Int32 and Bool tensors and weak scalars do not promote it), Float32 otherwise (any Float32
+// operand, BFloat16 with Float16, or no float operand at all).
+const DType& float_dtype(std::span<const Operand> ops) {
+  const DType* half = nullptr;
+  for (const auto& o : ops) {
+    if (!o.is_tensor()) continue;
+    const DType& d = o.tensor->dtype();
+    if (d.id() == DTypeId::Float32) return DType::Float32();
+    if (d.is_half()) {
+      if (half && half != &d) return DType::Float32();
+      half = &d;
+    }
+  }
+  return half ? *half : DType::Float32();
+}
 }  // namespace
 
 const DType& dtype_int_or_float(std::span<const Operand> ops, const OpOptions&) {
-  return all_int32(ops) ? DType::Int32() : DType::Float32();
+  return all_int32(ops) ? DType::Int32() : float_dtype(ops);
 }
-const DType& dtype_float(std::span<const Operand>, const OpOptions&) { return DType::Float32(); }
+const DType& dtype_float(std::span<const Operand> ops, const OpOptions&) { return float_dtype(ops); }
 const DType& dtype_of_operand(std::span<const Operand> ops, const OpOptions&) { return ops[0].tensor->dtype(); }
 const DType& dtype_signed(std::span<const Operand> ops, const OpOptions&) {
-  return ops[0].tensor->dtype().id() == DTypeId::Int32 ? DType::Int32() : DType::Float32();
+  return ops[0].tensor->dtype().id() == DTypeId::Int32 ? DType::Int32() : float_dtype(ops);
 }
 const DType& dtype_sum(std::span<const Operand> ops, const OpOptions& options) {
   return options.accumulate_f64 ? DType::Float32() : ops[0].tensor->dtype();
 }
 const DType& dtype_product(std::span<const Operand> ops, const OpOptions& options) {
-  return (!options.accumulate_f64 && all_int32(ops)) ? DType::Int32() : DType::Float32();
+  if (options.accumulate_f64) return DType::Float32();
+  return all_int32(ops) ? DType::Int32() : float_dtype(ops);
 }
 
 }  // namespace detail

@@ -8,7 +8,7 @@
 //              [Anonymous files leave no name] in storage.cpp). Starts at the
 //              file's size, grows (zero-filled, by ftruncate) when allocated.
 //              An immutable one opens an existing file and creates none.
-//              Float32/Int32.
+//              Float32/Int32/BFloat16/Float16.
 // BlockDevice  an arena over a block device or a preallocated file, read and
 //              written with direct (O_DIRECT), 4096-byte-aligned I/O when the
 //              filesystem allows it; `allocate` hands out 4096-aligned extents
