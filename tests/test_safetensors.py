@@ -456,3 +456,35 @@ def test_save_errors_leave_no_file(tmp_path, case):
     with pytest.raises(kind, match=fragment):
         sw.safetensors.save(out, tensors(sw.friendly.tensor([1.0, 2.0])), metadata=metadata)
     assert os.listdir(tmp_path) == []
+
+
+def test_a_2_gib_bf16_checkpoint_reads_only_the_projected_experts(tmp_path):
+    """Opening a 2 GiB bf16 checkpoint and projecting a few experts touches only those experts' bytes.
+
+    The file is sparse (a header, then a 2 GiB data area that is a hole: it reads as zeros and takes no disk), so
+    the test costs what it reads: 3 experts of 32 MiB. The counts come from the engine's own stats
+    (``ckpt.bytes_read``, the primary tier's tiles) and from the kernel's count of bytes this process read.
+    """
+    experts, out, inp = 64, 4096, 4096  # 64 x 32 MiB bf16 = 2 GiB
+    names = [f"model.layers.0.block_sparse_moe.experts.{e}.w1.weight" for e in range(experts)]
+    size = out * inp * 2
+    header = {n: {"dtype": "BF16", "shape": [out, inp], "data_offsets": [e * size, (e + 1) * size]}
+              for e, n in enumerate(names)}
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path = tmp_path / "model.safetensors"
+    with open(path, "wb") as fh:
+        fh.write(struct.pack("<Q", len(text)) + text)
+        fh.truncate(8 + len(text) + experts * size)
+    assert os.path.getsize(path) >= 2 << 30
+
+    ckpt = sw.safetensors.open(path)
+    full = ckpt.tiled(names)
+    assert full.layout.shape == sw.Shape(out, inp, experts) and ckpt.bytes_read == 0
+    picked = (5, 17, 63)
+    compact = full.carrier.project(full, sw.TileSelection(((0,), (0,), picked))).wait()
+    assert np.asarray(compact).shape == (out, inp, len(picked))
+    assert ckpt.bytes_read == len(picked) * size  # exactly the three experts' bytes
+    assert full.carrier.stats()["primary_tiles"] == len(picked)
+    assert not np.asarray(compact).view(np.uint16).any()  # the hole reads as zeros
+    full.carrier.release()

@@ -4,6 +4,9 @@
 // The random seed is printed; set SW_TEST_SEED=<n> to replay a run.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <chrono>
+
 #include <set>
 #include <string>
 #include <vector>
@@ -213,6 +216,70 @@ TEST(TileGeometry, CheckFootprintsAcceptsTilePermutationsAndRefusesTheRest) {
                   g.check_footprints(row_major(Shape::flat({4, 4})), 0));
   const Layout aliasing(Shape::flat({4, 4}), Stride::flat({1, 0}));
   EXPECT_SW_THROW(ValueError, "twice: its tile footprints alias", g.check_footprints(aliasing, 0));
+}
+
+
+// Note [Footprints by structure]: the verdict from strides alone is the slot-by-slot verdict, for every layout of
+// one leaf per mode over random small geometries (within-tile strides permuted, tile strides right or wrong).
+TEST(TileGeometry, FootprintsByStructureAgreeWithTheSlotBySlotCheck) {
+  const uint64_t seed = testing_support::test_seed();
+  testing_support::Rng rng(seed);
+  int agreed_valid = 0, agreed_invalid = 0;
+  for (int round = 0; round < 400; ++round) {
+    const size_t rank = static_cast<size_t>(rng.uniform(1, 3));
+    std::vector<int64_t> grid, tile, logical;
+    for (size_t k = 0; k < rank; ++k) {
+      grid.push_back(rng.uniform(1, 3));
+      tile.push_back(rng.uniform(1, 4));
+      logical.push_back(grid.back() * tile.back());
+    }
+    const TileGeometry g(grid, tile);
+    // Candidate strides: the canonical ones with the within-tile digits of a random order of the modes, or
+    // random small strides.
+    std::vector<int64_t> canonical = TileGeometry::dense_strides(logical), strides(rank);
+    if (rng.chance(0.6)) {
+      std::vector<size_t> order(rank);
+      for (size_t k = 0; k < rank; ++k) order[k] = k;
+      std::shuffle(order.begin(), order.end(), rng.g);
+      int64_t run = 1;  // a dense within-tile order, valid when no tile axis spans a mode that a later one needs
+      for (size_t k : order) {
+        strides[k] = grid[k] > 1 ? canonical[k] : run;
+        run *= tile[k];
+      }
+    } else {
+      for (size_t k = 0; k < rank; ++k) strides[k] = rng.uniform(0, 12);
+    }
+    const Layout layout(Shape::flat(logical), Stride::flat(strides));
+    bool fast_ok = true, slow_ok = true;
+    try {
+      g.check_footprints(layout, 0);
+    } catch (const ValueError&) {
+      fast_ok = false;
+    }
+    try {
+      g.check_footprints_slot_by_slot(layout, 0);
+    } catch (const ValueError&) {
+      slow_ok = false;
+    }
+    ASSERT_EQ(fast_ok, slow_ok) << layout.str() << " over grid " << grid.size() << "-d, seed " << seed;
+    (fast_ok ? agreed_valid : agreed_invalid)++;
+  }
+  EXPECT_GT(agreed_valid, 20);  // both verdicts occur
+  EXPECT_GT(agreed_invalid, 20);
+}
+
+// A PyTorch row-major expert stack (out, in, E):(in, 1, out * in) is decided from its strides: checking it costs
+// nothing like a pass over a 2**31-slot extent.
+TEST(TileGeometry, ARowMajorExpertStackIsCheckedFromItsStrides) {
+  const int64_t out = 1 << 12, in = 1 << 12, experts = 1 << 7;  // 2**31 slots
+  const TileGeometry g({1, 1, experts}, {out, in, 1});
+  const Layout rows(Shape::flat({out, in, experts}), Stride::flat({in, 1, out * in}));
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_NO_THROW(g.check_footprints(rows, 0));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(100));
+  EXPECT_SW_THROW(ValueError, "tile footprints",
+                  TileGeometry({1, 1, 2}, {4, 4, 1}).check_footprints(
+                      Layout(Shape::flat({4, 4, 2}), Stride::flat({4, 1, 17})), 0));
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 #include "strideweave/tiled/tile_geometry.hpp"
 
+#include <algorithm>
 #include <sstream>
 
 #include "strideweave/errors.hpp"
@@ -206,6 +207,57 @@ void TileGeometry::check_footprints(const Layout& layout, int64_t offset) const 
                       coord_str(logical_), ": tile footprints cannot match");
   }
   if (offset == 0 && layout.is_column_major()) return;  // the canonical layout
+  if (offset == 0 && footprints_match_by_structure(layout)) return;
+  check_footprints_slot_by_slot(layout, offset);
+}
+
+// Note [Footprints by structure]: checking a tensor slot by slot costs a pass over the whole extent (a 2 GiB
+// checkpoint's full tensor: 10**9 slots, seconds) for every new full tensor. Most tensors over a TiledEvictable
+// decide it from their strides alone: when every top-level mode k is one leaf (extent grid_k * tile_k, stride s_k)
+// and the offset is 0, logical coordinate x = t * tile + r (per mode) reaches slot base(t) + W(r), base(t) =
+// sum t_k tile_k s_k and W(r) = sum r_k s_k; the carrier's footprint of tile t is cbase(t) + F(r) with the
+// canonical strides S_k. Both W and F are 0 at r = 0 and never negative, so the tensor reaches every tile's
+// footprint exactly iff base(t) == cbase(t) for every t (s_k == S_k wherever grid_k > 1) and W's image is F's
+// (W injective): the within-tile digits (tile_k, s_k) and (tile_k, S_k), sorted by stride and merged where one
+// continues the other (stride == previous stride * extent), are the same list. PyTorch's row-major tiles pass
+// ((out, in):(in, 1) against (out, in):(1, out): both merge to (out * in):(1)). Anything else goes slot by slot.
+bool TileGeometry::footprints_match_by_structure(const Layout& layout) const {
+  if (layout.rank() != rank()) return false;
+  std::vector<std::pair<int64_t, int64_t>> w, f;  // (stride, extent) of the within-tile digits
+  for (size_t k = 0; k < rank(); ++k) {
+    const auto leaf = layout.mode_as_leaf(k);
+    if (!leaf || leaf->first != logical_[k]) return false;
+    const int64_t s = leaf->second;
+    if (grid_[k] > 1 && s != slot_stride_[k]) return false;
+    if (tile_[k] > 1) {
+      w.emplace_back(s, tile_[k]);
+      f.emplace_back(slot_stride_[k], tile_[k]);
+    }
+  }
+  auto merged = [](std::vector<std::pair<int64_t, int64_t>> d) {
+    std::sort(d.begin(), d.end());
+    std::vector<std::pair<int64_t, int64_t>> out;
+    for (const auto& [stride, extent] : d) {
+      if (!out.empty() && stride == out.back().first * out.back().second) out.back().second *= extent;
+      else out.emplace_back(stride, extent);
+    }
+    return out;
+  };
+  const auto mw = merged(w), mf = merged(f);
+  if (mw != mf) return false;
+  for (size_t i = 1; i < mf.size(); ++i)  // F's digits never overlap (a tile's slots are distinct): nor do W's
+    if (mf[i].first < mf[i - 1].first * mf[i - 1].second) return false;
+  return true;
+}
+
+void TileGeometry::check_footprints_slot_by_slot(const Layout& layout, int64_t offset) const {
+  std::vector<int64_t> ext = layout.shape().extents();
+  if (ext != logical_) {
+    std::ostringstream s;
+    for (size_t i = 0; i < ext.size(); ++i) s << (i ? ", " : "") << ext[i];
+    raise<ValueError>("the tensor's shape (", s.str(), ") is not the TiledEvictable's full logical shape ",
+                      coord_str(logical_), ": tile footprints cannot match");
+  }
   // One pass over the tensor's slots: each must lie in its own tile's footprint, and no slot twice.
   std::vector<uint8_t> seen(static_cast<size_t>(total_), 0);
   const FlatLayout& flat = layout.flat();

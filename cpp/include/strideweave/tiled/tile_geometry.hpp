@@ -122,10 +122,14 @@ class TileGeometry {
   // -------- footprints of a tensor over the full logical shape
   // ValueError unless a tensor read with `layout` at `offset` reaches every tile's slots exactly through that tile's
   // logical region: no slot outside the extent, none twice, each in its own tile ("tile footprints").
+  // Decided from the layout's structure when it can be (Note [Footprints by structure]), else slot by slot.
   void check_footprints(const Layout& layout, int64_t offset) const;
+  // The same verdict, always slot by slot over the whole extent (tests compare the two).
+  void check_footprints_slot_by_slot(const Layout& layout, int64_t offset) const;
 
  private:
   void check_table_size() const;  // Note [Tile table limits]
+  bool footprints_match_by_structure(const Layout& layout) const;  // Note [Footprints by structure]
 
   std::vector<int64_t> grid_, tile_, logical_, slot_stride_;
   int64_t tile_count_ = 0, tile_size_ = 0, total_ = 0;
