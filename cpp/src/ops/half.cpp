@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "simd_masks.hpp"
 #include "strided.hpp"
 
 // GCC 12 reports the intrinsics header's own deliberately undefined vector in
@@ -49,13 +50,6 @@ float float_of(uint32_t u) {
   float f;
   std::memcpy(&f, &u, 4);
   return f;
-}
-
-inline __mmask16 lanes16(int64_t r) {
-  return r >= 16 ? __mmask16(0xFFFF) : r <= 0 ? __mmask16(0) : __mmask16((1u << r) - 1u);
-}
-inline __mmask32 lanes32(int64_t r) {
-  return r >= 32 ? __mmask32(0xFFFFFFFFu) : r <= 0 ? __mmask32(0) : __mmask32((1u << r) - 1u);
 }
 
 // ---------------------------------------------------------------- conversions, AVX-512F

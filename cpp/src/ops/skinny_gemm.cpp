@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "simd_masks.hpp"
 #include "strided.hpp"
 
 #define SW_AVX512 __attribute__((target("avx512f,fma")))
@@ -26,9 +27,6 @@ bool has_avx512() {
   return ok;
 }
 
-inline __mmask16 lanes(int64_t r) {
-  return r >= 16 ? __mmask16(0xFFFF) : r <= 0 ? __mmask16(0) : __mmask16((1u << r) - 1u);
-}
 
 // Work of at least this many multiply-adds is split over threads (by output
 // columns). These kernels stream a large operand from memory, and two cores
@@ -55,7 +53,7 @@ void over_columns(int64_t blocks, int64_t work, F&& f) {
 template <int Q>
 SW_AVX512 void rows_step(int64_t m, const float* Ap, const float* Bp, int64_t ldb, int64_t nj, float* T, int64_t ts) {
   for (int64_t jv = 0; jv < nj; jv += 16) {
-    const __mmask16 mask = lanes(nj - jv);
+    const __mmask16 mask = lanes16(nj - jv);
     __m512 b[Q];
 #pragma GCC unroll 8
     for (int q = 0; q < Q; ++q) b[q] = _mm512_maskz_loadu_ps(mask, Bp + q * ldb + jv);
@@ -97,7 +95,7 @@ SW_AVX512 void mp_block(int64_t k, const float* Ai, const float* Bc, int64_t ldb
 #pragma GCC unroll 8
     for (int jj = 0; jj < NJ; ++jj) acc[ii][jj] = _mm512_setzero_ps();
   for (int64_t p = 0; p < k; p += 16) {
-    const __mmask16 mask = lanes(k - p);
+    const __mmask16 mask = lanes16(k - p);
     __m512 b[NJ];
 #pragma GCC unroll 8
     for (int jj = 0; jj < NJ; ++jj) b[jj] = _mm512_maskz_loadu_ps(mask, Bc + jj * ldb + p);
@@ -182,7 +180,7 @@ SW_AVX512 void small_k(int64_t m, int64_t k, const float* Ap, const float* Bp, f
     const int64_t nj = std::min<int64_t>(kSkCols, je - j0);
     for (int64_t i0 = 0; i0 < m; i0 += 32) {
       const int64_t mi = std::min<int64_t>(32, m - i0);
-      table[nj - 1](k, m, Ap + i0, Bp + j0 * k, lanes(mi), lanes(mi - 16), C + j0 * m + i0, accumulate);
+      table[nj - 1](k, m, Ap + i0, Bp + j0 * k, lanes16(mi), lanes16(mi - 16), C + j0 * m + i0, accumulate);
     }
   }
 }

@@ -199,16 +199,9 @@ int64_t TileGeometry::product(std::span<const int64_t> shape) noexcept {
 // ---------------------------------------------------------------- footprints
 
 void TileGeometry::check_footprints(const Layout& layout, int64_t offset) const {
-  std::vector<int64_t> ext = layout.shape().extents();
-  if (ext != logical_) {
-    std::ostringstream s;
-    for (size_t i = 0; i < ext.size(); ++i) s << (i ? ", " : "") << ext[i];
-    raise<ValueError>("the tensor's shape (", s.str(), ") is not the TiledEvictable's full logical shape ",
-                      coord_str(logical_), ": tile footprints cannot match");
-  }
-  if (offset == 0 && layout.is_column_major()) return;  // the canonical layout
-  if (offset == 0 && footprints_match_by_structure(layout)) return;
-  check_footprints_slot_by_slot(layout, offset);
+  if (offset == 0 && layout.is_column_major() && layout.shape().extents() == logical_) return;  // canonical
+  if (offset == 0 && footprints_match_by_structure(layout)) return;  // checks the extents itself
+  check_footprints_slot_by_slot(layout, offset);                    // the shape first, then every slot
 }
 
 // Note [Footprints by structure]: checking a tensor slot by slot costs a pass over the whole extent (a 2 GiB
