@@ -2,8 +2,8 @@
 
 Every value StrideWeave reads is compared with the package's own load. Reading moves bytes and does no
 arithmetic, so the comparisons are exact (a bf16/f16 value widened to Float64 is exact too). Files are written
-with safetensors.numpy (Float32) or safetensors.torch (bf16, f16); both naming schemes of issue 18 (per-expert
-w1/w2/w3 tensors, fused 3-D gate_up_proj/down_proj), one file and a sharded folder.
+with safetensors.numpy (Float32) or safetensors.torch (bf16, f16); both naming schemes of Hugging Face MoE
+checkpoints (per-expert w1/w2/w3 tensors, fused 3-D gate_up_proj/down_proj), one file and a sharded folder.
 
 bf16/f16: the DTypes BFloat16/Float16 land separately (docs/guide.md, "DTypes"); their cases run only when
 ``sw.DType`` has them (``hasattr(sw.DType, "BFloat16")``) and are skipped until then. Float32 always runs.
@@ -285,6 +285,40 @@ def test_evicting_dirty_tiles(tmp_path, rng, dtype, mutable):
     # A fresh reader sees the file: the new values only where they were written in place.
     again = sw.safetensors.open(path).tensor(names[1])
     assert (values(again)[2, 3] == 0.5) == mutable
+    carrier.release()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_large_tiles_are_mapped_copy_on_write_and_the_file_never_changes(tmp_path, rng, dtype):
+    """Tiles of 1 MiB and more of a read-only checkpoint are promoted by mapping the file's pages copy-on-write
+    (Note [Promotion by mapping]): the values are the package's, a write changes the tile and never the file, the
+    dirty tile goes to the overlay and reads back its new values, and eviction gives the mapping back."""
+    rows = 512
+    cols = (1 << 20) // (rows * ITEMSIZE[dtype])  # 1 MiB per expert
+    names = [f"experts.{e}.weight" for e in range(3)]
+    tensors = {n: _values(rng, (rows, cols), dtype) for n in names}
+    path = tmp_path / "model.safetensors"
+    write_file(path, tensors, dtype)
+    before = sha256(path)
+    full = sw.safetensors.open(path).tiled(names)
+    carrier = full.carrier
+    resolved = os.path.realpath(path)
+
+    def mapped() -> bool:
+        with open("/proc/self/maps") as fh:
+            return any(line.rstrip("\n").endswith(resolved) for line in fh)
+
+    original = np.stack([tensors[n].to(torch.float64).numpy() for n in names], axis=-1)
+    sel = sw.TileSelection(((0,), (0,), (0, 2)))
+    carrier.promote(sel)
+    assert mapped()
+    np.testing.assert_array_equal(values(full), original)
+    full[(7, 9, 2)] = 0.25
+    carrier.evict(sel)
+    assert not mapped()
+    assert sha256(path) == before and carrier.secondary.overlaid_ranges == 1
+    original[7, 9, 2] = 0.25
+    np.testing.assert_array_equal(values(full), original)
     carrier.release()
 
 

@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 
@@ -145,4 +146,88 @@ TEST(CheckpointTier, TiledEvictablePromotesExactlyTheBytesOfItsTilesAndEvictsInt
   EXPECT_EQ(te->read_value(1 * tile + 7).f, -3.0);
   EXPECT_EQ(te->read_value(1 * tile + 8).f, static_cast<double>(4 * tile + 8));
   EXPECT_EQ(file->bytes_read(), 2u * tile * 4);  // the dirty tile came back from the overlay
+}
+
+namespace {
+// Whether this process maps `path` now (/proc/self/maps names each file mapping's file).
+bool maps_file(const std::string& path) {
+  std::ifstream maps("/proc/self/maps");
+  for (std::string line; std::getline(maps, line);)
+    if (line.size() >= path.size() && line.compare(line.size() - path.size(), path.size(), path) == 0) return true;
+  return false;
+}
+}  // namespace
+
+// Note [Promotion by mapping]: tiles of 1 MiB and more of a read-only checkpoint are mapped copy-on-write, not read;
+// writes never reach the file, a dirty tile goes to the overlay, and eviction gives the mapping back.
+TEST(CheckpointTier, LargeTilesOfAReadOnlyCheckpointAreMappedCopyOnWrite) {
+  TempPath path("sw-ckpt");
+  const int64_t tiles = 3, tile = int64_t{1} << 18;  // 1 MiB of Float32 each, at offsets that are not page-aligned
+  write_floats(path.path(), 100, tiles * tile);
+  const std::string before = contents(path.path());
+  auto file = std::make_shared<CheckpointFile>(path.path(), false);
+  std::vector<Range> ranges;
+  for (int64_t t = 0; t < tiles; ++t) ranges.push_back({file, static_cast<uint64_t>(100 + t * tile * 4), tile});
+  auto secondary = std::make_shared<CheckpointCarrier>(ranges, DType::Float32(), Writes::Overlay);
+  auto te = std::make_shared<TiledEvictable>(std::make_shared<CPUCarrier>(0, DType::Float32(), true, false),
+                                             secondary, std::vector<int64_t>{tiles}, std::vector<int64_t>{tile},
+                                             nullptr);
+  const std::string absolute = std::filesystem::canonical(path.path()).string();
+  EXPECT_FALSE(maps_file(absolute));
+  te->promote_async({0, 2})->value();
+  EXPECT_TRUE(maps_file(absolute));
+  EXPECT_EQ(file->bytes_read(), 2u * tile * 4);  // a mapping counts as the read it replaces
+  EXPECT_EQ(te->read_value(2 * tile + 5).f, static_cast<double>(2 * tile + 5));
+  EXPECT_EQ(te->read_value(tile - 1).f, static_cast<double>(tile - 1));
+  te->write_value(2 * tile + 5, Value::from_float(-7.0));  // copies one page, privately
+  EXPECT_EQ(te->read_value(2 * tile + 5).f, -7.0);
+  EXPECT_EQ(contents(path.path()), before);
+  te->evict_async({0, 2})->value();  // tile 2 is dirty: into the overlay; both mappings are given back
+  EXPECT_FALSE(maps_file(absolute));
+  EXPECT_EQ(secondary->overlaid_ranges(), 1);
+  EXPECT_EQ(contents(path.path()), before);
+  te->promote_async({2})->value();  // from the overlay: read, not mapped
+  EXPECT_FALSE(maps_file(absolute));
+  EXPECT_EQ(te->read_value(2 * tile + 5).f, -7.0);
+  EXPECT_EQ(te->read_value(2 * tile + 6).f, static_cast<double>(2 * tile + 6));
+  te->release();
+}
+
+TEST(CheckpointTier, InPlaceCheckpointsAndSmallTilesAreRead) {
+  TempPath path("sw-ckpt");
+  const int64_t tile = int64_t{1} << 18;
+  write_floats(path.path(), 0, 2 * tile);
+  auto file = std::make_shared<CheckpointFile>(path.path(), true);
+  const std::string absolute = std::filesystem::canonical(path.path()).string();
+  CheckpointCarrier in_place({{file, 0, tile}}, DType::Float32(), Writes::InPlace);
+  EXPECT_EQ(in_place.map_slots(0, tile), nullptr);
+  CheckpointCarrier overlay({{file, 0, tile}, {file, static_cast<uint64_t>(tile) * 4, tile}}, DType::Float32(),
+                            Writes::Overlay);
+  EXPECT_EQ(overlay.map_slots(0, tile / 2), nullptr);    // half a MiB: read
+  EXPECT_EQ(overlay.map_slots(1, tile), nullptr);        // across two ranges
+  CarrierPtr mapped = overlay.map_slots(tile, tile);     // the second range, whole
+  ASSERT_NE(mapped, nullptr);
+  EXPECT_TRUE(maps_file(absolute));
+  EXPECT_EQ(mapped->read_value(3).f, static_cast<double>(tile + 3));
+  mapped.reset();
+  EXPECT_FALSE(maps_file(absolute));
+}
+
+TEST(CheckpointTier, ATruncatedCheckpointIsReadNotMappedAndTheReadFails) {
+  TempPath path("sw-ckpt");
+  const int64_t tile = int64_t{1} << 18;
+  write_floats(path.path(), 0, 2 * tile);
+  auto file = std::make_shared<CheckpointFile>(path.path(), false);
+  auto secondary = std::make_shared<CheckpointCarrier>(
+      std::vector<Range>{{file, 0, tile}, {file, static_cast<uint64_t>(tile) * 4, tile}}, DType::Float32(),
+      Writes::Overlay);
+  ASSERT_EQ(::truncate(path.path().c_str(), tile * 4 + 16), 0);
+  EXPECT_EQ(secondary->map_slots(tile, tile), nullptr);
+  auto te = std::make_shared<TiledEvictable>(std::make_shared<CPUCarrier>(0, DType::Float32(), true, false),
+                                             secondary, std::vector<int64_t>{2}, std::vector<int64_t>{tile}, nullptr);
+  EXPECT_SW_THROW(RuntimeError, "bytes but got", te->promote_async({1})->value());
+  EXPECT_EQ(te->tile_state({1}).location, TileLocation::Secondary);  // nothing changed
+  te->promote_async({0})->value();                       // the range the file still holds is mapped
+  EXPECT_EQ(te->read_value(9).f, 9.0);
+  te->release();
 }

@@ -155,6 +155,11 @@ class Carrier : public std::enable_shared_from_this<Carrier> {
   // bypasses the page cache); the engine then reads them on Executor::device_reads().
   virtual bool read_waits_on_device(int64_t, int64_t) const { return false; }
   virtual void write_slots(int64_t start, int64_t count, const void* in);
+  // A mutable CPU carrier over slots [start, start + count) that reads their stored bytes without copying them
+  // (a private, copy-on-write mapping of a file: writes to it never reach this carrier), or nullptr where this
+  // carrier has none to give; the engine then reads the slots into memory of its own. A TiledEvictable promotes a
+  // tile this way when its primary tier is the CPU kind (Note [Promotion by mapping] in carriers/checkpoint.cpp).
+  virtual CarrierPtr map_slots(int64_t /*start*/, int64_t /*count*/) const { return nullptr; }
   // Storage that lives under a name in the file system checks that the name still leads to it and that it still
   // holds its slots, and raises RuntimeError naming the file and `action` otherwise; other carriers have nothing
   // to check. One check (a system call or two) covers a batch of writes: callers check once per eviction

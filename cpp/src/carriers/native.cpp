@@ -305,7 +305,12 @@ AlignedBuffer::AlignedBuffer(size_t bytes, bool zero, const char* what) : bytes_
 AlignedBuffer::~AlignedBuffer() { reset(); }
 
 AlignedBuffer::AlignedBuffer(AlignedBuffer&& o) noexcept
-    : data_(o.data_), bytes_(o.bytes_), mapped_(o.mapped_), owner_(std::move(o.owner_)) {
+    : data_(o.data_),
+      bytes_(o.bytes_),
+      mapped_(o.mapped_),
+      owner_(std::move(o.owner_)),
+      file_map_(std::exchange(o.file_map_, nullptr)),
+      file_map_bytes_(std::exchange(o.file_map_bytes_, 0)) {
   o.data_ = nullptr;
   o.bytes_ = 0;
 }
@@ -317,6 +322,8 @@ AlignedBuffer& AlignedBuffer::operator=(AlignedBuffer&& o) noexcept {
     bytes_ = o.bytes_;
     mapped_ = o.mapped_;
     owner_ = std::move(o.owner_);
+    file_map_ = std::exchange(o.file_map_, nullptr);
+    file_map_bytes_ = std::exchange(o.file_map_bytes_, 0);
     o.data_ = nullptr;
     o.bytes_ = 0;
   }
@@ -326,6 +333,7 @@ AlignedBuffer& AlignedBuffer::operator=(AlignedBuffer&& o) noexcept {
 void AlignedBuffer::reset() noexcept {
   if (!data_) return;
   if (owner_) owner_.reset();  // borrowed: Note [Borrowed memory]
+  else if (file_map_) ::munmap(std::exchange(file_map_, nullptr), std::exchange(file_map_bytes_, 0));
   else if (mapped_) mapping_cache().give(data_, bytes_);
   else std::free(data_);
   data_ = nullptr;
@@ -528,6 +536,53 @@ std::shared_ptr<AlignedBuffer> AlignedBuffer::borrow(std::byte* data, size_t byt
   b->bytes_ = bytes;
   b->owner_ = std::move(owner);
   return b;
+}
+
+std::shared_ptr<AlignedBuffer> AlignedBuffer::map_file(int fd, uint64_t offset, size_t bytes, uint64_t file_bytes) {
+  // The span of whole huge pages around the bytes (within the file's pages), at an address congruent to its file
+  // offset modulo a huge page: where the page cache holds the file in huge folios, each one is then mapped with a
+  // single page-table entry instead of 512. Note [Promotion by mapping] in carriers/checkpoint.cpp.
+  const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  const uint64_t file_end = (file_bytes + page - 1) / page * page;
+  const uint64_t start = offset / kHugePage * kHugePage;
+  const uint64_t end = std::min<uint64_t>((offset + bytes + kHugePage - 1) / kHugePage * kHugePage, file_end);
+  if (offset + bytes > end) return nullptr;
+  const size_t len = static_cast<size_t>(end - start);
+  void* area = ::mmap(nullptr, len + kHugePage, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (area == MAP_FAILED) return nullptr;
+  const auto base = reinterpret_cast<uintptr_t>(area);
+  const uintptr_t at = (base + kHugePage - 1) & ~(kHugePage - 1);  // start is a multiple of a huge page
+  if (at > base) ::munmap(area, at - base);
+  if (const uintptr_t tail = base + len + kHugePage - (at + len)) ::munmap(reinterpret_cast<void*>(at + len), tail);
+  void* p = ::mmap(reinterpret_cast<void*>(at), len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED, fd,
+                   static_cast<off_t>(start));
+  if (p == MAP_FAILED) {
+    ::munmap(reinterpret_cast<void*>(at), len);
+    return nullptr;
+  }
+  // Populated by reading one byte of each page: a read fault maps the page cache's pages around it (the
+  // kernel's fault-around, or a whole huge folio) without copying. MAP_POPULATE would take the slow path one
+  // page at a time, and on a writable private mapping copy every page (measured: 3.3 ms for 16 tiles of 2 MiB
+  // against 0.9 ms touched, and 1.4 ms read).
+  const auto* first = static_cast<const volatile std::byte*>(p) + (offset - start);
+  for (size_t at_byte = 0; at_byte < bytes; at_byte += static_cast<size_t>(page)) (void)first[at_byte];
+  if (bytes) (void)first[bytes - 1];
+  auto b = std::make_shared<AlignedBuffer>();
+  b->file_map_ = p;
+  b->file_map_bytes_ = len;
+  b->data_ = static_cast<std::byte*>(p) + (offset - start);
+  b->bytes_ = bytes;
+  return b;
+}
+
+CPUCarrier::CPUCarrier(std::shared_ptr<AlignedBuffer> buffer, int64_t slots, const DType& dtype, bool is_mutable)
+    : Carrier(&cpu_kind(), dtype, is_mutable), slots_(slots) {
+  check_slots("CPU", slots);
+  check_storage_dtype("CPU", dtype);
+  SW_ASSERT(buffer && buffer->bytes() >= static_cast<size_t>(slots) * slot_bytes(dtype) &&
+                reinterpret_cast<uintptr_t>(buffer->data()) % slot_bytes(dtype) == 0,
+            "a CPU carrier's buffer holds its slots, aligned");
+  set_buffer(std::move(buffer));
 }
 
 CPUCarrier::CPUCarrier(std::byte* data, int64_t slots, const DType& dtype, bool is_mutable,

@@ -356,8 +356,10 @@ void half_gemm(HalfKind kind, int64_t m, int64_t n, int64_t k, const uint16_t* A
         }
       }
     };
+    // A weight-sized product runs for milliseconds: in parts of at least 16 column blocks, claimed as the
+    // threads go (parallel_for), so a thread that loses its core for a while delays nothing.
     if (m * n * k < kParallelMacs) run(0, cblocks);
-    else parallel_for(cblocks, 1, run);
+    else parallel_for(cblocks, 16, run, /*parts_per_thread=*/8);
     return;
   }
   const auto& blocks = blocks_for(kind);

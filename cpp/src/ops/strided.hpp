@@ -96,14 +96,19 @@ struct StridedPlan {
 };
 
 // Splits [0, n) over the compute threads when the work is large (see Note
-// [Compute pool]); f(begin, end) is called once per part.
+// [Compute pool]); f(begin, end) is called once per part. With
+// parts_per_thread > 1 the parts are smaller than a thread's share and the
+// threads claim them as they go: a long kernel then finishes on time even when
+// one of its threads loses its core for a while (another library's spinning
+// threads, an I/O thread), since the others take the parts it has not begun.
 template <class F>
-void parallel_for(int64_t n, int64_t grain, F&& f) {
+void parallel_for(int64_t n, int64_t grain, F&& f, int64_t parts_per_thread = 1) {
   if (n < 2 * grain) {
     f(int64_t{0}, n);
     return;
   }
-  const int64_t parts = std::min<int64_t>(compute_threads(), n / std::max<int64_t>(grain, 1));
+  const int64_t parts =
+      std::min<int64_t>(compute_threads() * std::max<int64_t>(parts_per_thread, 1), n / std::max<int64_t>(grain, 1));
   if (parts <= 1) {
     f(int64_t{0}, n);
     return;

@@ -198,10 +198,22 @@ void TiledEvictable::start_request(const std::shared_ptr<Request>& r, bool inlin
       std::exception_ptr error;
       try {
         if (r->promote) {
-          staged = me->primary_->allocate_like(me->tile_size(), true, me->dtype(), loc == TileLocation::Secondary);
-          if (loc == TileLocation::Secondary)
-            for (const Run& run : me->geometry_.footprint_runs(index))
-              copy_slots(*me->secondary_, run.offset, *staged, run.ordinal, run.length);
+          if (loc == TileLocation::Secondary && &me->primary_->kind() == &cpu_kind()) {
+            // A tile that is one run of its tier may be mapped rather than read (Note [Promotion by mapping]).
+            const FootprintRuns runs = me->geometry_.footprint_runs(index);
+            auto q = runs.begin();
+            if (q != runs.end()) {
+              const Run run = *q;
+              if (run.ordinal == 0 && run.length == me->tile_size() && ++q == runs.end())
+                staged = me->secondary_->map_slots(run.offset, run.length);
+            }
+          }
+          if (!staged) {
+            staged = me->primary_->allocate_like(me->tile_size(), true, me->dtype(), loc == TileLocation::Secondary);
+            if (loc == TileLocation::Secondary)
+              for (const Run& run : me->geometry_.footprint_runs(index))
+                copy_slots(*me->secondary_, run.offset, *staged, run.ordinal, run.length);
+          }
         } else if (needs_write) {
           for (const Run& run : me->geometry_.footprint_runs(index))
             copy_slots(*buffer, run.ordinal, *me->secondary_, run.offset, run.length);

@@ -92,6 +92,9 @@ class CheckpointCarrier final : public Carrier {
   int64_t size() const override { return is_released() ? 0 : total_; }
   void read_slots(int64_t start, int64_t count, void* out) const override;
   void write_slots(int64_t start, int64_t count, const void* in) override;
+  // Writes::Overlay: slots of at least 1 MiB within one range still in its file, mapped copy-on-write (Note
+  // [Promotion by mapping] in checkpoint.cpp); nullptr otherwise.
+  CarrierPtr map_slots(int64_t start, int64_t count) const override;
   bool supports_storage_dtype(const DType& dtype) const override;
   bool can_grow() const override { return false; }
   void check_storage_intact(const char* action) const override;

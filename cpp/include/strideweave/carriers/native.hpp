@@ -43,6 +43,13 @@ class AlignedBuffer {
   static std::shared_ptr<AlignedBuffer> borrow(std::byte* data, size_t bytes, std::shared_ptr<const void> owner);
   bool is_borrowed() const noexcept { return owner_ != nullptr; }
 
+  // A buffer over `bytes` bytes at `offset` of a file of `file_bytes` bytes, mapped private and populated (Note
+  // [Promotion by mapping] in carriers/checkpoint.cpp): it reads the page cache's pages without copying them,
+  // and a write copies the page it lands in, so the file never changes. The mapping covers the whole huge pages
+  // around the bytes (within the file); the buffer owns it (unmapped when reset). nullptr when the range is not
+  // inside the file or the system refuses the mapping.
+  static std::shared_ptr<AlignedBuffer> map_file(int fd, uint64_t offset, size_t bytes, uint64_t file_bytes);
+
   // How many carriers use this buffer as their storage (Note [Shared snapshots]
   // in native.cpp): more than one means it is shared copy-on-write.
   std::atomic<int> holders{1};
@@ -52,6 +59,8 @@ class AlignedBuffer {
   size_t bytes_ = 0;
   bool mapped_ = false;
   std::shared_ptr<const void> owner_;  // borrowed memory's owner, else null
+  void* file_map_ = nullptr;           // map_file: the mapping's start and length, unmapped by reset()
+  size_t file_map_bytes_ = 0;
 };
 
 // Freed AlignedBuffer mappings (the 1 MiB-and-up, huge-page path) are kept for
@@ -110,6 +119,9 @@ class CPUCarrier final : public Carrier {
   // carrier and every export of it hold (Note [Borrowed memory] in native.cpp).
   // ValueError when `data` is not aligned to the dtype's itemsize.
   CPUCarrier(std::byte* data, int64_t slots, const DType& dtype, bool is_mutable, std::shared_ptr<const void> owner);
+  // A carrier owning `buffer` (AlignedBuffer::map_file), which holds at least `slots` elements of `dtype`
+  // aligned to the itemsize.
+  CPUCarrier(std::shared_ptr<AlignedBuffer> buffer, int64_t slots, const DType& dtype, bool is_mutable);
   ~CPUCarrier() override;
   // A new mutable carrier holding this one's current values without copying
   // them: both share the memory until either writes, and the writer first takes
