@@ -134,6 +134,11 @@ TEST_P(ViewsOnKinds, ValuesAndSharedStorageInEveryDtype) {
     EXPECT_EQ(flat->dtype(), *d);
     EXPECT_TRUE(flat->layout.is_column_major());
     for (int64_t i = 0; i < 24; ++i) EXPECT_EQ(flat->get(IntTuple(i)), t->get(IntTuple(i)));
+    // Three leaves, the two fastest transposed: the blocked copy with its outer odometer.
+    TensorPtr swapped = permute(x, {1, 0, 2});
+    ASSERT_FALSE(reshape_is_view(swapped, Shape::of({48})));
+    TensorPtr all = reshape(swapped, Shape::of({48}));
+    for (int64_t i = 0; i < 48; ++i) EXPECT_EQ(all->get(IntTuple(i)), swapped->get(IntTuple(i)));
     const Value before = flat->get(IntTuple(0));
     x->set(coord3(0, 0, 1), d->convert(d->id() == DTypeId::Bool ? Value::from_bool(true) : Value::from_int(-3)));  // was false, 17
     EXPECT_EQ(flat->get(IntTuple(0)), before);

@@ -37,6 +37,33 @@ void copy_elements(const std::byte* src, const std::vector<int64_t>& ss, int64_t
   auto plan = detail::StridedPlan<2>::make(extents, strides, {dof, so});
   const T* s = reinterpret_cast<const T*>(src);
   T* d = reinterpret_cast<T*>(dst);
+  const size_t L = plan.extents.size();
+  if (L >= 2 && ((plan.strides[0][0] == 1 && plan.strides[1][1] == 1) || (plan.strides[0][1] == 1 && plan.strides[1][0] == 1))) {
+    // A transposition of the two fastest leaves (each side contiguous along another one): copied in square blocks
+    // (the outer leaves by an odometer), so that each cache line of the strided side is used whole rather than
+    // for one element.
+    constexpr int64_t kBlock = 64;
+    const int64_t n0 = plan.extents[0], n1 = plan.extents[1];
+    const std::array<int64_t, 2> s0 = plan.strides[0], s1 = plan.strides[1];
+    std::vector<int64_t> c(L, 0);
+    std::array<int64_t, 2> base = plan.base;
+    for (int64_t o = 0, outer = plan.size / (n0 * n1); o < outer; ++o) {
+      for (int64_t i1 = 0; i1 < n1; i1 += kBlock)
+        for (int64_t i0 = 0; i0 < n0; i0 += kBlock)
+          for (int64_t b = i1, e1 = std::min(n1, i1 + kBlock); b < e1; ++b) {
+            T* dd = d + base[0] + b * s1[0];
+            const T* ss = s + base[1] + b * s1[1];
+            for (int64_t a = i0, e0 = std::min(n0, i0 + kBlock); a < e0; ++a) dd[a * s0[0]] = ss[a * s0[1]];
+          }
+      for (size_t j = 2; j < L; ++j) {  // the odometer of the outer leaves
+        for (size_t k = 0; k < 2; ++k) base[k] += plan.strides[j][k];
+        if (++c[j] < plan.extents[j]) break;
+        for (size_t k = 0; k < 2; ++k) base[k] -= plan.strides[j][k] * plan.extents[j];
+        c[j] = 0;
+      }
+    }
+    return;
+  }
   plan.for_each_run(0, n, [&](int64_t, const std::array<int64_t, 2>& off, int64_t count,
                               const std::array<int64_t, 2>& st) {
     if (st[0] == 1 && st[1] == 1) {
