@@ -267,7 +267,9 @@ void backward(const TensorPtr& root, const TensorPtr& gradient, bool retain_grap
   }
   // Kahn's algorithm from the root.
   std::unordered_map<Node*, TensorPtr> grads{{root_node.get(), seed}};
-  std::unordered_set<const TensorImpl*> handed;  // gradients already given to a tensor
+  // The carriers of gradients already given to a tensor: by carrier, not by tensor, since a view's VJP (permute,
+  // reshape) returns another tensor over its cotangent's carrier, which must not become two leaves' .grad.
+  std::unordered_set<const Carrier*> handed;
   std::vector<std::shared_ptr<Node>> ready{root_node};
   std::unordered_map<Node*, std::shared_ptr<Node>> by_ptr;
   for (const auto& n : order) by_ptr[n.get()] = n;
@@ -339,7 +341,8 @@ void backward(const TensorPtr& root, const TensorPtr& gradient, bool retain_grap
         }
         if (--deps[child.get()] == 0) ready.push_back(child);
       } else if (gi && in->is_differentiable()) {
-        accumulate_into(*in, gi, gi != seed && handed.insert(gi.get()).second);
+        const bool owned = (!seed || gi->carrier != seed->carrier) && handed.insert(gi->carrier.get()).second;
+        accumulate_into(*in, gi, owned);
       }
     }
   }

@@ -64,6 +64,8 @@ from .carriers.extension import (
 from .friendly import column_major, row_major
 from . import policies  # noqa: E402  (built-in residency policies)
 from . import safetensors  # noqa: E402  (sw.safetensors.open / save)
+# views: narrow, chunk, permute, reshape
+from ._core import chunk, narrow, permute, reshape, reshape_is_view  # noqa: E402
 
 
 def move(tensor: Tensor, destination: Carrier) -> Tensor:
