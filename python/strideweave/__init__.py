@@ -65,6 +65,9 @@ from .friendly import column_major, row_major
 from . import policies  # noqa: E402  (built-in residency policies)
 from . import safetensors  # noqa: E402  (sw.safetensors.open / save)
 
+# one residency budget for weights and their gradients
+from .carriers.tiled_evictable import ResidencyBudget  # noqa: E402
+
 
 def move(tensor: Tensor, destination: Carrier) -> Tensor:
     """Exactly ``move_async(tensor, destination).wait()``."""
@@ -131,4 +134,6 @@ __all__ = [
     "register_carrier_definition",
     "row_major",
     "safetensors",
+    # one residency budget for weights and their gradients
+    "ResidencyBudget",
 ]

@@ -178,4 +178,16 @@ struct NamedFileCarriers {
 NamedFileCarriers& named_file_carriers();
 TiledEvictable::DiscardReporter discard_reporter() noexcept;
 
+// -------- tiled gradients of 16-bit parameters (gradient_dtypes.cpp; Note [Tiled gradients of 16-bit parameters])
+// The dtype of a fresh tiled gradient of a `param` carrier from a `cotangent` of that dtype: Float32 for a 16-bit
+// parameter and a Float32 cotangent (summed in Float32, rounded once at the leaf), else the parameter's.
+const DType& tiled_gradient_dtype(const DType& param, const DType& cotangent);
+// A tile buffer's n values widened to Float32 (exact), and n Float32 values stored into one (rounded once, nearest
+// even, for a 16-bit buffer). Float32, BFloat16 and Float16 buffers.
+void load_floats(const Carrier& buf, int64_t n, float* out);
+void store_floats(Carrier& buf, int64_t n, const float* in);
+// A tiled gradient `g` with its values in `dtype` (rounded once), tile by tile into a fresh carrier of g's geometry,
+// offset and Layout; implicit tiles stay implicit. `g` itself when it already has that dtype.
+TensorPtr convert_tiled_gradient(const TensorPtr& g, const DType& dtype);
+
 }  // namespace sw
