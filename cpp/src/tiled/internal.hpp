@@ -147,13 +147,15 @@ struct TiledInternals {
 
   // -------- gradient accumulation (Note [Tiled gradient accumulation], Note [Gradient sums hold their tiles])
   // c += other, tile by tile and in place, for a gradient that only the caller is meant to observe (the caller
-  // checks that). `other` must have c's geometry and dtype and be read with the same offset and Layout, so tile i
-  // of both holds the same logical values in the same order. Implicit tiles of `other` cost nothing; an implicit
+  // checks that). `other` must have c's geometry and be read with the same offset and Layout, so tile i of both
+  // holds the same logical values in the same order; its dtype is c's, or any float dtype when c's is (a Float32
+  // gradient into a 16-bit .grad: widened, added in Float32, rounded once into c's dtype). Implicit tiles of `other` cost nothing; an implicit
   // tile of c takes `other`'s value (its buffer itself when `share_other`, i.e. `other` is a fresh gradient about
   // to be dropped); a secondary tile of c is read back and added to. The tiles written are held for the whole sum
   // and `other`'s tiles pinned, so the sum lands whole or not at all. Returns false, changing nothing, when a tile
   // is invalid, pinned or under an incomplete request or another sum; otherwise advances the version once when
-  // anything was added. An error (reading a secondary tile) changes nothing.
+  // anything was added. An error (reading a secondary tile) changes nothing. Under a residency budget, room for the
+  // tiles that become resident is made first (evictions of other tiles; RuntimeError when none can be made).
   static bool accumulate_tiles(TiledEvictable& c, TiledEvictable& other, bool share_other) {
     return c.accumulate_tiles(other, share_other);
   }
