@@ -210,6 +210,9 @@ def test_budget_arguments_are_checked(rng):
     with pytest.raises(RuntimeError, match="already draws from another residency budget"):
         c.set_residency_budget(second)
     assert c.residency_budget is first and second.stats()["members"] == 0
+    with pytest.raises(TypeError, match="incompatible function arguments"):
+        c.set_residency_budget(None)
+    assert c.residency_budget is first
     assert repr(first) == f"ResidencyBudget(max_bytes={1 << 20})"
 
 
@@ -237,8 +240,8 @@ def test_room_that_running_requests_hold_is_not_taken(rng, held_io):
     held_io._io_hold("pread")
     pending = c.promote_async(TileSet([(0, 0), (0, 1)]))
     assert budget.stats()["resident_bytes"] == 2 * tile  # counted from admission
-    with pytest.raises(RuntimeError, match="residency budget: this promotion needs 96 more bytes resident, but "
-                                           "the budget of 192 bytes holds 192 bytes in tiles that running work pins"):
+    with pytest.raises(RuntimeError, match=r"residency budget: no room for 96 more bytes \(promotion\): the budget "
+                                           "of 192 bytes holds 192 bytes in tiles that running work pins"):
         c.project(full, TileSelection([[0], [2]]))
     assert c.tile_state((0, 2)).location == "secondary"
     held_io._io_unhold()
@@ -275,3 +278,15 @@ def test_a_gradient_of_a_weight_in_memory_evicts_to_a_scratch_file(rng):
     want[:, :4 * IN] = 1.0
     want[:, :IN] = 2.0
     np.testing.assert_array_equal(grad_values(full), want)
+
+
+def test_a_carrier_that_brings_more_than_the_budget_is_evicted_down_to_it(rng):
+    # A primary holding the full extent seeds every tile (resident, dirty); joining at construction writes the
+    # least recent ones to the secondary tier until the rest fit. Their values are kept.
+    tile = OUT * IN * 4
+    data = rng.standard_normal(OUT * IN * E).astype(np.float32)
+    budget = ResidencyBudget(3 * tile)
+    c = TiledEvictable(friendly.tensor(data).carrier, sw.FileBacked(), (E,), (OUT * IN,), residency_budget=budget)
+    assert len(c.primary_tiles) == 3 and len(c.secondary_tiles) == E - 3
+    assert c.stats()["bytes_evicted"] == (E - 3) * tile and budget.stats()["resident_bytes"] == 3 * tile
+    np.testing.assert_array_equal(np.asarray(sw.Tensor(c, 0, sw.Layout(sw.Shape(OUT * IN * E), sw.Stride(1)))), data)

@@ -95,7 +95,12 @@ void ResidencyBudget::make_room(const TiledEvictable& requester, std::span<const
                                 const char* purpose, const TiledEvictable* spare) {
   std::set<std::pair<const TiledEvictable*, int64_t>> tried;
   for (;;) {
-    std::vector<std::pair<std::shared_ptr<TiledEvictable>, std::vector<int64_t>>> victims;
+    struct Victim {
+      TiledEvictable* carrier;
+      std::shared_ptr<TiledEvictable> hold;  // null for the requester, which its caller keeps alive
+      std::vector<int64_t> tiles;
+    };
+    std::vector<Victim> victims;
     int64_t resident_now = 0;
     {
       std::lock_guard lock(m_);
@@ -107,23 +112,26 @@ void ResidencyBudget::make_room(const TiledEvictable& requester, std::span<const
         if (k.carrier == spare) continue;
         if (k.carrier == &requester && std::binary_search(keep.begin(), keep.end(), k.index)) continue;
         if (!tried.insert({k.carrier, k.index}).second) continue;
-        // A member being destroyed (its last reference gone) waits in leave() for this lock: skipped.
-        auto owner = std::static_pointer_cast<TiledEvictable>(
-            std::const_pointer_cast<Carrier>(k.carrier->weak_from_this().lock()));
-        if (!owner) continue;
+        auto* carrier = const_cast<TiledEvictable*>(k.carrier);
+        std::shared_ptr<TiledEvictable> hold;
+        if (k.carrier != &requester) {
+          // A member being destroyed (its last reference gone) waits in leave() for this lock: skipped.
+          hold = std::static_pointer_cast<TiledEvictable>(carrier->weak_from_this().lock());
+          if (!hold) continue;
+        }
         over -= entries_.at(k).bytes;
-        auto v = std::find_if(victims.begin(), victims.end(), [&](const auto& p) { return p.first == owner; });
-        if (v == victims.end()) victims.push_back({std::move(owner), {k.index}});
-        else v->second.push_back(k.index);
+        auto v = std::find_if(victims.begin(), victims.end(), [&](const Victim& x) { return x.carrier == carrier; });
+        if (v == victims.end()) victims.push_back({carrier, std::move(hold), {k.index}});
+        else v->tiles.push_back(k.index);
       }
     }
     if (victims.empty())
-      raise<RuntimeError>("residency budget: this ", purpose, " needs ", bytes, " more bytes resident, but the budget of ",
+      raise<RuntimeError>("residency budget: no room for ", bytes, " more bytes (", purpose, "): the budget of ",
                           max_bytes_, " bytes holds ", resident_now,
                           " bytes in tiles that running work pins, that another request or a gradient sum holds, "
                           "or that this request needs; wait for that work, or give the budget more bytes");
     int64_t evicted = 0;
-    for (auto& [carrier, tiles] : victims) evicted += carrier->evict_for_budget(tiles);
+    for (Victim& v : victims) evicted += v.carrier->evict_for_budget(v.tiles);
     std::lock_guard lock(m_);
     evictions_ += evicted;
   }
