@@ -84,8 +84,11 @@ TensorPtr on_leaf_kind(const TensorImpl& leaf, const TensorPtr& g, bool owned) {
     // A tiled leaf: its gradient is a fresh carrier of its kind with its geometry and layout (slot-wise
     // copies cannot fill the fresh carrier's invalid tiles).
     const bool same_kind = &g->carrier->kind() == &leaf.carrier->kind();
-    if (owned && same_kind && g->offset == leaf.offset && g->layout == leaf.layout) return g;
-    TensorPtr dense = same_kind ? m->materialize_for_backward(g) : g;
+    // A tiled gradient in another dtype (Float32 for a 16-bit leaf) goes to the kind as it is, which converts
+    // it tile by tile (Note [Tiled gradients of 16-bit parameters] in cpp/src/tiled/gradient_dtypes.cpp).
+    const bool same_dtype = g->dtype() == leaf.dtype();
+    if (owned && same_kind && same_dtype && g->offset == leaf.offset && g->layout == leaf.layout) return g;
+    TensorPtr dense = same_kind && same_dtype ? m->materialize_for_backward(g) : g;
     return m->gradient_from_dense(make_tensor(leaf.carrier, leaf.offset, leaf.layout), dense);
   }
   const DType& dtype = leaf.dtype();

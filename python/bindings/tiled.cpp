@@ -419,11 +419,40 @@ void bind_tiled(nb::module_& m) {
       .def("wait", &AwaitHandle::wait_py, nb::sig("def wait(self) -> Tensor"),
            "Blocks until terminal (interruptibly, without the GIL); returns the compact Tensor or raises the failure.");
 
+  // Note [One residency budget] (strideweave/tiled/residency_budget.hpp).
+  nb::class_<sw::ResidencyBudget>(m, "ResidencyBudget", nb::is_final(),
+                                  "ResidencyBudget(max_bytes): one bound on the resident tile bytes of every "
+                                  "TiledEvictable drawing from it (weights and their gradients together).")
+      .def("__init__", [](sw::ResidencyBudget* self, nb::handle max_bytes) {
+        if (PyBool_Check(max_bytes.ptr()) || !PyLong_Check(max_bytes.ptr()))
+          sw::raise<sw::TypeError>("ResidencyBudget: max_bytes must be an int");
+        new (self) sw::ResidencyBudget(nb::cast<int64_t>(max_bytes));
+      }, nb::arg("max_bytes"), nb::sig("def __init__(self, max_bytes: int) -> None"))
+      .def_prop_ro("max_bytes", &sw::ResidencyBudget::max_bytes)
+      .def("stats", [](const sw::ResidencyBudget& b) {
+        sw::BudgetStats s = b.stats();
+        nb::typed<nb::dict, std::string, int64_t> d;
+        d["max_bytes"] = s.max_bytes;
+        d["resident_tiles"] = s.resident_tiles;
+        d["resident_bytes"] = s.resident_bytes;
+        d["peak_tiles"] = s.peak_tiles;
+        d["peak_bytes"] = s.peak_bytes;
+        d["evictions"] = s.evictions;
+        d["members"] = s.members;
+        return d;
+      }, "Resident tiles and bytes under the budget now and at their peak (since construction or reset_peak()), "
+         "tiles the budget evicted to make room, and live member carriers.")
+      .def("reset_peak", &sw::ResidencyBudget::reset_peak, "Restarts the peaks from what is resident now.")
+      .def("__repr__", [](const sw::ResidencyBudget& b) {
+        return "ResidencyBudget(max_bytes=" + std::to_string(b.max_bytes()) + ")";
+      });
+
   nb::class_<TiledEvictable, sw::DependentCarrier>(m, "TiledEvictable", nb::is_final(), nb::type_slots(tiled_slots),
                                                    "TiledEvictable(primary, secondary, grid_shape, tile_shape, *, "
-                                                   "residency_policy=None): one logical extent, tiled and tiered.")
+                                                   "residency_policy=None, residency_budget=None): one logical "
+                                                   "extent, tiled and tiered.")
       .def("__init__", [](TiledEvictable* self, nb::handle primary, nb::handle secondary, nb::handle grid,
-                          nb::handle tile, nb::handle policy) {
+                          nb::handle tile, nb::handle policy, nb::handle budget) {
         if (!nb::isinstance<sw::Carrier>(primary) || !nb::isinstance<sw::Carrier>(secondary))
           sw::raise<sw::TypeError>("TiledEvictable primary and secondary must be Carrier instances");
         std::vector<int64_t> g = shape_arg(grid, "grid_shape"), t = shape_arg(tile, "tile_shape");
@@ -435,11 +464,35 @@ void bind_tiled(nb::module_& m) {
                                      "purpose) must be callable");
           p = std::make_shared<PyPolicy>(nb::borrow(policy));
         }
+        std::shared_ptr<sw::ResidencyBudget> b;
+        if (!budget.is_none()) {
+          if (!nb::isinstance<sw::ResidencyBudget>(budget))
+            sw::raise<sw::TypeError>("residency_budget must be a ResidencyBudget or None, got ",
+                                     nb::type_name(budget.type()).c_str());
+          b = nb::cast<std::shared_ptr<sw::ResidencyBudget>>(budget);
+        }
         new (self) TiledEvictable(nb::cast<sw::CarrierPtr>(primary), nb::cast<sw::CarrierPtr>(secondary), g, t, p);
+        if (b) {
+          try {
+            self->set_residency_budget(std::move(b));
+          } catch (...) {
+            self->~TiledEvictable();  // not constructed as far as Python knows: undone here (it leaves the budget)
+            throw;
+          }
+        }
       }, nb::arg("primary"), nb::arg("secondary"), nb::arg("grid_shape"), nb::arg("tile_shape"), nb::kw_only(),
-         nb::arg("residency_policy") = nb::none(),
+         nb::arg("residency_policy") = nb::none(), nb::arg("residency_budget") = nb::none(),
          nb::sig("def __init__(self, primary: Carrier, secondary: Carrier, grid_shape: " INTS ", tile_shape: " INTS
-                 ", *, residency_policy: " TILED ".ResidencyPolicy | None = None) -> None"))
+                 ", *, residency_policy: " TILED ".ResidencyPolicy | None = None, residency_budget: ResidencyBudget "
+                 "| None = None) -> None"))
+      .def_prop_ro("residency_budget", [](const TiledEvictable& c) { return c.residency_budget(); },
+                   nb::sig("def residency_budget(self) -> ResidencyBudget | None"))
+      .def("set_residency_budget", [](std::shared_ptr<TiledEvictable> c, std::shared_ptr<sw::ResidencyBudget> b) {
+        nb::gil_scoped_release unlocked;  // may evict (I/O)
+        c->set_residency_budget(std::move(b));
+      }, nb::arg("budget"), nb::sig("def set_residency_budget(self, budget: ResidencyBudget) -> None"),
+         "Draws from `budget` from now on (with every carrier derived from this one: its gradients); evicts down to "
+         "the bound when the resident tiles exceed it. RuntimeError when it already draws from another budget.")
       .def_prop_ro("primary", [](const TiledEvictable& c) { return c.primary(); })
       .def_prop_ro("secondary", [](const TiledEvictable& c) { return c.secondary(); })
       .def_prop_ro("grid_shape", [](const TiledEvictable& c) { return nb::borrow<IntsTuple>(int_tuple(c.grid_shape())); })

@@ -67,6 +67,9 @@ from . import safetensors  # noqa: E402  (sw.safetensors.open / save)
 # views: narrow, chunk, permute, reshape
 from ._core import chunk, narrow, permute, reshape, reshape_is_view  # noqa: E402
 
+# one residency budget for weights and their gradients
+from .carriers.tiled_evictable import ResidencyBudget  # noqa: E402
+
 
 def move(tensor: Tensor, destination: Carrier) -> Tensor:
     """Exactly ``move_async(tensor, destination).wait()``."""
@@ -133,4 +136,6 @@ __all__ = [
     "register_carrier_definition",
     "row_major",
     "safetensors",
+    # one residency budget for weights and their gradients
+    "ResidencyBudget",
 ]

@@ -53,12 +53,21 @@ class TiledBackend final : public OpBackend {
   bool supports(OpId id) const override { return op_def(id).central; }
   bool materializes() const override { return true; }
   TensorPtr materialize_for_backward(const TensorPtr& input) override { return materialize(input, "backward"); }
-  TensorPtr gradient_from_dense(const TensorPtr& input, const TensorPtr& dense) override {
+  TensorPtr gradient_from_dense(const TensorPtr& input, const TensorPtr& dense_in) override {
     auto c = std::static_pointer_cast<TiledEvictable>(input->carrier);
+    TensorPtr dense = dense_in;
+    if (auto g = std::dynamic_pointer_cast<TiledEvictable>(dense->carrier)) {
+      // A tiled gradient in another dtype (a Float32 sum for a 16-bit leaf: Note [Tiled gradients of 16-bit
+      // parameters]) converts tile by tile when it is laid out like the input; otherwise it is read densely.
+      if (g->geometry() == c->geometry() && dense->offset == input->offset && dense->layout == input->layout)
+        return convert_tiled_gradient(dense, c->dtype());
+      dense = materialize(dense, "backward");
+    }
     TileSelection sel = full_selection(*c);
     TensorPtr flat = make_tensor(dense->carrier, dense->offset, column_major(Shape::flat(c->logical_shape())));
     if (!dense->layout.is_column_major() || dense->offset != 0) flat = expand_dense(dense, dense->layout.shape());
-    return scatter_add_gradient(c, input, sel, make_tensor(flat->carrier, 0, column_major(Shape::flat(c->logical_shape()))));
+    TensorPtr g = scatter_add_gradient(c, input, sel, make_tensor(flat->carrier, 0, column_major(Shape::flat(c->logical_shape()))));
+    return convert_tiled_gradient(g, c->dtype());  // the leaf's dtype, rounded once (g itself when it has it)
   }
   TensorPtr forward(OpId id, std::span<const Operand> ops, const OpOptions& options) override {
     std::vector<Operand> dense;

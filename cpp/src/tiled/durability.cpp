@@ -92,6 +92,7 @@ void TiledEvictable::do_release() {
     }
     stats_.primary_tiles = 0;
     stats_.primary_bytes = 0;
+    if (budget_) budget_->leave(*this);
   }
   for (auto& b : buffers) b->release();
   primary_claim_.end();

@@ -145,6 +145,7 @@ std::unique_ptr<TiledEvictable::TileWrite> TiledEvictable::hold_tile_for_update(
     t.pending = write->hold_;
     active_work_++;
     write->buffer_ = t.buffer;
+    if (budget_) budget_->touch(*this, {&index, 1});
   }
   // Held: nobody shares the buffer from now on, so a copy-on-write (Note [Shared snapshots]) happens here, once.
   write->data_ = reinterpret_cast<float*>(write->buffer_->mutable_native_data());
@@ -170,9 +171,15 @@ void TiledEvictable::TileWrite::commit() {
 }
 
 bool TiledEvictable::accumulate_tiles(TiledEvictable& other, bool share_other) {
-  SW_ASSERT(&other != this && other.geometry_ == geometry_ && other.dtype() == dtype(),
-            "accumulate_tiles over a different geometry");
-  if (dtype().id() != DTypeId::Float32 || is_released() || other.is_released() || !is_mutable()) return false;
+  SW_ASSERT(&other != this && other.geometry_ == geometry_, "accumulate_tiles over a different geometry");
+  if (!dtype().is_floating() || !other.dtype().is_floating() || is_released() || other.is_released() ||
+      !is_mutable())
+    return false;
+  // Float32 into Float32 adds in place below; any other pair of float dtypes (a Float32 gradient into a 16-bit
+  // .grad, Note [Tiled gradients of 16-bit parameters]) widens both, adds in Float32 and rounds once into a new
+  // buffer of this carrier's dtype.
+  const bool widen = dtype().id() != DTypeId::Float32 || other.dtype().id() != DTypeId::Float32;
+  const bool same_dtype = dtype() == other.dtype();
   // Plan under both locks: which tiles contribute and what each does here; hold them (Note [Gradient sums hold
   // their tiles]): ours for writing, `other`'s for reading.
   struct Step {
@@ -180,6 +187,28 @@ bool TiledEvictable::accumulate_tiles(TiledEvictable& other, bool share_other) {
     TileLocation here, theirs;
     CarrierPtr mine;
   };
+  // Under a budget, room first for the tiles that become resident here (Note [One residency budget]): an implicit
+  // or secondary tile that does not take `other`'s buffer as it is (that buffer moves, counted once). `other`'s
+  // tiles, about to be read, are never evicted for it.
+  if (budget_) {
+    std::vector<int64_t> touched;
+    int64_t fresh = 0;
+    {
+      std::scoped_lock lock(mutex_, other.mutex_);
+      for (int64_t i = 0; i < tile_count(); ++i) {
+        const Tile& o = other.tiles_[i];
+        if (o.loc == TileLocation::Implicit || o.loc == TileLocation::Invalid) continue;
+        const Tile& t = tiles_[i];
+        touched.push_back(i);
+        if (t.loc == TileLocation::Primary) continue;
+        const bool moves = share_other && o.loc == TileLocation::Primary &&
+                           (t.loc == TileLocation::Implicit ? same_dtype
+                                                            : !widen && o.buffer && o.buffer->native_data());
+        if (!moves) fresh++;
+      }
+    }
+    if (fresh > 0) budget_->make_room(*this, touched, fresh * tile_bytes(), "gradient sum", &other);
+  }
   std::vector<Step> steps;
   std::vector<int64_t> held;
   uint64_t hold = 0;
@@ -220,18 +249,41 @@ bool TiledEvictable::accumulate_tiles(TiledEvictable& other, bool share_other) {
   const int64_t bytes = tile_size() * static_cast<int64_t>(slot_bytes(dtype()));
   struct Result {
     CarrierPtr out;           // the tile's new primary buffer
+    bool moved = false;       // `out` is other's resident buffer itself (counted once under a budget)
     float* into = nullptr;    // or: added into this tile's buffer in place ...
     CarrierPtr theirs;        // ... from this one
   };
   std::vector<Result> results(steps.size());
   try {
+    std::vector<float> mine, add;
+    if (widen) mine.resize(static_cast<size_t>(tile_size())), add.resize(static_cast<size_t>(tile_size()));
     for (size_t k = 0; k < steps.size(); ++k) {
       const Step& st = steps[k];
       Result& r = results[k];
       CarrierPtr theirs = other.tile_value(st.index);
+      if (widen && !(same_dtype && share_other && st.here == TileLocation::Implicit &&
+                     st.theirs == TileLocation::Primary)) {
+        const int64_t n = tile_size();
+        if (st.here == TileLocation::Implicit) {
+          std::fill(mine.begin(), mine.end(), 0.0f);
+        } else if (st.here == TileLocation::Primary) {
+          load_floats(*st.mine, n, mine.data());
+        } else {  // secondary: read back
+          CarrierPtr back = primary_->allocate_like(n, true, dtype(), true);
+          for (const Run& run : geometry_.footprint_runs(st.index))
+            copy_slots(*secondary_, run.offset, *back, run.ordinal, run.length);
+          load_floats(*back, n, mine.data());
+        }
+        load_floats(*theirs, n, add.data());
+        for (int64_t j = 0; j < n; ++j) mine[j] += add[j];
+        r.out = primary_->allocate_like(n, true, dtype(), true);
+        store_floats(*r.out, n, mine.data());  // one rounding per slot
+        continue;
+      }
       if (st.here == TileLocation::Implicit) {
         if (share_other && st.theirs == TileLocation::Primary) {
           r.out = theirs;
+          r.moved = true;
         } else if (st.theirs == TileLocation::Primary) {
           r.out = primary_->allocate_like(tile_size(), true, dtype(), true);
           copy_slots(*theirs, 0, *r.out, 0, tile_size());
@@ -253,6 +305,7 @@ bool TiledEvictable::accumulate_tiles(TiledEvictable& other, bool share_other) {
         // becomes the promoted tile (Note [Adding a secondary tile]).
         add_runs_into(*theirs, *secondary_, geometry_.footprint_runs(st.index));
         r.out = theirs;
+        r.moved = true;
       } else {  // secondary: read back, then add
         r.out = primary_->allocate_like(tile_size(), true, dtype(), true);
         for (const Run& run : geometry_.footprint_runs(st.index))
@@ -285,6 +338,10 @@ bool TiledEvictable::accumulate_tiles(TiledEvictable& other, bool share_other) {
         stats_.promotions++;
         stats_.bytes_promoted += bytes;
       }
+      if (budget_ || other.budget_) {  // Note [One residency budget]
+        if (r.moved && other.budget_) other.budget_->evicted(other, st.index);
+        if (budget_) budget_->resident(*this, st.index, bytes);  // counted, or made most recent
+      }
       if (r.out) {
         if (t.buffer) replaced.push_back(std::move(t.buffer));
         t.buffer = std::move(r.out);
@@ -312,8 +369,11 @@ bool tiled_gradients_compatible(const TensorPtr& a, const TensorPtr& b) {
   auto ca = std::dynamic_pointer_cast<TiledEvictable>(a->carrier);
   auto cb = std::dynamic_pointer_cast<TiledEvictable>(b->carrier);
   if (!ca || !cb || ca == cb) return false;
-  if (!(ca->geometry() == cb->geometry()) || ca->dtype() != cb->dtype() || ca->dtype().id() != DTypeId::Float32)
-    return false;
+  // Float32 with Float32, or a 16-bit gradient with one of its dtype or a Float32 one (Note [Tiled gradients of
+  // 16-bit parameters]).
+  auto float_like = [](const DType& d) { return d.id() == DTypeId::Float32 || d.is_half(); };
+  if (!(ca->geometry() == cb->geometry()) || !float_like(ca->dtype()) || !float_like(cb->dtype())) return false;
+  if (ca->dtype() != cb->dtype() && ca->dtype().is_half() && cb->dtype().is_half()) return false;
   if (a->offset != b->offset || !(a->layout == b->layout)) return false;
   if (ca->is_released() || cb->is_released()) return false;
   // One check covers both: footprints are a function of the geometry, the layout and the offset, equal here. `a`
@@ -334,12 +394,30 @@ TensorPtr add_tiled_gradients(const TensorPtr& a, const TensorPtr& b) {
   // unpinned when the tokens go (a reading pin plans no eviction: ending it has nothing to report).
   // Note [Gradient sums hold their tiles].
   const WorkToken pin_a = TiledInternals::pin_for_reading(ca), pin_b = TiledInternals::pin_for_reading(cb);
-  auto fresh = std::static_pointer_cast<TiledEvictable>(ca->allocate_like(ca->size(), true, ca->dtype(), false));
+  // The sum's dtype: Float32 when either is (a 16-bit gradient with a Float32 one), else the operands' (Note
+  // [Tiled gradients of 16-bit parameters]).
+  const DType& dtype = ca->dtype().id() == DTypeId::Float32 ? ca->dtype() : cb->dtype();
+  auto fresh = std::static_pointer_cast<TiledEvictable>(ca->allocate_like(ca->size(), true, dtype, false));
   const int64_t n = ca->tile_size();
   std::vector<std::pair<int64_t, CarrierPtr>> tiles;
+  const bool widen = ca->dtype().id() != DTypeId::Float32 || cb->dtype().id() != DTypeId::Float32;
+  std::vector<float> sum, add;
+  if (widen) sum.resize(static_cast<size_t>(n)), add.resize(static_cast<size_t>(n));
   for (int64_t i = 0; i < ca->tile_count(); ++i) {
     CarrierPtr va = TiledInternals::tile_value(*ca, i), vb = TiledInternals::tile_value(*cb, i);
     if (!va && !vb) continue;  // implicit + implicit stays implicit
+    if (widen) {  // widened, added in Float32, rounded once into the sum's dtype
+      std::fill(sum.begin(), sum.end(), 0.0f);
+      for (const CarrierPtr& v : {va, vb}) {
+        if (!v) continue;
+        load_floats(*v, n, add.data());
+        for (int64_t k = 0; k < n; ++k) sum[k] += add[k];
+      }
+      CarrierPtr out = fresh->primary()->allocate_like(n, true, dtype, /*empty=*/true);
+      store_floats(*out, n, sum.data());
+      tiles.emplace_back(i, std::move(out));
+      continue;
+    }
     CarrierPtr out = fresh->primary()->allocate_like(n, true, fresh->dtype(), /*empty=*/true);
     const CarrierPtr& first = va ? va : vb;
     copy_slots(*first, 0, *out, 0, n);

@@ -147,13 +147,15 @@ struct TiledInternals {
 
   // -------- gradient accumulation (Note [Tiled gradient accumulation], Note [Gradient sums hold their tiles])
   // c += other, tile by tile and in place, for a gradient that only the caller is meant to observe (the caller
-  // checks that). `other` must have c's geometry and dtype and be read with the same offset and Layout, so tile i
-  // of both holds the same logical values in the same order. Implicit tiles of `other` cost nothing; an implicit
+  // checks that). `other` must have c's geometry and be read with the same offset and Layout, so tile i of both
+  // holds the same logical values in the same order; its dtype is c's, or any float dtype when c's is (a Float32
+  // gradient into a 16-bit .grad: widened, added in Float32, rounded once into c's dtype). Implicit tiles of `other` cost nothing; an implicit
   // tile of c takes `other`'s value (its buffer itself when `share_other`, i.e. `other` is a fresh gradient about
   // to be dropped); a secondary tile of c is read back and added to. The tiles written are held for the whole sum
   // and `other`'s tiles pinned, so the sum lands whole or not at all. Returns false, changing nothing, when a tile
   // is invalid, pinned or under an incomplete request or another sum; otherwise advances the version once when
-  // anything was added. An error (reading a secondary tile) changes nothing.
+  // anything was added. An error (reading a secondary tile) changes nothing. Under a residency budget, room for the
+  // tiles that become resident is made first (evictions of other tiles; RuntimeError when none can be made).
   static bool accumulate_tiles(TiledEvictable& c, TiledEvictable& other, bool share_other) {
     return c.accumulate_tiles(other, share_other);
   }
@@ -177,5 +179,17 @@ struct NamedFileCarriers {
 };
 NamedFileCarriers& named_file_carriers();
 TiledEvictable::DiscardReporter discard_reporter() noexcept;
+
+// -------- tiled gradients of 16-bit parameters (gradient_dtypes.cpp; Note [Tiled gradients of 16-bit parameters])
+// The dtype of a fresh tiled gradient of a `param` carrier from a `cotangent` of that dtype: Float32 for a 16-bit
+// parameter and a Float32 cotangent (summed in Float32, rounded once at the leaf), else the parameter's.
+const DType& tiled_gradient_dtype(const DType& param, const DType& cotangent);
+// A tile buffer's n values widened to Float32 (exact), and n Float32 values stored into one (rounded once, nearest
+// even, for a 16-bit buffer). Float32, BFloat16 and Float16 buffers.
+void load_floats(const Carrier& buf, int64_t n, float* out);
+void store_floats(Carrier& buf, int64_t n, const float* in);
+// A tiled gradient `g` with its values in `dtype` (rounded once), tile by tile into a fresh carrier of g's geometry,
+// offset and Layout; implicit tiles stay implicit. `g` itself when it already has that dtype.
+TensorPtr convert_tiled_gradient(const TensorPtr& g, const DType& dtype);
 
 }  // namespace sw

@@ -24,6 +24,7 @@ CompletionPtr<std::monostate> TiledEvictable::promote_async(const std::vector<in
 
 CompletionPtr<std::monostate> TiledEvictable::promote_tiles(const std::vector<int64_t>& tiles, bool inline_) {
   check_live("promote tiles");
+  admit(tiles, "promotion");  // under a budget: room first (Note [One residency budget])
   auto r = std::make_shared<Request>();
   r->promote = true;
   {
@@ -47,6 +48,9 @@ CompletionPtr<std::monostate> TiledEvictable::promote_tiles(const std::vector<in
     r->id = next_request_++;
     for (int64_t i : r->tiles) tiles_[i].pending = r->id;
     active_requests_++;
+    // Counted under a budget from now on (its buffer is being filled), uncounted if the promotion fails.
+    if (budget_)
+      for (int64_t i : r->tiles) budget_->resident(*this, i, tile_bytes());
   }
   start_request(r, inline_);
   return r->done;
@@ -273,7 +277,10 @@ void TiledEvictable::commit(const std::shared_ptr<Request>& r) {
     for (size_t k = 0; k < r->tiles.size(); ++k) {
       Tile& t = tiles_[r->tiles[k]];
       t.pending = 0;
-      if (r->error) continue;  // all-or-nothing: the prior state stands
+      if (r->error) {  // all-or-nothing: the prior state stands
+        if (budget_ && r->promote) budget_->evicted(*this, r->tiles[k]);  // counted when it was admitted
+        continue;
+      }
       if (r->promote) {
         bool was_implicit = t.loc == TileLocation::Implicit;
         t.buffer = std::move(r->staged[k]);
@@ -284,6 +291,7 @@ void TiledEvictable::commit(const std::shared_ptr<Request>& r) {
         if (!was_implicit) stats_.bytes_promoted += bytes;
         stats_.primary_tiles++;
         stats_.primary_bytes += bytes;
+        if (budget_) budget_->resident(*this, r->tiles[k], bytes);
       } else if (r->flush) {
         t.dirty = false;
         t.secondary_valid = true;
@@ -299,6 +307,7 @@ void TiledEvictable::commit(const std::shared_ptr<Request>& r) {
         else stats_.writes_skipped++;
         stats_.primary_tiles--;
         stats_.primary_bytes -= bytes;
+        if (budget_) budget_->evicted(*this, r->tiles[k]);
       }
     }
     if (r->error) r->staged.clear();

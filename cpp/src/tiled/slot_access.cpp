@@ -2,6 +2,8 @@
 // writes (a write promotes first), bulk forms and allocate_like.
 #include <algorithm>
 
+#include "strideweave/carriers/native.hpp"
+#include "strideweave/carriers/storage.hpp"
 #include "strideweave/errors.hpp"
 #include "internal.hpp"
 
@@ -117,6 +119,7 @@ void TiledEvictable::write_slots(int64_t start, int64_t count, const void* in) {
     tile.secondary_valid = false;
     stats_.primary_tiles++;
     stats_.primary_bytes += tile_size() * static_cast<int64_t>(slot_bytes(dtype()));
+    if (budget_) budget_->resident(*this, t, tile_bytes());
   }
   auto* bytes = static_cast<const std::byte*>(in);
   const size_t w = slot_bytes(dtype());
@@ -131,12 +134,17 @@ CarrierPtr TiledEvictable::allocate_like(int64_t slots, bool is_mutable, const D
   if (slots != 0 && slots != geometry_.size())
     raise<ValueError>("TiledEvictable.allocate_like size must be 0 or the full extent ", geometry_.size(), ", got ", slots);
   CarrierPtr p = primary_->allocate_like(0, true, d, true);
-  CarrierPtr s = secondary_->allocate_like(0, true, d, true);
+  // Under a budget, a derived carrier (a gradient) evicts to a scratch file of its own when the secondary tier is
+  // memory (CPU, Generic): evicting into memory would free nothing (Note [One residency budget]).
+  const bool in_memory = &secondary_->kind() == &cpu_kind() || &secondary_->kind() == &generic_kind();
+  CarrierPtr s = budget_ && in_memory ? std::make_shared<FileBackedCarrier>(std::string(), d, true)
+                                      : secondary_->allocate_like(0, true, d, true);
   auto out = std::make_shared<TiledEvictable>(p, s, grid_shape(), tile_shape(), policy_, is_mutable);
   if (!empty) {
     std::lock_guard lock(out->mutex_);
     for (auto& t : out->tiles_) t.loc = TileLocation::Implicit;
   }
+  if (budget_) out->set_residency_budget(budget_);  // gradients draw from their parameter's budget
   return out;
 }
 

@@ -232,7 +232,9 @@ CarrierPtr scatter_tile(const TiledEvictable& c, const TileAccess& access, int64
   // one bulk copy per run, then (add) one vectorisable pass in buffer order.
   const bool float_add_native = c.dtype().id() == DTypeId::Float32 &&
                                 (!existing || existing->native_data() != nullptr);
-  std::optional<std::vector<int64_t>> cs = access.uniform ? mode_strides(compact.layout) : std::nullopt;
+  // The bulk copies move bytes: only between one dtype (a Float32 cotangent of a 16-bit tile converts slot by slot).
+  std::optional<std::vector<int64_t>> cs =
+      access.uniform && compact.dtype() == c.dtype() ? mode_strides(compact.layout) : std::nullopt;
   if (cs && (!add || float_add_native)) {
     CarrierPtr buf = c.primary()->allocate_like(n, true, c.dtype(), /*empty=*/true);
     const int64_t base = compact.offset + g.region_base(cc, *cs);
@@ -275,6 +277,7 @@ CarrierPtr scatter_tile(const TiledEvictable& c, const TileAccess& access, int64
         v = Value::from_float(double(float(e.f + v.f)));
       }
     }
+    if (compact.dtype() != c.dtype() || add) v = c.dtype().convert(v);  // rounded once into the tile's dtype
     buf->write_value(pw, v);
   }
   return buf;
@@ -320,7 +323,10 @@ CarrierPtr adoptable_gradient(const TiledEvictable& fresh, const TileAccess& acc
 
 TensorPtr scatter_add_gradient(const std::shared_ptr<TiledEvictable>& c, const TensorPtr& primal,
                                const TileSelection& sel, const TensorPtr& compact_grad) {
-  auto fresh = std::static_pointer_cast<TiledEvictable>(c->allocate_like(c->size(), true, c->dtype(), false));
+  // A 16-bit parameter's gradient stays Float32 until it reaches the leaf (Note [Tiled gradients of 16-bit
+  // parameters]).
+  const DType& dtype = tiled_gradient_dtype(c->dtype(), compact_grad->dtype());
+  auto fresh = std::static_pointer_cast<TiledEvictable>(c->allocate_like(c->size(), true, dtype, false));
   TileAccess access(*fresh, *primal);
   const TileGeometry& g = c->geometry();
   std::vector<int64_t> src = g.select(sel.per_axis);

@@ -94,6 +94,7 @@ TiledEvictable::TiledEvictable(CarrierPtr primary, CarrierPtr secondary, std::ve
 
 TiledEvictable::~TiledEvictable() {
   unregister_for_fork();
+  if (budget_) budget_->leave(*this);  // noexcept
   if (named_file_.empty()) return;
   {
     auto& named = named_file_carriers();

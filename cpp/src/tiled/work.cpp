@@ -51,6 +51,15 @@ std::shared_ptr<TiledEvictable::Work> TiledEvictable::begin_work(const std::vect
   work->tiles = tiles;
   std::sort(work->tiles.begin(), work->tiles.end());
   work->tiles.erase(std::unique(work->tiles.begin(), work->tiles.end()), work->tiles.end());
+  if (budget_) {  // before the policy is asked: a working set that can never fit changes nothing
+    int64_t held = 0;
+    {
+      std::lock_guard lock(mutex_);
+      for (int64_t i : work->tiles)
+        if (tiles_[i].loc != TileLocation::Implicit) held++;
+    }
+    budget_->check_working_set(*this, held, held * tile_bytes(), purpose);
+  }
   if (policy_) {
     std::vector<TileCoord> required;
     for (int64_t i : work->tiles) required.push_back(tile_coord(i));
@@ -70,6 +79,7 @@ std::shared_ptr<TiledEvictable::Work> TiledEvictable::begin_work(const std::vect
       tiles_[i].pins++;
       if (tiles_[i].loc == TileLocation::Secondary) missing.push_back(i);
     }
+    if (budget_) budget_->touch(*this, work->tiles);
     for (const auto& t : work->plan.promote) {
       int64_t i = tile_index(t);
       const Tile& tile = tiles_[i];
@@ -197,6 +207,11 @@ CarrierPtr TiledEvictable::tile_buffer(int64_t index) const {
 }
 
 void TiledEvictable::install_tiles(const std::vector<std::pair<int64_t, CarrierPtr>>& buffers) {
+  if (budget_) {
+    std::vector<int64_t> indices;
+    for (const auto& b : buffers) indices.push_back(b.first);
+    admit(std::move(indices), "gradient or scatter result");  // Note [One residency budget]
+  }
   std::vector<CarrierPtr> old;
   {
     std::lock_guard lock(mutex_);
@@ -213,6 +228,7 @@ void TiledEvictable::install_tiles(const std::vector<std::pair<int64_t, CarrierP
       t.loc = TileLocation::Primary;
       t.dirty = true;
       t.secondary_valid = false;
+      if (budget_) budget_->resident(*this, i, bytes);
     }
   }
   bump_version();

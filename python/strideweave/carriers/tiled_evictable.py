@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from typing import Any, Optional, Protocol, runtime_checkable
 
 from .. import _core
-from .._core import AwaitProjection, AwaitResidency, TiledEvictable
+from .._core import AwaitProjection, AwaitResidency, ResidencyBudget, TiledEvictable  # noqa: F401 (sw.ResidencyBudget)
 from .extension import CarrierDefinition, CarrierFacet, StorageProvider
 
 __all__ = [

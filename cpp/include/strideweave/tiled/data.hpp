@@ -58,16 +58,21 @@ CompletionPtr<TensorPtr> scatter(const std::shared_ptr<TiledEvictable>& carrier,
 // move or release them under the sum.
 // Neither consults the residency policy: they are part of the backward request
 // that produced the gradient, and the policy (shared with the weight carrier
-// through allocate_like) tracks the weight's tiles.
+// through allocate_like) tracks the weight's tiles. Under a residency budget
+// (Note [One residency budget]) both make room for the tiles they bring in.
+// A 16-bit parameter's gradients are Float32 until they reach its .grad (Note
+// [Tiled gradients of 16-bit parameters], cpp/src/tiled/gradient_dtypes.cpp).
 //
 // Tiled gradient sums (autograd): tile by tile, never through a dense full-size
-// temporary. `a` and `b` are compatible when both are Float32 tensors over
-// distinct live TiledEvictables of one geometry, read with one offset and
-// Layout that match the carriers' tile footprints.
+// temporary. `a` and `b` are compatible when both are float tensors (Float32,
+// BFloat16 or Float16; two 16-bit ones of one dtype) over distinct live
+// TiledEvictables of one geometry, read with one offset and Layout that match
+// the carriers' tile footprints.
 // Blocks: takes each carrier's footprint cache lock briefly.
 bool tiled_gradients_compatible(const TensorPtr& a, const TensorPtr& b);
 // a + b as a fresh tiled gradient with a's carrier kind, geometry, offset and
-// Layout; a tile implicit in both stays implicit. Reads evicted tiles from the
+// Layout (Float32 when either is, else their dtype: summed in Float32, rounded
+// once); a tile implicit in both stays implicit. Reads evicted tiles from the
 // secondary tier without changing the inputs' residency.
 // Blocks: takes both carriers' tile-table locks and reads evicted tiles (I/O), in this thread.
 TensorPtr add_tiled_gradients(const TensorPtr& a, const TensorPtr& b);

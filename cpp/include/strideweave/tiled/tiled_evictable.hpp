@@ -42,6 +42,7 @@
 #include "strideweave/completion.hpp"
 #include "strideweave/fork.hpp"
 #include "strideweave/tensor.hpp"
+#include "strideweave/tiled/residency_budget.hpp"
 #include "strideweave/tiled/tile_geometry.hpp"
 
 namespace sw {
@@ -118,6 +119,16 @@ class TiledEvictable final : public DependentCarrier {
   const CarrierPtr& secondary() const noexcept { return secondary_; }
   const std::shared_ptr<ResidencyPolicy>& policy() const noexcept { return policy_; }
 
+  // -------- residency budget (Note [One residency budget], residency_budget.hpp)
+  // Draws from `budget` from now on: its resident tiles are counted (and evicted down to the bound when they
+  // exceed it), and every carrier derived by allocate_like (gradients, their sums, scatter results) draws from it
+  // too. RuntimeError when the carrier already draws from another budget; setting the same one again does nothing.
+  // Blocks: the tile-table lock, the budget's, and evictions (I/O) in this thread when over the bound.
+  void set_residency_budget(std::shared_ptr<ResidencyBudget> budget);
+  const std::shared_ptr<ResidencyBudget>& residency_budget() const noexcept { return budget_; }
+  // Bytes of one tile in primary storage (tile_size() slots of the dtype).
+  int64_t tile_bytes() const noexcept;
+
   // -------- footprints
   // ValueError ("tile footprints") unless `tensor` is tile-footprint compatible.
   // Blocks: the footprint cache's lock, briefly.
@@ -193,6 +204,13 @@ class TiledEvictable final : public DependentCarrier {
   // Engine hooks, documented in cpp/src/tiled/internal.hpp and reached only through TiledInternals.
   friend struct TiledInternals;
   friend class WorkToken;
+  friend class ResidencyBudget;
+  // Evicts those of `tiles` that are resident and not pinned, held or moving, in this thread (writing dirty ones);
+  // returns how many. A failed write raises (the tiles stay resident).
+  int64_t evict_for_budget(const std::vector<int64_t>& tiles);
+  // Under a budget: makes room for those of `tiles` that are not resident yet, before they become resident
+  // (ValueError when `tiles` can never fit; RuntimeError when room cannot be made). Call without the lock.
+  void admit(std::vector<int64_t> tiles, const char* purpose);
   struct Work;
   class TileWrite;
   // Pins `tiles` (after asking the policy) and lists in `missing` those the work must promote.
@@ -258,6 +276,7 @@ class TiledEvictable final : public DependentCarrier {
   CarrierPtr primary_, secondary_;
   Claim primary_claim_, secondary_claim_;
   std::shared_ptr<ResidencyPolicy> policy_;
+  std::shared_ptr<ResidencyBudget> budget_;  // set once (set_residency_budget); null when none
 
   mutable std::mutex mutex_;
   mutable std::vector<Tile> tiles_;

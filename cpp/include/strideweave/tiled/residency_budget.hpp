@@ -1,0 +1,114 @@
+// strideweave/tiled/residency_budget.hpp — one bound on the resident tiles of several TiledEvictables.
+//
+// Note [One residency budget]: a residency policy decides for one carrier, and a
+// tiled gradient's carrier (allocate_like of its parameter's) had no bound at
+// all: training an expert stack kept every touched expert's gradient tile
+// resident unless user code evicted it by hand. A ResidencyBudget bounds the
+// primary bytes of every carrier that draws from it together: weights, their
+// gradients (a carrier under a budget passes it to every carrier derived from
+// it by allocate_like: fresh gradients, their sums, scatter results) and any
+// other carrier set to draw from it.
+//  * Admission, before a tile becomes resident (a promotion, a work request's
+//    missing tiles, a gradient's installed or read-back tiles): when the tiles
+//    resident under the budget plus the new ones would exceed it, the least
+//    recently used resident tiles of any member are evicted first, in the
+//    calling thread, to their carrier's secondary tier (a dirty tile is written,
+//    a clean one dropped). Tiles that running work pins, that a request or a
+//    gradient sum holds, and the tiles the request itself needs are skipped.
+//    A tile evicted from a gradient is read back when a later backward adds
+//    into it (accumulate_tiles reads its secondary copy). A gradient's tier is
+//    a scratch file of its own: allocate_like of a file or checkpoint tier, and
+//    under a budget an anonymous FileBacked when the tier is memory (evicting
+//    into memory would free nothing).
+//  * Recency: a tile is most recent when it becomes resident, when work
+//    requires it, and when a gradient sum adds into it.
+//  * A work request whose own tiles (non-implicit, resident or not) exceed the
+//    budget is refused with ValueError before anything changes (the policy is
+//    not asked, nothing is evicted or pinned). When room cannot be made because
+//    everything resident is in use, the request fails with RuntimeError; tiles
+//    evicted while trying stay evicted (their values are safe in their tiers).
+//  * Untouched gradient tiles are implicit zeros: they take no room.
+// The bound holds for the requests of one thread at a time (a fresh gradient
+// that is added into .grad shares its tile buffer, which is counted once);
+// requests admitted concurrently by several threads may overshoot it by the
+// tiles they bring in together. A budget holds no references to its members:
+// a carrier leaves it when released or destroyed.
+//
+// Thread-safety: one mutex, never held while calling into a carrier (lock order: a carrier's tile-table lock, then
+// the budget's).
+#pragma once
+
+#include <cstdint>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <unordered_map>
+#include <vector>
+
+namespace sw {
+
+class TiledEvictable;
+
+struct BudgetStats {
+  int64_t max_bytes = 0;
+  int64_t resident_tiles = 0, resident_bytes = 0;
+  int64_t peak_tiles = 0, peak_bytes = 0;  // since construction or reset_peak()
+  int64_t evictions = 0;                   // tiles the budget evicted to make room
+  int64_t members = 0;                     // live carriers drawing from it
+};
+
+class ResidencyBudget {
+ public:
+  // ValueError unless max_bytes >= 1.
+  explicit ResidencyBudget(int64_t max_bytes);
+  ResidencyBudget(const ResidencyBudget&) = delete;
+  ResidencyBudget& operator=(const ResidencyBudget&) = delete;
+
+  int64_t max_bytes() const noexcept { return max_bytes_; }
+  // Blocks: the budget's lock, briefly.
+  BudgetStats stats() const;
+  // The peaks restart from what is resident now. Blocks: the budget's lock, briefly.
+  void reset_peak();
+
+  // -------- engine hooks (cpp/src/tiled): called by member carriers
+  void join(const TiledEvictable& c);
+  void leave(const TiledEvictable& c) noexcept;              // forgets every tile of c
+  void resident(const TiledEvictable& c, int64_t index, int64_t bytes);  // now resident: most recent
+  void evicted(const TiledEvictable& c, int64_t index) noexcept;
+  void touch(const TiledEvictable& c, std::span<const int64_t> tiles);
+  // Evicts least recently used tiles of members (never `keep`, sorted, of `requester`, nor any tile of `spare`)
+  // until `bytes` more fit. RuntimeError when they cannot; `purpose` names the request in messages. Call with no
+  // tile-table lock held.
+  // Blocks: evicts (I/O) in this thread.
+  void make_room(const TiledEvictable& requester, std::span<const int64_t> keep, int64_t bytes, const char* purpose,
+                 const TiledEvictable* spare = nullptr);
+  // ValueError (nothing changed) when `tiles` of c, holding `bytes`, can never fit.
+  void check_working_set(const TiledEvictable& c, int64_t tiles, int64_t bytes, const char* purpose) const;
+
+ private:
+  struct Key {
+    const TiledEvictable* carrier;
+    int64_t index;
+    bool operator==(const Key& o) const noexcept { return carrier == o.carrier && index == o.index; }
+  };
+  struct KeyHash {
+    size_t operator()(const Key& k) const noexcept {
+      return std::hash<const void*>()(k.carrier) ^ (std::hash<int64_t>()(k.index) * 0x9e3779b97f4a7c15ULL);
+    }
+  };
+  struct Entry {
+    int64_t bytes;
+    std::list<Key>::iterator pos;
+  };
+  void remove_locked(const Key& k) noexcept;
+
+  const int64_t max_bytes_;
+  mutable std::mutex m_;
+  std::list<Key> lru_;  // least recent first
+  std::unordered_map<Key, Entry, KeyHash> entries_;
+  std::unordered_map<const TiledEvictable*, int64_t> members_;  // carrier -> its resident tiles here
+  int64_t resident_bytes_ = 0, peak_bytes_ = 0, peak_tiles_ = 0, evictions_ = 0;
+};
+
+}  // namespace sw
