@@ -6,6 +6,8 @@
 
 #include <gtest/gtest.h>
 
+#include <fcntl.h>
+
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -230,4 +232,27 @@ TEST(CheckpointTier, ATruncatedCheckpointIsReadNotMappedAndTheReadFails) {
   te->promote_async({0})->value();                       // the range the file still holds is mapped
   EXPECT_EQ(te->read_value(9).f, 9.0);
   te->release();
+}
+
+// A tile whose pages left the page cache is read ahead whole, then mapped: the same values.
+TEST(CheckpointTier, AMappedTileOutOfThePageCacheHoldsTheFilesValues) {
+  TempPath path("sw-ckpt");
+  const int64_t tile = int64_t{1} << 18;
+  write_floats(path.path(), 4100, 2 * tile);
+  {
+    const int fd = ::open(path.path().c_str(), O_RDONLY);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(::fdatasync(fd), 0);
+    ASSERT_EQ(::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED), 0);  // clean pages leave the cache
+    ::close(fd);
+  }
+  auto file = std::make_shared<CheckpointFile>(path.path(), false);
+  CheckpointCarrier c({{file, 4100, tile}, {file, 4100 + static_cast<uint64_t>(tile) * 4, tile}}, DType::Float32(),
+                      Writes::Overlay);
+  CarrierPtr mapped = c.map_slots(tile, tile);
+  ASSERT_NE(mapped, nullptr);
+  std::vector<float> got(static_cast<size_t>(tile));
+  mapped->read_slots(0, tile, got.data());
+  for (int64_t i = 0; i < tile; i += 4099) EXPECT_EQ(got[static_cast<size_t>(i)], static_cast<float>(tile + i));
+  EXPECT_EQ(got.back(), static_cast<float>(2 * tile - 1));
 }

@@ -564,6 +564,17 @@ std::shared_ptr<AlignedBuffer> AlignedBuffer::map_file(int fd, uint64_t offset, 
   // kernel's fault-around, or a whole huge folio) without copying. MAP_POPULATE would take the slow path one
   // page at a time, and on a writable private mapping copy every page (measured: 3.3 ms for 16 tiles of 2 MiB
   // against 0.9 ms touched, and 1.4 ms read).
+  // Pages not in the page cache would be read a fault's read-around window at a time; asked for at once, the
+  // kernel reads the whole range ahead, as one read would (a cached tile skips this: mincore says so cheaply).
+  {
+    auto* lo = static_cast<std::byte*>(p) + (offset - start) / page * page;
+    const size_t span = static_cast<size_t>(static_cast<std::byte*>(p) + (offset - start) + bytes - lo);
+    thread_local std::vector<unsigned char> in_core;
+    in_core.resize((span + page - 1) / page);
+    if (::mincore(lo, span, in_core.data()) != 0 ||
+        std::any_of(in_core.begin(), in_core.end(), [](unsigned char c) { return (c & 1) == 0; }))
+      ::madvise(lo, span, MADV_WILLNEED);
+  }
   const auto* first = static_cast<const volatile std::byte*>(p) + (offset - start);
   for (size_t at_byte = 0; at_byte < bytes; at_byte += static_cast<size_t>(page)) (void)first[at_byte];
   if (bytes) (void)first[bytes - 1];
