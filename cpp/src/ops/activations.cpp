@@ -12,6 +12,7 @@
 #include "half.hpp"
 #include "kernels.hpp"
 #include "op_table.hpp"
+#include "simd_masks.hpp"
 #include "strided.hpp"
 #include "strideweave/carriers/native.hpp"
 #include "vjps.hpp"
@@ -88,7 +89,7 @@ SW_AVX512 void run_avx512(const float* g, const float* x, float* out, int64_t n)
     _mm512_storeu_ps(out + i, lanes<A, Grad>(_mm512_loadu_ps(x + i), gv));
   }
   if (i < n) {
-    const __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1u);
+    const __mmask16 m = lanes16(n - i);
     const __m512 gv = Grad ? _mm512_maskz_loadu_ps(m, g + i) : _mm512_setzero_ps();
     _mm512_mask_storeu_ps(out + i, m, lanes<A, Grad>(_mm512_maskz_loadu_ps(m, x + i), gv));
   }
