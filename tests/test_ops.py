@@ -1165,8 +1165,8 @@ def test_dispatch_op_forward_checks_operands_like_the_function():
         cpu_add.forward(g, g)  # operands of another class than the dispatching carrier
     with pytest.raises(TypeError, match="Tensor backing carriers must match"):
         cpu_add.forward(a, g)
-    with pytest.raises(TypeError):
-        cpu_add.forward(a, 2)
+    with pytest.raises(TypeError):  # a number is a weak scalar, as sw.add(a, 2) takes it; a str is not
+        cpu_add.forward(a, "2")
     with pytest.raises(TypeError):
         cpu_add.forward(a)
     with pytest.raises(TypeError):

@@ -286,7 +286,8 @@ void bind_tensor_operators(nb::module_& m) {
   op2("__rmul__", OpId::Mul, true);
   op2("__sub__", OpId::Sub, false);
   op2("__truediv__", OpId::Div, false);
-  // a Python number on the left: 1 + t, 1 - t, 1 / t (weak scalars, docs/guide.md "Activations and scalars")
+  // a Python number on the left: 1 + t, 1 - t, 1 / t (weak scalars; docs/guide.md, "Activations and scalars on
+  // either side")
   op2("__radd__", OpId::Add, true);
   op2("__rsub__", OpId::Sub, true);
   op2("__rtruediv__", OpId::Div, true);

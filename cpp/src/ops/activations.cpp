@@ -39,8 +39,8 @@ bool use_avx512() {
 
 // ---------------------------------------------------------------- AVX-512F
 
-// exp(-|x|) for 16 lanes: exp_nonpositive's reduction and polynomial, with scalef for the 2^n (one rounding into
-// the subnormals, as exp_nonpositive's two steps). NaN lanes give garbage here; the callers blend x back in.
+// exp(-|x|) for 16 lanes: exp_core's reduction and polynomial, with scalef for the 2^n (one rounding into the
+// subnormals, as exp_core's two steps). NaN lanes give garbage here; the callers blend x back in.
 SW_AVX512 inline __m512 exp_neg_abs16(__m512 x) {
   const __m512 t = _mm512_max_ps(_mm512_set1_ps(-104.0f), _mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(t, _mm512_set1_ps(1.44269504088896341f)),

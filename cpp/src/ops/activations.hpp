@@ -30,11 +30,9 @@ namespace sw::detail {
 
 enum class Activation : uint8_t { Silu, Sigmoid };
 
-// exp(t) for t <= 0 in Float32 (Note [Stable sigmoid]): branch-free, so that a loop over it vectorises. t below
-// -104 gives 0 (exp(-104) is below half the smallest subnormal); a NaN t is taken as -104 (no NaN reaches the
-// integer conversion) and the callers put the NaN back.
-inline float exp_nonpositive(float t) {
-  t = t >= -104.0f ? t : -104.0f;
+// exp(t) for t in [-104, 0] in Float32 (Note [Stable sigmoid]). Below -104 exp is under half the smallest
+// subnormal, so the callers clamp |x| to 104 (the result is 0 either way).
+inline float exp_core(float t) {
   // n = round(t / ln 2) to nearest, by the 1.5 * 2^23 shift (no libm call, so the loop vectorises).
   const float n = (t * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
   float r = t - n * 0.693359375f;
@@ -54,19 +52,38 @@ inline float exp_nonpositive(float t) {
   return p * s1 * s2;
 }
 
+// What the formulas need of x: e = exp(-|x|), whether x is negative (its sign bit: -0 counts as negative, which
+// gives the same 1/2) and whether it is NaN. In Float32 these come from integer operations on x's bits (no float
+// comparison, which GCC will not turn into a select under IEEE trapping rules), so that a loop over the functors
+// below has no branch and vectorises; in double (the reference, and Int32 operands) from the plain operations.
 template <class C>
-inline C exp_neg_abs(C x) {
-  if constexpr (std::is_same_v<C, float>) return exp_nonpositive(-std::fabs(x));
-  else return std::exp(-std::fabs(x));
+struct SigmoidParts {
+  C e;
+  uint32_t neg, nan;
+};
+inline SigmoidParts<float> parts_of(float x) {
+  const uint32_t b = std::bit_cast<uint32_t>(x), a = b & 0x7fffffffu;
+  const uint32_t clamped = a < 0x42D00000u ? a : 0x42D00000u;  // |x| up to 104.0f (for a >= 0, integer order is
+                                                                // float order; a NaN is above every number)
+  return {exp_core(-std::bit_cast<float>(clamped)), b >> 31, a > 0x7f800000u ? 1u : 0u};
 }
+inline SigmoidParts<double> parts_of(double x) {
+  return {std::exp(-std::fabs(x)), std::signbit(x) ? 1u : 0u, x != x ? 1u : 0u};
+}
+// x where x is NaN, else v (a bit select in Float32).
+inline float keep_nan(float x, float v, uint32_t nan) {
+  const uint32_t m = 0u - nan;
+  return std::bit_cast<float>((std::bit_cast<uint32_t>(x) & m) | (std::bit_cast<uint32_t>(v) & ~m));
+}
+inline double keep_nan(double x, double v, uint32_t nan) { return nan ? x : v; }
 
 // sigmoid(x), silu(x) and the two derivatives times g, in C (float: the CPU kernels; double: the reference and
-// Int32 operands), by Note [Stable sigmoid]. Branch-free selects; NaN passes through.
+// Int32 operands), by Note [Stable sigmoid]; NaN passes through.
 template <class C>
 inline C sigmoid_of(C x) {
-  const C e = exp_neg_abs(x);
-  const C s = (x >= C(0) ? C(1) : e) / (C(1) + e);
-  return x != x ? x : s;
+  const SigmoidParts<C> p = parts_of(x);
+  const C num = p.neg ? p.e : C(1);
+  return keep_nan(x, num / (C(1) + p.e), p.nan);
 }
 template <class C>
 inline C silu_of(C x) {
@@ -74,17 +91,17 @@ inline C silu_of(C x) {
 }
 template <class C>
 inline C sigmoid_grad_of(C g, C x) {
-  const C e = exp_neg_abs(x), d = C(1) + e;
-  const C r = g * (e / (d * d));
-  return x != x ? x : r;
+  const SigmoidParts<C> p = parts_of(x);
+  const C d = C(1) + p.e;
+  return keep_nan(x, g * (p.e / (d * d)), p.nan);
 }
 template <class C>
 inline C silu_grad_of(C g, C x) {
-  const C e = exp_neg_abs(x), d = C(1) + e;
-  const bool pos = x >= C(0);
-  const C s = (pos ? C(1) : e) / d, c = (pos ? e : C(1)) / d;  // sigmoid(x) and 1 - sigmoid(x)
-  const C r = g * (s * (C(1) + x * c));
-  return x != x ? x : r;
+  const SigmoidParts<C> p = parts_of(x);
+  const C d = C(1) + p.e;
+  const C lo = p.neg ? p.e : C(1), hi = p.neg ? C(1) : p.e;  // both selects first: the loop stays branch-free
+  const C s = lo / d, c = hi / d;                              // sigmoid(x) and 1 - sigmoid(x)
+  return keep_nan(x, g * (s * (C(1) + x * c)), p.nan);
 }
 
 // The functors the element-wise kernels take (an integral C never runs: these results are never Int32).
