@@ -47,7 +47,9 @@ NP_DTYPE = {F32: np.float32, I32: np.int32, BOOL: np.bool_}
 INT32_MAX, INT32_MIN = 2**31 - 1, -(2**31)
 
 SEED = 20240611
-OPS = ("add", "elementwise_mul", "mul", "relu", "reduce_sum", "matmul", "sub", "div", "neg", "exp")
+OPS = ("add", "elementwise_mul", "mul", "relu", "reduce_sum", "matmul", "sub", "div", "neg", "exp",
+       "silu", "sigmoid")  # activations: tests/test_ops_activations.py
+WEAK_SCALAR_OPS = ("add", "elementwise_mul", "mul", "sub", "div")  # every element-wise binary operation
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -910,7 +912,8 @@ NOT_TENSORS = [1, 2.5, True, None, "x", [1.0, 2.0], np.float32(1.0), np.ones(2, 
 NOT_TENSOR_IDS = ["int", "float", "bool", "None", "str", "list", "np.float32", "ndarray"]
 
 
-@pytest.mark.parametrize("other", NOT_TENSORS, ids=NOT_TENSOR_IDS)
+# Python numbers (int, float) are weak scalars for add and elementwise_mul too: tests/test_ops_activations.py.
+@pytest.mark.parametrize("other", NOT_TENSORS[2:], ids=NOT_TENSOR_IDS[2:])
 @pytest.mark.parametrize("op", ["add", "elementwise_mul"])
 def test_add_and_elementwise_mul_take_two_tensors(op, other):
     t = place([2]).on(sw.CPU)
@@ -942,9 +945,9 @@ def test_other_operations_refuse_non_tensors(other):
     t = place([2, 2]).on(sw.CPU)
     snap = Snapshot(t)
     calls = [lambda: sw.relu(other), lambda: sw.neg(other), lambda: sw.exp(other), lambda: sw.reduce_sum(other),
-             lambda: sw.matmul(t, other), lambda: sw.matmul(other, t),
-             # sub and div follow add: only mul takes weak scalars
-             lambda: sw.sub(t, other), lambda: sw.sub(other, t), lambda: sw.div(t, other), lambda: sw.div(other, t)]
+             lambda: sw.matmul(t, other), lambda: sw.matmul(other, t), lambda: sw.silu(other), lambda: sw.sigmoid(other)]
+    if other is None:  # sub and div take numbers (weak scalars) like add and mul, never None
+        calls += [lambda: sw.sub(t, other), lambda: sw.sub(other, t), lambda: sw.div(t, other), lambda: sw.div(other, t)]
     for call in calls:
         with pytest.raises(TypeError, match="Tensor"):
             call()
@@ -1162,8 +1165,8 @@ def test_dispatch_op_forward_checks_operands_like_the_function():
         cpu_add.forward(g, g)  # operands of another class than the dispatching carrier
     with pytest.raises(TypeError, match="Tensor backing carriers must match"):
         cpu_add.forward(a, g)
-    with pytest.raises(TypeError):
-        cpu_add.forward(a, 2)
+    with pytest.raises(TypeError):  # a number is a weak scalar, as sw.add(a, 2) takes it; a str is not
+        cpu_add.forward(a, "2")
     with pytest.raises(TypeError):
         cpu_add.forward(a)
     with pytest.raises(TypeError):
@@ -1232,13 +1235,13 @@ def test_operation_capabilities_entries(kind):
         with pytest.raises(dataclasses.FrozenInstanceError):
             e.operands = ()
         assert isinstance(e.operands, tuple)
-        arity = 1 if e.operation in ("relu", "neg", "exp", "reduce_sum") else 2
+        arity = 1 if e.operation in ("relu", "neg", "exp", "reduce_sum", "silu", "sigmoid") else 2
         assert len(e.operands) == arity
         roles = [o.role.value for o in e.operands]
         assert set(roles) <= {"tensor", "weak_scalar"}
         assert "tensor" in roles
         if "weak_scalar" in roles:
-            assert e.operation == "mul"
+            assert e.operation in WEAK_SCALAR_OPS
         for o in e.operands:
             with pytest.raises(dataclasses.FrozenInstanceError):
                 o.dtype = F64
@@ -1289,7 +1292,7 @@ def test_every_advertised_signature_executes():
         float_dtype = halves.pop() if len(halves) == 1 and F32 not in tensor_dts else F32
         if e.operation in ("relu", "reduce_sum"):
             assert r.dtype() is dts[0]
-        elif e.operation in ("div", "exp"):
+        elif e.operation in ("div", "exp", "silu", "sigmoid"):
             assert r.dtype() is float_dtype
         elif e.operation == "neg":
             assert r.dtype() is (UNARY_DTYPE["neg"](dts[0]) if dts[0] not in HALF_DTYPES else dts[0])
@@ -1336,10 +1339,10 @@ def test_operators_on_int32_and_their_errors():
     assert flat(-i).tolist() == flat(sw.neg(i)).tolist()
     g = place([2, 2]).on(sw.Generic)
     snap = Snapshot(i, g)
+    with pytest.raises(TypeError):  # a number is a weak scalar (i + 1 is Int32); anything else is refused
+        i + None
     with pytest.raises(TypeError):
-        i + 1
-    with pytest.raises(TypeError):
-        1 + i
+        "1" + i
     with pytest.raises(TypeError, match="Tensor backing carriers must match"):
         i + g
     with pytest.raises(TypeError, match="Tensor backing carriers must match"):

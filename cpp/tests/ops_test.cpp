@@ -117,6 +117,9 @@ const std::map<std::string, std::function<Case(bool, Rng&)>>& references() {
       {"exp", [](bool cpu, Rng& r) { return unary_case(cpu, r, [](double x) { return std::exp(x); }, -4, 4, 4); }},
       {"reduce_sum", [](bool cpu, Rng& r) { return reduce_case(cpu, r); }},
       {"matmul", [](bool cpu, Rng& r) { return matmul_case(cpu, r); }},
+      // activations: within 5 ulps (Note [Stable sigmoid] in cpp/src/ops/activations.hpp): 10u |r|
+      {"silu", [](bool cpu, Rng& r) { return unary_case(cpu, r, [](double x) { return x / (1 + std::exp(-x)); }, -8, 8, 10); }},
+      {"sigmoid", [](bool cpu, Rng& r) { return unary_case(cpu, r, [](double x) { return 1 / (1 + std::exp(-x)); }, -8, 8, 10); }},
   };
   return refs;
 }
@@ -242,7 +245,9 @@ TEST(OpDispatchErrors, WrongArity) {
 TEST(OpDispatchErrors, WeakScalarsOnlyWhereTheRowTakesThem) {
   TensorPtr a = dense_tensor(true, Shape::of({2}), {1, 2});
   std::vector<Operand> with_scalar{Operand::of(a), Operand::weak(Value::from_float(2))};
-  EXPECT_SW_THROW(TypeError, "add operands must be Tensors", call_op(OpId::Add, with_scalar));
+  EXPECT_SW_THROW(TypeError, "matmul operands must be Tensors", call_op(OpId::Matmul, with_scalar));
+  std::vector<Operand> lone_scalar{Operand::weak(Value::from_float(2))};
+  EXPECT_SW_THROW(TypeError, "silu operands must be Tensors", call_op(OpId::Silu, lone_scalar));
   std::vector<Operand> with_bool{Operand::of(a), Operand::weak(Value::from_bool(true))};
   EXPECT_SW_THROW(TypeError, "mul: a weak scalar must be an int or a float, not a bool", call_op(OpId::Mul, with_bool));
   std::vector<Operand> scalars{Operand::weak(Value::from_int(1)), Operand::weak(Value::from_int(2))};

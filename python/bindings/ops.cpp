@@ -286,6 +286,11 @@ void bind_tensor_operators(nb::module_& m) {
   op2("__rmul__", OpId::Mul, true);
   op2("__sub__", OpId::Sub, false);
   op2("__truediv__", OpId::Div, false);
+  // a Python number on the left: 1 + t, 1 - t, 1 / t (weak scalars; docs/guide.md, "Activations and scalars on
+  // either side")
+  op2("__radd__", OpId::Add, true);
+  op2("__rsub__", OpId::Sub, true);
+  op2("__rtruediv__", OpId::Div, true);
   tensor.attr("__matmul__") = nb::cpp_function(
       [](nb::handle self, nb::handle other) { return matmul(self, other, nb::none()); }, nb::is_method(),
       nb::arg("other"), nb::sig("def __matmul__(self, other: strideweave._core.Tensor) -> strideweave._core.Tensor"));

@@ -37,6 +37,9 @@ from ._core import (
     set_mapping_cache_decay,
     set_mapping_cache_limit,
     sub,
+    # activations
+    sigmoid,
+    silu,
 )
 from .autograd import is_grad_enabled, no_grad, set_grad_enabled
 from .carriers import extension
@@ -102,6 +105,9 @@ __all__ = [
     "set_mapping_cache_decay",
     "set_mapping_cache_limit",
     "sub",
+    # activations
+    "sigmoid",
+    "silu",
     "AwaitMove",
     "AwaitResult",
     "BlockDevice",

@@ -1,12 +1,15 @@
 // strideweave/ops.hpp — the operation table, dtype plans, broadcasting and dispatch.
 //
 // Six central operations (add, elementwise_mul, mul, relu, reduce_sum, matmul)
-// plus sub, div, neg, exp for ordinary tensors. One table row per operation
-// carries all of it (Note [The operation table]); a half-added operation
-// fails to compile.
+// plus sub, div, neg, exp for ordinary tensors, and the activations silu and
+// sigmoid (central too: a TiledEvictable executes them). One table row per
+// operation carries all of it (Note [The operation table]); a half-added
+// operation fails to compile.
 //
 // Semantics (docs/guide.md, "Operations and autograd"):
-//  - Operands are tensors; `mul` also takes a weak scalar on either side.
+//  - Operands are tensors; every element-wise binary operation (add, sub,
+//    mul, elementwise_mul, div) also takes a weak scalar (a Python number) on
+//    either side, never both; matmul takes tensors only.
 //    Tensor operands share one exact carrier kind ("Tensor backing carriers
 //    must match", TypeError); there is no implicit movement.
 //  - Broadcasting: same hierarchical profile; each leaf extent equal or 1.
@@ -14,7 +17,11 @@
 //    mix gives the float dtype: BFloat16 (Float16) when it is the only float
 //    dtype among the tensor operands, else Float32 (docs/guide.md, "DTypes");
 //    weak int with Int32 stays Int32, weak float gives the float dtype (weak
-//    scalars never promote); relu/reduce_sum keep the dtype; accumulator
+//    scalars never promote: `t + 2.0` of a BFloat16 t is BFloat16, of an
+//    Int32 t Float32; `1 / t` of an Int32 t is Float32, as div always is; the
+//    scalar enters the operation as a Float32 value, or Int32 for an Int32
+//    result); silu/sigmoid/exp/div give the float dtype (Int32 -> Float32);
+//    relu/reduce_sum keep the dtype; accumulator
 //    Float64 accumulates in double and returns Float32.
 //  - Results are fresh dense carriers of the dispatching (first tensor
 //    operand's) kind at offset 0.
@@ -40,6 +47,8 @@ namespace sw {
 
 enum class OpId : uint8_t {
   Add, ElementwiseMul, Mul, Relu, ReduceSum, Matmul, Sub, Div, Neg, Exp,
+  // activations
+  Silu, Sigmoid,
   Count  // not an operation: the number of them (the table has one row per value before it)
 };
 inline constexpr size_t kOpCount = static_cast<size_t>(OpId::Count);
@@ -89,8 +98,8 @@ enum class OpSaves : uint8_t {
 };
 
 // Row flags (OpDef::flags).
-inline constexpr uint8_t kOpCentral = 1;         // one of the six operations every executing carrier accepts
-inline constexpr uint8_t kOpWeakScalars = 2;     // accepts a weak scalar operand (mul)
+inline constexpr uint8_t kOpCentral = 1;         // one of the operations every executing carrier accepts
+inline constexpr uint8_t kOpWeakScalars = 2;     // accepts a weak scalar operand (every element-wise binary one)
 inline constexpr uint8_t kOpDifferentiable = 4;  // records a node with its VJP
 inline constexpr uint8_t kOpDescription = 8;     // takes OpOptions::description (reduce_sum)
 inline constexpr uint8_t kOpAccumulator = 16;    // takes OpOptions::accumulate_f64 (accumulator_dtype)

@@ -4,12 +4,14 @@
 #include <cblas.h>
 
 #include <algorithm>
+#include <cassert>
 #include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <mutex>
 
+#include "activations.hpp"
 #include "kernels.hpp"
 #include "half.hpp"
 #include "skinny_gemm.hpp"
@@ -258,6 +260,56 @@ void div(const ElementwiseCall& c) { binary_op(c, DivF{}); }
 void relu(const ElementwiseCall& c) { unary_op(c, ReluF{}); }
 void neg(const ElementwiseCall& c) { unary_op(c, NegF{}); }
 void exp(const ElementwiseCall& c) { unary_op(c, ExpF{}); }
+}  // namespace cpu
+
+// silu and sigmoid (activations.hpp): a dense Float32 or 16-bit operand of the result's dtype runs the dense kernel
+// (AVX-512 where present), anything else (strided, broadcast, Int32, Bool) the functor through the loops above.
+namespace {
+int half_code(DTypeId d) { return d == DTypeId::BFloat16 ? 1 : d == DTypeId::Float16 ? 2 : d == DTypeId::Float32 ? 0 : -1; }
+
+template <Activation A, class F>
+void activation_op(const ElementwiseCall& c, F f) {
+  const KernelInput& x = c.in[0];
+  const int code = half_code(x.dtype);
+  if (code >= 0 && x.dtype == c.out.dtype().id() && dense_in_order(c.result_extents, x.strides)) {
+    const std::byte* base = x.data + x.offset * static_cast<int64_t>(code == 0 ? 4 : 2);
+    activation_dense(A, base, code, c.out.mutable_native_data(), code, product(c.result_extents));
+    return;
+  }
+  unary_op(c, f);
+}
+
+// The backward kernels see float operands only (a gradient and a differentiable input): the loops are
+// instantiated for those alone, in Float32.
+template <Activation A, class F>
+void activation_grad_op(const ElementwiseCall& c, F f) {
+  const KernelInput &g = c.in[0], &x = c.in[1];
+  const DTypeId od = c.out.dtype().id();
+  assert(half_code(g.dtype) >= 0 && half_code(x.dtype) >= 0 && half_code(od) >= 0);
+  if (g.dtype == DTypeId::Float32 && x.dtype == DTypeId::Float32 && od == DTypeId::Float32 &&
+      dense_in_order(c.result_extents, g.strides) && dense_in_order(c.result_extents, x.strides)) {
+    activation_grad_dense(A, typed<float>(g) + g.offset, typed<float>(x) + x.offset,
+                          reinterpret_cast<float*>(c.out.mutable_native_data()), product(c.result_extents));
+    return;
+  }
+  std::atomic<bool> overflow{false};
+  visit_float_result(g.dtype, [&](auto tg) {
+    visit_float_result(x.dtype, [&](auto tx) {
+      visit_float_result(od, [&](auto to) {
+        using TO = decltype(to);
+        binary<float, TO, decltype(tg), decltype(tx)>(g, x, reinterpret_cast<TO*>(c.out.mutable_native_data()),
+                                                      c.result_extents, f, overflow);
+      });
+    });
+  });
+}
+}  // namespace
+
+namespace cpu {
+void silu(const ElementwiseCall& c) { activation_op<Activation::Silu>(c, SiluF{}); }
+void sigmoid(const ElementwiseCall& c) { activation_op<Activation::Sigmoid>(c, SigmoidF{}); }
+void silu_backward(const ElementwiseCall& c) { activation_grad_op<Activation::Silu>(c, SiluGradF{}); }
+void sigmoid_backward(const ElementwiseCall& c) { activation_grad_op<Activation::Sigmoid>(c, SigmoidGradF{}); }
 }  // namespace cpu
 
 void cpu_reduce_sum(const TensorImpl& in, const Layout& permuted, int64_t kept, bool f64, Carrier& out) {

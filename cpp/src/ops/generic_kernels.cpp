@@ -5,6 +5,7 @@
 #include <functional>
 #include <limits>
 
+#include "activations.hpp"
 #include "kernels.hpp"
 #include "strideweave/errors.hpp"
 
@@ -87,6 +88,11 @@ void exp(const ElementwiseCall& c) {
   };
   generic_map<1>(c, f, no_int);
 }
+// silu and sigmoid: Note [Stable sigmoid]'s formulas in double, rounded once.
+void silu(const ElementwiseCall& c) { generic_map<1>(c, [](double x, DTypeId) { return silu_of(x); }, no_int); }
+void sigmoid(const ElementwiseCall& c) { generic_map<1>(c, [](double x, DTypeId) { return sigmoid_of(x); }, no_int); }
+void silu_backward(const ElementwiseCall& c) { generic_map<2>(c, silu_grad_of<double>, no_int); }
+void sigmoid_backward(const ElementwiseCall& c) { generic_map<2>(c, sigmoid_grad_of<double>, no_int); }
 }  // namespace generic
 
 void generic_reduce_sum(const TensorImpl& in, const Layout& permuted, int64_t kept, bool, Carrier& out) {

@@ -60,10 +60,16 @@ TensorPtr contraction(std::span<const Operand> ops, const OpOptions& options, co
 namespace cpu {  // cpu_kernels.cpp
 void add(const ElementwiseCall&), sub(const ElementwiseCall&), mul(const ElementwiseCall&), div(const ElementwiseCall&),
     relu(const ElementwiseCall&), neg(const ElementwiseCall&), exp(const ElementwiseCall&);
+// silu and sigmoid; their backward kernels take (g, x) and give g times the derivative at x (activations.hpp)
+void silu(const ElementwiseCall&), sigmoid(const ElementwiseCall&), silu_backward(const ElementwiseCall&),
+    sigmoid_backward(const ElementwiseCall&);
 }
 namespace generic {  // generic_kernels.cpp
 void add(const ElementwiseCall&), sub(const ElementwiseCall&), mul(const ElementwiseCall&), div(const ElementwiseCall&),
     relu(const ElementwiseCall&), neg(const ElementwiseCall&), exp(const ElementwiseCall&);
+// silu and sigmoid, and their backward kernels
+void silu(const ElementwiseCall&), sigmoid(const ElementwiseCall&), silu_backward(const ElementwiseCall&),
+    sigmoid_backward(const ElementwiseCall&);
 }
 
 // The raw kernels.

@@ -26,9 +26,9 @@ inline constexpr uint8_t kOtherOp = kOpDifferentiable;
 inline constexpr std::array<OpDef, kOpCount> kOps{{
     // OpDef(id, name, operand names, flags, shape rule, saved for backward,
     //       dtype rule, VJP, CPU kernel entry, Generic kernel entry)
-    OpDef(OpId::Add, "add", {"a", "b"}, kCentralOp, OpShape::Elementwise, OpSaves::Nothing,
+    OpDef(OpId::Add, "add", {"a", "b"}, kCentralOp | kOpWeakScalars, OpShape::Elementwise, OpSaves::Nothing,
           &dtype_int_or_float, &vjp_add, &elementwise<cpu::add>, &elementwise<generic::add>),
-    OpDef(OpId::ElementwiseMul, "elementwise_mul", {"a", "b"}, kCentralOp, OpShape::Elementwise, OpSaves::Inputs,
+    OpDef(OpId::ElementwiseMul, "elementwise_mul", {"a", "b"}, kCentralOp | kOpWeakScalars, OpShape::Elementwise, OpSaves::Inputs,
           &dtype_int_or_float, &vjp_mul, &elementwise<cpu::mul>, &elementwise<generic::mul>),
     OpDef(OpId::Mul, "mul", {"a", "b"}, kCentralOp | kOpWeakScalars, OpShape::Elementwise, OpSaves::Inputs,
           &dtype_int_or_float, &vjp_mul, &elementwise<cpu::mul>, &elementwise<generic::mul>),
@@ -38,14 +38,19 @@ inline constexpr std::array<OpDef, kOpCount> kOps{{
           &dtype_sum, &vjp_reduce_sum, &reduction<cpu_reduce_sum>, &reduction<generic_reduce_sum>),
     OpDef(OpId::Matmul, "matmul", {"lhs", "rhs"}, kCentralOp | kOpAccumulator, OpShape::Contraction, OpSaves::Inputs,
           &dtype_product, &vjp_matmul, &contraction<cpu_matmul>, &contraction<generic_matmul>),
-    OpDef(OpId::Sub, "sub", {"a", "b"}, kOtherOp, OpShape::Elementwise, OpSaves::Nothing,
+    OpDef(OpId::Sub, "sub", {"a", "b"}, kOtherOp | kOpWeakScalars, OpShape::Elementwise, OpSaves::Nothing,
           &dtype_int_or_float, &vjp_sub, &elementwise<cpu::sub>, &elementwise<generic::sub>),
-    OpDef(OpId::Div, "div", {"a", "b"}, kOtherOp, OpShape::Elementwise, OpSaves::Inputs,
+    OpDef(OpId::Div, "div", {"a", "b"}, kOtherOp | kOpWeakScalars, OpShape::Elementwise, OpSaves::Inputs,
           &dtype_float, &vjp_div, &elementwise<cpu::div>, &elementwise<generic::div>),
     OpDef(OpId::Neg, "neg", {"t"}, kOtherOp, OpShape::Elementwise, OpSaves::Nothing,
           &dtype_signed, &vjp_neg, &elementwise<cpu::neg>, &elementwise<generic::neg>),
     OpDef(OpId::Exp, "exp", {"t"}, kOtherOp, OpShape::Elementwise, OpSaves::Inputs,
           &dtype_float, &vjp_exp, &elementwise<cpu::exp>, &elementwise<generic::exp>),
+    // activations (activations.hpp): stable for every finite input
+    OpDef(OpId::Silu, "silu", {"t"}, kCentralOp, OpShape::Elementwise, OpSaves::Inputs,
+          &dtype_float, &vjp_silu, &elementwise<cpu::silu>, &elementwise<generic::silu>),
+    OpDef(OpId::Sigmoid, "sigmoid", {"t"}, kCentralOp, OpShape::Elementwise, OpSaves::Inputs,
+          &dtype_float, &vjp_sigmoid, &elementwise<cpu::sigmoid>, &elementwise<generic::sigmoid>),
 }};
 // clang-format on
 
@@ -100,12 +105,12 @@ constexpr bool vjps_match_flags() {
 }
 static_assert(vjps_match_flags(), "a differentiable operation needs its VJP (and only it has one)");
 
-// What each shape rule and option assumes: element-wise operations are unary or binary and the only ones
-// with weak scalars (binary); a reduction has one operand, a contraction two; only a reduction takes a
-// description; only reductions and contractions take an accumulator dtype.
+// What each shape rule and option assumes: element-wise operations are unary or binary, and exactly the
+// binary ones take weak scalars (a Python number on either side); a reduction has one operand, a contraction
+// two; only a reduction takes a description; only reductions and contractions take an accumulator dtype.
 constexpr bool shapes_consistent() {
   for (const OpDef& d : kOps) {
-    if (d.weak_scalars && !(d.elementwise() && d.arity == 2)) return false;
+    if (d.weak_scalars != (d.elementwise() && d.arity == 2)) return false;
     if (d.shape == OpShape::Reduction && d.arity != 1) return false;
     if (d.shape == OpShape::Contraction && d.arity != 2) return false;
     if (d.takes_description() && d.shape != OpShape::Reduction) return false;

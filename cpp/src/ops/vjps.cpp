@@ -81,6 +81,10 @@ void vjp_add(const VjpArgs& a, std::span<TensorPtr> grads) {
 }
 
 void vjp_sub(const VjpArgs& a, std::span<TensorPtr> grads) {
+  if (a.inputs.size() == 1) {  // with a weak scalar: t - s gives g, s - t gives -g
+    if (a.wants(0)) grads[0] = unbroadcast(a.operands[0].is_tensor() ? a.grad : op(OpId::Neg, a.grad), a.shape_of(0));
+    return;
+  }
   if (a.wants(0)) grads[0] = unbroadcast(a.grad, a.shape_of(0));
   if (a.wants(1)) grads[1] = unbroadcast(op(OpId::Neg, a.grad), a.shape_of(1));
 }
@@ -99,6 +103,20 @@ void vjp_mul(const VjpArgs& a, std::span<TensorPtr> grads) {
 
 void vjp_div(const VjpArgs& a, std::span<TensorPtr> grads) {
   const TensorPtr& g = a.grad;
+  if (a.inputs.size() == 1) {  // with a weak scalar s: t / s gives g / s, s / t gives -(g s / t) / t
+    if (!a.wants(0)) return;
+    const TensorPtr& t = a.inputs[0];
+    const bool numerator = a.operands[0].is_tensor();
+    const Value s = a.operands[numerator ? 1 : 0].scalar;
+    auto with_scalar = [&](OpId id, const TensorPtr& x) {
+      std::vector<Operand> ops{Operand::of(x), Operand::weak(s)};
+      return call_op(id, ops);
+    };
+    grads[0] = unbroadcast(numerator ? with_scalar(OpId::Div, g)
+                                     : op(OpId::Neg, op(OpId::Div, op(OpId::Div, with_scalar(OpId::Mul, g), t), t)),
+                           a.shape_of(0));
+    return;
+  }
   if (a.wants(0)) grads[0] = unbroadcast(op(OpId::Div, g, a.inputs[1]), a.shape_of(0));
   if (a.wants(1)) {
     TensorPtr q = op(OpId::Div, op(OpId::ElementwiseMul, g, a.inputs[0]), op(OpId::ElementwiseMul, a.inputs[1], a.inputs[1]));

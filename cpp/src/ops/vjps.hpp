@@ -24,7 +24,8 @@ struct VjpArgs {
 
 namespace detail {
 // VjpFn: each fills `grads` (one slot per tensor input) where a gradient flows; a gradient added into a
-// sink is left null. `vjp_mul` serves elementwise_mul and mul (a weak scalar operand included).
+// sink is left null. `vjp_mul` serves elementwise_mul and mul; the binary VJPs take a weak scalar operand on
+// either side (it gets no gradient; `grads` then has one slot, the tensor operand's).
 void vjp_add(const VjpArgs& args, std::span<TensorPtr> grads);
 void vjp_sub(const VjpArgs& args, std::span<TensorPtr> grads);
 void vjp_mul(const VjpArgs& args, std::span<TensorPtr> grads);
@@ -34,6 +35,9 @@ void vjp_exp(const VjpArgs& args, std::span<TensorPtr> grads);
 void vjp_relu(const VjpArgs& args, std::span<TensorPtr> grads);
 void vjp_reduce_sum(const VjpArgs& args, std::span<TensorPtr> grads);
 void vjp_matmul(const VjpArgs& args, std::span<TensorPtr> grads);
+// activations (activations.cpp)
+void vjp_silu(const VjpArgs& args, std::span<TensorPtr> grads);
+void vjp_sigmoid(const VjpArgs& args, std::span<TensorPtr> grads);
 }  // namespace detail
 
 }  // namespace sw
