@@ -37,6 +37,11 @@ from ._core import (
     set_mapping_cache_decay,
     set_mapping_cache_limit,
     sub,
+    # row operations
+    index_add,
+    index_select,
+    softmax,
+    topk,
 )
 from .autograd import is_grad_enabled, no_grad, set_grad_enabled
 from .carriers import extension
@@ -131,4 +136,9 @@ __all__ = [
     "register_carrier_definition",
     "row_major",
     "safetensors",
+    # row operations
+    "index_add",
+    "index_select",
+    "softmax",
+    "topk",
 ]
