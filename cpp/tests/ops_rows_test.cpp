@@ -171,14 +171,15 @@ TEST_P(RowsForward, AgainstDouble) {
     }
 }
 
+std::string forward_name(const ::testing::TestParamInfo<std::tuple<bool, int, int>>& info) {
+  static const char* hows[] = {"ColumnMajor", "RowMajor", "Sliced", "Broadcast"};
+  return std::string(std::get<0>(info.param) ? "CPU" : "Generic") + "_" + hows[std::get<1>(info.param)] + "_" +
+         floats()[static_cast<size_t>(std::get<2>(info.param))]->name();
+}
+
 INSTANTIATE_TEST_SUITE_P(Rows, RowsForward,
                          ::testing::Combine(::testing::Bool(), ::testing::Range(0, 4), ::testing::Range(0, 3)),
-                         [](const auto& info) {
-                           static const char* hows[] = {"ColumnMajor", "RowMajor", "Sliced", "Broadcast"};
-                           return std::string(std::get<0>(info.param) ? "CPU" : "Generic") + "_" +
-                                  hows[std::get<1>(info.param)] + "_" +
-                                  floats()[static_cast<size_t>(std::get<2>(info.param))]->name();
-                         });
+                         forward_name);
 
 TEST(Rows, TopKOrdersNanFirstAndTiesByIndex) {
   for (bool cpu : {true, false}) {
@@ -215,7 +216,14 @@ TEST(Rows, EveryCarrierKind) {
     CarrierPtr c = spec.make(env, 24, DType::Float32(), true);
     for (int64_t i = 0; i < 24; ++i) c->write_value(i, Value::from_float(a[static_cast<size_t>(i)]));
     TensorPtr t = make_tensor(c, 0, Layout(Shape::of({4, 6}), Stride(IntTuple::tuple({int64_t{1}, int64_t{4}}))));
+    // A tensor covers a TiledEvictable's full logical shape: the indices' TiledEvictable has one axis.
     CarrierPtr ic = spec.make(env, 4, DType::Int32(), true);
+    if (std::string(spec.name) == "TiledEvictable") {
+      auto secondary = std::make_shared<FileBackedCarrier>("", DType::Int32(), true);
+      secondary->grow(4, true);
+      ic = std::make_shared<TiledEvictable>(std::make_shared<CPUCarrier>(0, DType::Int32(), true, false), secondary,
+                                            std::vector<int64_t>{1}, std::vector<int64_t>{4}, nullptr, true);
+    }
     const int32_t idx[4] = {2, 0, 2, 1};
     for (int64_t i = 0; i < 4; ++i) ic->write_value(i, Value::from_int(idx[i]));
     TensorPtr ind = index_tensor(ic);

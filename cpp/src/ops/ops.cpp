@@ -151,17 +151,10 @@ std::vector<Capability> operation_capabilities(const Carrier& carrier, std::opti
   for (const auto& def : detail::kOps) {
     if (only && *only != def.id) continue;
     if (!backend->executes(carrier, def.id)) continue;
-    // row operations: softmax, topk and index_add take float tensors (index_add's source of t's dtype),
-    // index_select any dtype; indices are Int32
-    if (def.takes_mode()) {
-      for (const DType* a : dtypes) {
-        if (def.shape == OpShape::Gather) out.push_back({def.id, {{false, a}, {false, &DType::Int32()}}});
-        if (!a->is_floating() || def.shape == OpShape::Gather) continue;
-        if (def.shape == OpShape::Scatter) out.push_back({def.id, {{false, a}, {false, &DType::Int32()}, {false, a}}});
-        else out.push_back({def.id, {{false, a}}});
-      }
-      continue;
-    }
+    // row operations: not listed. An entry is an operand signature (tensors and weak scalars) that
+    // sw.<name>(*operands) runs; a row operation also takes a mode (and k), which an entry cannot express.
+    // dispatch_op(name) gives them (Note [Row operations] in rows.cpp).
+    if (def.takes_mode()) continue;
     if (def.arity == 1) {
       for (const DType* a : dtypes) out.push_back({def.id, {{false, a}}});
       continue;
