@@ -167,18 +167,43 @@ void visit_float(DTypeId id, F&& f) {
   }
 }
 
-// Calls f(in_offset, out_offset) for every row (ordinal of the outer leaves), split over the compute threads by
-// rows of `work` elements each.
+// Calls f(in_offset, out_offset, count, in_step, out_step) for runs of `count` rows, row r of a run starting at
+// in_offset + r in_step (out_offset + r out_step), split over the compute threads.
 template <class F>
-void for_each_row(const RowGeometry& in, int64_t in_base, const RowGeometry& out, int64_t out_base, int64_t work,
-                  F&& f) {
+void for_each_row_run(const RowGeometry& in, int64_t in_base, const RowGeometry& out, int64_t out_base, int64_t work,
+                      F&& f) {
   const std::array<const std::vector<int64_t>*, 2> st{&in.outer_strides, &out.outer_strides};
   const auto plan = StridedPlan<2>::make(in.outer_extents, st, {in_base, out_base});
   parallel_for(in.outer_size, std::max<int64_t>(1, kGrain / std::max<int64_t>(1, work)), [&](int64_t b, int64_t e) {
     plan.for_each_run(b, e, [&](int64_t, const std::array<int64_t, 2>& off, int64_t cnt, const std::array<int64_t, 2>& s) {
-      for (int64_t i = 0; i < cnt; ++i) f(off[0] + i * s[0], off[1] + i * s[1]);
+      f(off[0], off[1], cnt, s[0], s[1]);
     });
   });
+}
+
+// Rows loaded and stored a block at a time. When neighbouring rows are neighbouring slots (step 1) and a row's
+// own elements are not (a softmax along mode 1 of a column-major matrix: a matmul's result), kRowBlock rows are
+// read together, kRowBlock contiguous slots per element of the row, instead of one cache line per element.
+constexpr int64_t kRowBlock = 16;
+
+template <class T>
+void load_rows(const T* p, int64_t step, int64_t stride, int64_t rows, int64_t n, float* buf) {
+  if (step == 1 && stride != 1) {
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t b = 0; b < rows; ++b) buf[b * n + i] = static_cast<float>(p[b + i * stride]);
+    return;
+  }
+  for (int64_t b = 0; b < rows; ++b) load_row(p + b * step, stride, n, buf + b * n);
+}
+
+template <class T>
+void store_rows(const float* buf, int64_t rows, int64_t n, T* p, int64_t step, int64_t stride) {
+  if (step == 1 && stride != 1) {
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t b = 0; b < rows; ++b) p[b + i * stride] = T(buf[b * n + i]);
+    return;
+  }
+  for (int64_t b = 0; b < rows; ++b) store_row(buf + b * n, n, p + b * step, stride);
 }
 
 // Copies the `outer` elements of a slice (one mode coordinate fixed) between two tensors of `bytes`-sized
@@ -259,12 +284,14 @@ TensorPtr cpu_softmax(std::span<const Operand> ops, const OpOptions& options, co
     using T = decltype(tag);
     const T* x = reinterpret_cast<const T*>(t.carrier->native_data());
     T* y = reinterpret_cast<T*>(out->carrier->mutable_native_data());
-    for_each_row(gi, t.offset, go, 0, n, [&](int64_t io, int64_t oo) {
-      thread_local std::vector<float> buf;
-      buf.resize(static_cast<size_t>(n));
-      load_row(x + io, gi.stride, n, buf.data());
-      row(buf.data(), n);
-      store_row(buf.data(), n, y + oo, go.stride);
+    for_each_row_run(gi, t.offset, go, 0, n, [&](int64_t io, int64_t oo, int64_t cnt, int64_t si, int64_t so) {
+      std::vector<float> buf(static_cast<size_t>(std::min(cnt, kRowBlock) * n));
+      for (int64_t r = 0; r < cnt; r += kRowBlock) {
+        const int64_t rows = std::min(kRowBlock, cnt - r);
+        load_rows(x + io + r * si, si, gi.stride, rows, n, buf.data());
+        for (int64_t b = 0; b < rows; ++b) row(buf.data() + b * n, n);
+        store_rows(buf.data(), rows, n, y + oo + r * so, so, go.stride);
+      }
     });
   });
   return out;
@@ -288,13 +315,15 @@ TensorPtr softmax_backward(const TensorImpl& x_in, const TensorImpl& g_in, size_
       const TX* xp = reinterpret_cast<const TX*>(x->carrier->native_data());
       const TG* gp = reinterpret_cast<const TG*>(g->carrier->native_data());
       parallel_for(gx.outer_size, std::max<int64_t>(1, kGrain / std::max<int64_t>(1, n)), [&](int64_t b, int64_t e) {
-        std::vector<float> buf(static_cast<size_t>(n)), gb(static_cast<size_t>(n)), ob(static_cast<size_t>(n));
+        const size_t size = static_cast<size_t>(kRowBlock * n);
+        std::vector<float> buf(size), gb(size), ob(size);
         plan.for_each_run(b, e, [&](int64_t, const std::array<int64_t, 3>& off, int64_t cnt, const std::array<int64_t, 3>& s) {
-          for (int64_t i = 0; i < cnt; ++i) {
-            load_row(xp + off[0] + i * s[0], gx.stride, n, buf.data());
-            load_row(gp + off[1] + i * s[1], gg.stride, n, gb.data());
-            row(buf.data(), gb.data(), ob.data(), n);
-            store_row(ob.data(), n, out.data() + off[2] + i * s[2], go.stride);
+          for (int64_t r = 0; r < cnt; r += kRowBlock) {
+            const int64_t rows = std::min(kRowBlock, cnt - r);
+            load_rows(xp + off[0] + r * s[0], s[0], gx.stride, rows, n, buf.data());
+            load_rows(gp + off[1] + r * s[1], s[1], gg.stride, rows, n, gb.data());
+            for (int64_t q = 0; q < rows; ++q) row(buf.data() + q * n, gb.data() + q * n, ob.data() + q * n, n);
+            store_rows(ob.data(), rows, n, out.data() + off[2] + r * s[2], s[2], go.stride);
           }
         });
       });
@@ -360,16 +389,19 @@ TensorPtr cpu_topk(std::span<const Operand> ops, const OpOptions& options, const
     const T* x = reinterpret_cast<const T*>(t.carrier->native_data());
     T* v = reinterpret_cast<T*>(values->carrier->mutable_native_data());
     int32_t* ix = reinterpret_cast<int32_t*>(indices->carrier->mutable_native_data());
-    for_each_row(gi, t.offset, go, 0, n, [&](int64_t io, int64_t oo) {
-      thread_local std::vector<float> buf, vals;
-      thread_local std::vector<int32_t> idx, scratch;
-      buf.resize(static_cast<size_t>(n));
-      vals.resize(static_cast<size_t>(k));
-      idx.resize(static_cast<size_t>(k));
-      load_row(x + io, gi.stride, n, buf.data());
-      select_top(buf.data(), n, k, vals.data(), idx.data(), scratch);
-      store_row(vals.data(), k, v + oo, go.stride);  // exact: each value came from T
-      for (int64_t j = 0; j < k; ++j) ix[oo + j * go.stride] = idx[static_cast<size_t>(j)];
+    for_each_row_run(gi, t.offset, go, 0, n, [&](int64_t io, int64_t oo, int64_t cnt, int64_t si, int64_t so) {
+      std::vector<float> buf(static_cast<size_t>(std::min(cnt, kRowBlock) * n)), vals(static_cast<size_t>(k));
+      std::vector<int32_t> idx(static_cast<size_t>(k)), scratch;
+      for (int64_t r = 0; r < cnt; r += kRowBlock) {
+        const int64_t rows = std::min(kRowBlock, cnt - r);
+        load_rows(x + io + r * si, si, gi.stride, rows, n, buf.data());
+        for (int64_t b = 0; b < rows; ++b) {
+          const int64_t o = oo + (r + b) * so;
+          select_top(buf.data() + b * n, n, k, vals.data(), idx.data(), scratch);
+          store_row(vals.data(), k, v + o, go.stride);  // exact: each value came from T
+          for (int64_t j = 0; j < k; ++j) ix[o + j * go.stride] = idx[static_cast<size_t>(j)];
+        }
+      }
     });
   });
   *options.second = std::move(indices);
