@@ -32,6 +32,7 @@ import strideweave as sw
 from strideweave import DType, Layout, Shape, Stride, Tensor, friendly
 
 from carrier_kinds import KINDS
+from strideweave.carriers.tiled_evictable import TiledEvictable
 
 BASE_SEED = 20261219
 F32, I32, BF16, F16 = DType.Float32, DType.Int32, DType.BFloat16, DType.Float16
@@ -304,6 +305,19 @@ def test_a_hierarchical_mode_that_coalesces_works_and_one_that_does_not_is_refus
 # ============================================================ every carrier kind
 
 
+def kind_indices(kind, idx):
+    """A one-mode Int32 index tensor on `kind`; on TiledEvictable, one of a single axis (a tensor covers a
+    TiledEvictable's full logical shape, and the registry's carriers of 4 slots have two axes)."""
+    if kind.name == "TiledEvictable":
+        sec = sw.FileBacked(dtype=I32).allocate_like(len(idx))
+        for k, v in enumerate(idx):
+            sec[k] = v
+        carrier = TiledEvictable(sw.CPU(0, dtype=I32), sec, (1,), (len(idx),))
+    else:
+        carrier = kind.make(list(idx), I32)
+    return Tensor(carrier, 0, Layout(Shape(len(idx)), Stride(1)))
+
+
 @pytest.mark.parametrize("kind_cls", KINDS, ids=[k.name for k in KINDS])
 def test_every_carrier_kind(kind_cls, tmp_path, rng):
     kind = kind_cls(tmp_path)
@@ -312,14 +326,7 @@ def test_every_carrier_kind(kind_cls, tmp_path, rng):
         a = rounded(rng.integers(-40, 40, (4, 6)) / 8.0, dtype)
         slots = a.ravel(order="F")
         t = Tensor(kind.make([float(v) for v in slots], dtype), 0, Layout(Shape(4, 6), Stride(1, 4)))
-        if kind.name == "TiledEvictable":  # one axis: a tensor covers a TiledEvictable's full logical shape
-            sec = sw.FileBacked(dtype=I32).allocate_like(4)
-            for k, v in enumerate([2, 0, 2, 1]):
-                sec[k] = v
-            ind_carrier = sw.TiledEvictable(sw.CPU(0, dtype=I32), sec, (1,), (4,))
-        else:
-            ind_carrier = kind.make([2, 0, 2, 1], I32)
-        ind = Tensor(ind_carrier, 0, Layout(Shape(4), Stride(1)))
+        ind = kind_indices(kind, [2, 0, 2, 1])
         src_vals = rounded(rng.integers(-40, 40, (4, 6)) / 8.0, dtype)  # t's shape: one tile geometry for both
         src = Tensor(kind.make([float(v) for v in src_vals.ravel(order="F")], dtype), 0, Layout(Shape(4, 6), Stride(1, 4)))
         calls = {
@@ -571,3 +578,49 @@ def test_an_out_of_range_index_writes_nothing_anywhere():
     with pytest.raises(IndexError, match="index 7 \\(position 4 of indices\\) is out of range for mode 0 of extent 3"):
         sw.index_add(t, 0, ind, s)
     assert snapshot(t, ind, s) == before and t.grad is None
+
+
+@pytest.mark.parametrize("kind_cls", [k for k in KINDS if k.name in EXECUTING], ids=[k.name for k in KINDS if k.name in EXECUTING])
+def test_vjps_on_every_executing_kind(kind_cls, tmp_path, rng):
+    # The gradient of each operation's input on every kind that executes them, against its Float64 formula (the
+    # softmax bound as in test_softmax_vjp_against_its_formula; the others exact: eighths).
+    kind = kind_cls(tmp_path)
+    a = rng.integers(-40, 40, (4, 6)) / 8.0
+
+    def leaf():
+        return Tensor(kind.make([float(v) for v in a.ravel(order="F")], F32), 0, Layout(Shape(4, 6), Stride(1, 4)))
+
+    def grad_of(out, w):
+        out.backward(gradient=friendly.tensor(w.astype(np.float32)))
+
+    x = leaf()
+    w = rng.integers(-8, 8, (4, 6)) / 4.0
+    grad_of(sw.softmax(x, 1), w)
+    y = softmax64(a, 1)
+    d = np.sum(w * y, axis=1, keepdims=True)
+    want = y * (w - d)
+    _, by = softmax_bound(a, 1, F32)
+    bound = 3 * (np.max(by / y) + 8 * U) * y * (np.abs(w) + np.abs(d) + np.sum(np.abs(w) * y, axis=1, keepdims=True))
+    assert_within(values(x.grad), want, bound, kind.name)
+
+    x = leaf()
+    w2 = rng.integers(-8, 8, (4, 2)) / 4.0
+    a_distinct = a + np.arange(24).reshape(4, 6) / 1024.0  # no ties
+    x2 = Tensor(kind.make([float(v) for v in a_distinct.ravel(order="F")], F32), 0, Layout(Shape(4, 6), Stride(1, 4)))
+    grad_of(sw.topk(x2, 2, 1)[0], w2)
+    _, idx = topk64(a_distinct, 2, 1)
+    want = np.zeros((4, 6))
+    for r in range(4):
+        want[r, idx[r]] = w2[r]
+    assert np.array_equal(values(x2.grad), want), kind.name
+
+    ind = kind_indices(kind, [2, 0, 2, 1])
+    x = leaf()
+    grad_of(sw.index_select(x, 0, ind), w)
+    want = np.zeros((4, 6))
+    for j, dst in enumerate([2, 0, 2, 1]):
+        want[dst] += w[j]
+    assert np.array_equal(values(x.grad), want), kind.name
+    x, s = leaf(), leaf()
+    grad_of(sw.index_add(x, 0, ind, s), w)
+    assert np.array_equal(values(x.grad), w) and np.array_equal(values(s.grad), w[[2, 0, 2, 1]]), kind.name

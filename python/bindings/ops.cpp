@@ -272,7 +272,9 @@ void bind_ops(nb::module_& m) {
             sw::raise<sw::TypeError>(d.name, ": Tensor backing carriers must match (dispatching ",
                                      o.carrier->kind_name(), ", operand ", op.tensor->carrier->kind_name(), ")");
         return nb::cast(run_op(o.id, ops, opts));
-      });
+      },
+      // a Tensor; (values, indices) for topk (row operations)
+      nb::sig("def forward(self, *args: typing.Any, **kwargs: typing.Any) -> typing.Any"));
 
   nb::handle carrier = nb::type<sw::Carrier>();
   carrier.attr("dispatch_op") = nb::cpp_function(
