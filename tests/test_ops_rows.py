@@ -552,6 +552,11 @@ ERRORS = [
     ("a number operand", TypeError, "operands must be Tensors", lambda t, i, s: sw.softmax(2.0, 0)),
     ("no modes", ValueError, "softmax: a tensor of no modes has no mode to work along",
      lambda t, i, s: sw.softmax(Tensor(t.carrier, 0, Layout(Shape(), Stride())), 0)),
+    ("mode too large for an int64", ValueError, "softmax: mode is out of range", lambda t, i, s: sw.softmax(t, 2**70)),
+    ("forward keywords", TypeError, r"softmax.forward\(\) takes positional arguments only",
+     lambda t, i, s: t.carrier.dispatch_op("softmax").forward(t, mode=1)),
+    ("forward kinds differ", TypeError, "index_select: Tensor backing carriers must match",
+     lambda t, i, s: t.carrier.dispatch_op("index_select").forward(t, 0, indices_on([0], generic_factory))),
     ("forward arity", TypeError, r"topk.forward\(\) takes 3 arguments, got 2",
      lambda t, i, s: t.carrier.dispatch_op("topk").forward(t, 2)),
 ]

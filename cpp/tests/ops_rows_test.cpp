@@ -364,6 +364,10 @@ TEST(Rows, ErrorsChangeNothing) {
   OpOptions o;
   o.k = 1;
   EXPECT_SW_THROW(TypeError, "topk has two results", call_op(OpId::TopK, ops, o));
+  TensorPtr unused;
+  o.second = &unused;
+  EXPECT_SW_THROW(TypeError, "softmax has one result", call_op(OpId::Softmax, ops, o));
+  EXPECT_EQ(unused, nullptr);
   EXPECT_EQ(t->carrier->version(), version);
   EXPECT_EQ(values_of(t), a);
 }
