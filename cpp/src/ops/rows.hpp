@@ -53,7 +53,7 @@ TensorPtr softmax_backward(const TensorImpl& x, const TensorImpl& g, size_t m, c
 // topk: g (k along mode m) scattered into zeros of `shape` at `indices` (Int32, g's shape).
 TensorPtr topk_backward(const TensorImpl& g, const TensorImpl& indices, const Shape& shape, size_t m,
                         const Carrier& prototype);
-// exp(x) for x <= 0 in Float32 (|error| <= 2 ulp; Note [Row operations]); exposed for its test.
+// exp(x) for x <= 0 in Float32 (relative error at most 2^-23; Note [Row operations]); exposed for its test.
 float row_exp(float x) noexcept;
 
 // VjpFn: the row operations' VJPs (rows.cpp).
