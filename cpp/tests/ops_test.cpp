@@ -103,6 +103,83 @@ Case matmul_case(bool cpu, Rng& rng) {
   return c;
 }
 
+// row operations (Note [Row operations] in cpp/src/ops/rows.cpp), along mode 1 of a (kRows, kCols) tensor:
+// softmax within 2 (u R + 2u) + (kCols + 1) u relative (R = max |x - max| <= 16 here), topk and index_select
+// exact, index_add within gamma_c (|t| + sum |s|) for c source rows.
+TensorPtr row_indices(bool cpu, const std::vector<double>& idx) {
+  return dense_tensor(cpu, Shape::of({static_cast<int64_t>(idx.size())}), idx, I32());
+}
+
+Case softmax_case(bool cpu, Rng& rng) {
+  std::vector<double> a = draw_eighths(rng, kRows * kCols, -8, 8);
+  Case c{{Operand::of(dense_tensor(cpu, Shape::of({kRows, kCols}), a))}, {}, Shape::of({kRows, kCols}), {}, {}};
+  c.options.mode = 1;
+  std::vector<double> e(a.size());
+  for (int64_t i = 0; i < kRows; ++i) {
+    double mx = -INFINITY, sum = 0;
+    for (int64_t j = 0; j < kCols; ++j) mx = std::max(mx, a[i + kRows * j]);
+    for (int64_t j = 0; j < kCols; ++j) sum += e[i + kRows * j] = std::exp(a[i + kRows * j] - mx);
+    for (int64_t j = 0; j < kCols; ++j) e[i + kRows * j] /= sum;
+  }
+  for (double y : e) {
+    c.expected.push_back(y);
+    c.bound.push_back((2 * (16 * kU + 2 * kU) + (kCols + 1) * kU) * 1.01 * y);
+  }
+  return c;
+}
+
+Case topk_case(bool cpu, Rng& rng) {
+  static TensorPtr indices;  // topk's second result (checked in ops_rows_test.cpp)
+  std::vector<double> a = draw_eighths(rng, kRows * kCols, -1, 1);  // ties: the lower index first
+  Case c{{Operand::of(dense_tensor(cpu, Shape::of({kRows, kCols}), a))}, {}, Shape::of({kRows, 2}), {}, {}};
+  c.options.mode = 1;
+  c.options.k = 2;
+  c.options.second = &indices;
+  std::vector<double> v(kRows * 2);
+  for (int64_t i = 0; i < kRows; ++i) {
+    std::vector<int64_t> order(kCols);
+    for (int64_t j = 0; j < kCols; ++j) order[j] = j;
+    std::stable_sort(order.begin(), order.end(), [&](int64_t p, int64_t q) { return a[i + kRows * p] > a[i + kRows * q]; });
+    for (int64_t j = 0; j < 2; ++j) v[i + kRows * j] = a[i + kRows * order[j]];
+  }
+  c.expected = v;
+  c.bound.assign(v.size(), 0.0);
+  return c;
+}
+
+Case index_select_case(bool cpu, Rng& rng) {
+  std::vector<double> a = draw_eighths(rng, kRows * kCols, -8, 8);
+  const std::vector<double> idx{3, 0, 3, 1, 2};
+  Case c{{Operand::of(dense_tensor(cpu, Shape::of({kRows, kCols}), a)), Operand::of(row_indices(cpu, idx))},
+         {}, Shape::of({kRows, 5}), {}, {}};
+  c.options.mode = 1;
+  for (size_t j = 0; j < idx.size(); ++j)
+    for (int64_t i = 0; i < kRows; ++i) c.expected.push_back(a[i + kRows * static_cast<int64_t>(idx[j])]);
+  c.bound.assign(c.expected.size(), 0.0);
+  return c;
+}
+
+Case index_add_case(bool cpu, Rng& rng) {
+  std::vector<double> a = draw_eighths(rng, kRows * kCols, -8, 8), s = draw_eighths(rng, kRows * 5, -8, 8);
+  const std::vector<double> idx{3, 0, 3, 1, 3};
+  Case c{{Operand::of(dense_tensor(cpu, Shape::of({kRows, kCols}), a)), Operand::of(row_indices(cpu, idx)),
+          Operand::of(dense_tensor(cpu, Shape::of({kRows, 5}), s))},
+         {}, Shape::of({kRows, kCols}), {}, {}};
+  c.options.mode = 1;
+  std::vector<double> r = a, mag(a.size()), count(a.size(), 0);
+  for (size_t k = 0; k < a.size(); ++k) mag[k] = std::abs(a[k]);
+  for (size_t j = 0; j < idx.size(); ++j)
+    for (int64_t i = 0; i < kRows; ++i) {
+      const size_t d = static_cast<size_t>(i + kRows * static_cast<int64_t>(idx[j]));
+      r[d] += s[i + kRows * static_cast<int64_t>(j)];
+      mag[d] += std::abs(s[i + kRows * static_cast<int64_t>(j)]);
+      count[d] += 1;
+    }
+  c.expected = r;
+  for (size_t k = 0; k < r.size(); ++k) c.bound.push_back(count[k] * kU / (1 - count[k] * kU) * mag[k]);
+  return c;
+}
+
 // The reference of every operation, by name: a row without one fails OpTable.EveryRowRunsAgainstItsReference.
 const std::map<std::string, std::function<Case(bool, Rng&)>>& references() {
   static const std::map<std::string, std::function<Case(bool, Rng&)>> refs{
@@ -120,6 +197,11 @@ const std::map<std::string, std::function<Case(bool, Rng&)>>& references() {
       // activations: within 5 ulps (Note [Stable sigmoid] in cpp/src/ops/activations.hpp): 10u |r|
       {"silu", [](bool cpu, Rng& r) { return unary_case(cpu, r, [](double x) { return x / (1 + std::exp(-x)); }, -8, 8, 10); }},
       {"sigmoid", [](bool cpu, Rng& r) { return unary_case(cpu, r, [](double x) { return 1 / (1 + std::exp(-x)); }, -8, 8, 10); }},
+      // row operations
+      {"softmax", [](bool cpu, Rng& r) { return softmax_case(cpu, r); }},
+      {"topk", [](bool cpu, Rng& r) { return topk_case(cpu, r); }},
+      {"index_select", [](bool cpu, Rng& r) { return index_select_case(cpu, r); }},
+      {"index_add", [](bool cpu, Rng& r) { return index_add_case(cpu, r); }},
   };
   return refs;
 }
@@ -163,7 +245,7 @@ TEST(OpTableRows, IdsNamesAndLookupAgree) {
     EXPECT_EQ(static_cast<size_t>(d.id), i);
     EXPECT_EQ(&op_def(d.id), &d);
     EXPECT_EQ(op_from_name(d.name), d.id);
-    EXPECT_EQ(d.arity, d.operand_names[1] ? 2 : 1);
+    EXPECT_EQ(d.arity, d.operand_names[2] ? 3 : d.operand_names[1] ? 2 : 1);  // three: index_add
   }
   EXPECT_EQ(op_from_name("no_such_op"), std::nullopt);
   EXPECT_EQ(op_from_name(""), std::nullopt);
@@ -179,7 +261,9 @@ TEST(OpTableRows, NodesSaveWhatTheirRowSays) {
     ASSERT_NE(r->node, nullptr) << d.name;
     EXPECT_EQ(r->node->name, d.name);
     EXPECT_EQ(r->node->inputs.size(), c.operands.size());
-    EXPECT_EQ(r->node->saved.size(), d.saves == OpSaves::Inputs ? c.operands.size() : 0u) << d.name;
+    // a row with two results saves its second (topk's indices: Note [Row operations])
+    EXPECT_EQ(r->node->saved.size(), (d.saves == OpSaves::Inputs ? c.operands.size() : 0u) + (d.results() - 1))
+        << d.name;
   }
 }
 
@@ -188,6 +272,10 @@ TEST(OpTableRows, CapabilitiesFollowArityAndWeakScalars) {
   for (const OpDef& d : op_table()) {
     ASSERT_TRUE(backend_for(cpu_kind())->executes(*cpu, d.id)) << d.name;
     auto caps = operation_capabilities(*cpu, d.id);
+    if (d.takes_mode()) {  // row operations take a mode besides their operands: not listed (Note [Row operations])
+      EXPECT_TRUE(caps.empty()) << d.name;
+      continue;
+    }
     ASSERT_FALSE(caps.empty()) << d.name;
     bool any_weak = false;
     for (const auto& cap : caps) {

@@ -98,9 +98,73 @@ std::string signature_of(const sw::OpDef& d) {
   return s + ") -> strideweave._core.Tensor";
 }
 
+// row operations (Note [Row operations] in cpp/src/ops/rows.cpp): sw.softmax(t, mode), sw.topk(t, k, mode) ->
+// (values, indices), sw.index_select(t, mode, indices), sw.index_add(t, mode, indices, source).
+int64_t int_argument(nb::handle h, const char* op, const char* what) {
+  if (PyBool_Check(h.ptr()) || !PyLong_Check(h.ptr()))
+    sw::raise<sw::TypeError>(op, ": ", what, " must be an int, got ", nb::cast<std::string>(h.type().attr("__name__")));
+  int overflow = 0;
+  const long long v = PyLong_AsLongLongAndOverflow(h.ptr(), &overflow);
+  if (overflow) sw::raise<sw::ValueError>(op, ": ", what, " is out of range");
+  return static_cast<int64_t>(v);
+}
+
+// Runs a row operation from Python arguments in the function's order: (t, k, mode) for topk, (t, mode, ...) for
+// the others; a tuple (values, indices) for topk, else the result.
+nb::object run_row_op(OpId id, std::span<const nb::handle> args) {
+  const sw::OpDef& d = sw::op_def(id);
+  sw::OpOptions o;
+  std::vector<Operand> ops{operand(args[0], d.name, false)};
+  size_t next = 1;
+  if (d.takes_k()) o.k = int_argument(args[next++], d.name, "k");
+  o.mode = int_argument(args[next++], d.name, "mode");
+  for (; next < args.size(); ++next) ops.push_back(operand(args[next], d.name, false));
+  if (d.results() == 1) return nb::cast(run_op(id, ops, o));
+  TensorPtr second;
+  o.second = &second;
+  TensorPtr first = run_op(id, ops, o);
+  return nb::make_tuple(first, second);
+}
+
+// The Python parameters of a row operation in order, and its signature.
+std::vector<const char*> row_parameters(const sw::OpDef& d) {
+  std::vector<const char*> p{d.operand_names[0]};
+  if (d.takes_k()) p.push_back("k");
+  p.push_back("mode");
+  for (int i = 1; i < d.arity; ++i) p.push_back(d.operand_names[i]);
+  return p;
+}
+
+size_t row_arity(const sw::OpDef& d) { return row_parameters(d).size(); }
+
+void bind_row_op(nb::module_& m, const sw::OpDef& d) {
+  const OpId id = d.id;
+  std::string sig = std::string("def ") + d.name + "(";
+  const auto params = row_parameters(d);
+  for (size_t i = 0; i < params.size(); ++i) {
+    const std::string p = params[i];
+    sig += std::string(i ? ", " : "") + p + ": " + (p == "k" || p == "mode" ? "int" : "strideweave._core.Tensor");
+  }
+  sig += d.results() == 2 ? ") -> tuple[strideweave._core.Tensor, strideweave._core.Tensor]" : ") -> strideweave._core.Tensor";
+  if (params.size() == 2)
+    m.def(d.name, [id](nb::handle a, nb::handle b) { const nb::handle h[] = {a, b}; return run_row_op(id, h); },
+          nb::arg(params[0]), nb::arg(params[1]), nb::sig(sig.c_str()));
+  else if (params.size() == 3)
+    m.def(d.name, [id](nb::handle a, nb::handle b, nb::handle c) { const nb::handle h[] = {a, b, c}; return run_row_op(id, h); },
+          nb::arg(params[0]), nb::arg(params[1]), nb::arg(params[2]), nb::sig(sig.c_str()));
+  else
+    m.def(d.name,
+          [id](nb::handle a, nb::handle b, nb::handle c, nb::handle e) {
+            const nb::handle h[] = {a, b, c, e};
+            return run_row_op(id, h);
+          },
+          nb::arg(params[0]), nb::arg(params[1]), nb::arg(params[2]), nb::arg(params[3]), nb::sig(sig.c_str()));
+}
+
 // Binds one row of the operation table as a module function: sw.<name>(operands..., options...).
 void bind_op(nb::module_& m, const sw::OpDef& d) {
   const OpId id = d.id;
+  if (d.takes_mode()) return bind_row_op(m, d);  // row operations
   const std::string sig = signature_of(d);
   if (!d.takes_description() && !d.takes_accumulator()) {
     if (d.arity == 1)
@@ -164,9 +228,21 @@ void bind_ops(nb::module_& m) {
       .def_prop_ro("_operation_name", [](const Operation& o) { return std::string(sw::op_def(o.id).name); })
       .def_prop_ro("dispatch_carrier_class", [](const Operation& o) { return kind_class(&o.carrier->kind()); })
       .def_prop_ro("_dispatch_carrier_class", [](const Operation& o) { return kind_class(&o.carrier->kind()); })
-      .def("forward", [](const Operation& o, nb::args args, nb::kwargs kw) -> TensorPtr {
+      .def("forward", [](const Operation& o, nb::args args, nb::kwargs kw) -> nb::object {
         // Mirrors the module function: forward(*args, **kwargs) == sw.<name>(*args, **kwargs).
         const sw::OpDef& d = sw::op_def(o.id);
+        if (d.takes_mode()) {  // row operations: positional arguments in the function's order
+          if (kw.size() != 0) sw::raise<sw::TypeError>(d.name, ".forward() takes positional arguments only");
+          if (args.size() != row_arity(d))
+            sw::raise<sw::TypeError>(d.name, ".forward() takes ", row_arity(d), " arguments, got ", args.size());
+          std::vector<nb::handle> h;
+          for (size_t i = 0; i < args.size(); ++i) h.push_back(args[i]);
+          for (nb::handle x : h)
+            if (nb::isinstance<sw::TensorImpl>(x) && &nb::cast<const sw::TensorImpl&>(x).carrier->kind() != &o.carrier->kind())
+              sw::raise<sw::TypeError>(d.name, ": Tensor backing carriers must match (dispatching ", o.carrier->kind_name(),
+                                       ", operand ", nb::cast<const sw::TensorImpl&>(x).carrier->kind_name(), ")");
+          return run_row_op(o.id, h);
+        }
         const bool has_description = d.takes_description();
         const bool has_accumulator = d.takes_accumulator();
         nb::handle acc = nb::none(), desc = nb::none();
@@ -195,8 +271,10 @@ void bind_ops(nb::module_& m) {
           if (op.is_tensor() && &op.tensor->carrier->kind() != &o.carrier->kind())
             sw::raise<sw::TypeError>(d.name, ": Tensor backing carriers must match (dispatching ",
                                      o.carrier->kind_name(), ", operand ", op.tensor->carrier->kind_name(), ")");
-        return run_op(o.id, ops, opts);
-      });
+        return nb::cast(run_op(o.id, ops, opts));
+      },
+      // a Tensor; (values, indices) for topk (row operations)
+      nb::sig("def forward(self, *args: typing.Any, **kwargs: typing.Any) -> typing.Any"));
 
   nb::handle carrier = nb::type<sw::Carrier>();
   carrier.attr("dispatch_op") = nb::cpp_function(

@@ -40,6 +40,11 @@ from ._core import (
     # activations
     sigmoid,
     silu,
+    # row operations
+    index_add,
+    index_select,
+    softmax,
+    topk,
 )
 from .autograd import is_grad_enabled, no_grad, set_grad_enabled
 from .carriers import extension
@@ -144,4 +149,9 @@ __all__ = [
     "safetensors",
     # one residency budget for weights and their gradients
     "ResidencyBudget",
+    # row operations
+    "index_add",
+    "index_select",
+    "softmax",
+    "topk",
 ]

@@ -39,6 +39,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "strideweave/tensor.hpp"
@@ -49,6 +50,8 @@ enum class OpId : uint8_t {
   Add, ElementwiseMul, Mul, Relu, ReduceSum, Matmul, Sub, Div, Neg, Exp,
   // activations
   Silu, Sigmoid,
+  // row operations (Note [Row operations] in cpp/src/ops/rows.cpp)
+  Softmax, TopK, IndexSelect, IndexAdd,
   Count  // not an operation: the number of them (the table has one row per value before it)
 };
 inline constexpr size_t kOpCount = static_cast<size_t>(OpId::Count);
@@ -65,6 +68,10 @@ struct Operand {
 struct OpOptions {
   std::optional<std::string> description;  // reduce_sum: "a b -> a"
   bool accumulate_f64 = false;             // accumulator_dtype=DType.Float64
+  // row operations (Note [Row operations] in cpp/src/ops/rows.cpp)
+  int64_t mode = 0;              // the mode a row operation works along (kOpMode; negative counts from the end)
+  int64_t k = 0;                 // topk's k (kOpK)
+  TensorPtr* second = nullptr;   // where a row with two results (OpShape::TopK) puts its second (the indices)
 };
 
 // ---------------------------------------------------------------- the operation table
@@ -80,6 +87,9 @@ struct OpOptions {
 // follow OpId order, names are unique, every differentiable row has a VJP and
 // every row its dtype rule and kernels. Adding an operation is adding a value
 // to OpId and a row to the table, plus the functions the row names.
+// Row operations (along one mode, with k, index operands or two results) have
+// shape rules and options of their own: Note [Row operations] in
+// cpp/src/ops/rows.cpp.
 
 struct OpDef;
 struct VjpArgs;  // what a VJP reads (cpp/src/ops/vjps.hpp)
@@ -89,6 +99,11 @@ enum class OpShape : uint8_t {
   Elementwise,  // the broadcast of the tensor operands' shapes (docs/guide.md, broadcasting)
   Reduction,    // the kept modes of one operand (reduce_sum's description)
   Contraction,  // (lhs mode 0, rhs mode 0), contracting mode 1 of both (matmul)
+  // row operations (Note [Row operations] in cpp/src/ops/rows.cpp): OpOptions::mode names the mode
+  AlongMode,    // the operand's shape (softmax)
+  TopK,         // the operand's shape with the mode's extent k; two results: values and Int32 indices (topk)
+  Gather,       // (t, indices): t's shape with the mode's extent len(indices) (index_select)
+  Scatter,      // (t, indices, source): t's shape; source is t's shape with the mode's extent len(indices) (index_add)
 };
 
 // What the operation's node saves for backward (their versions are checked before its VJP runs).
@@ -103,6 +118,9 @@ inline constexpr uint8_t kOpWeakScalars = 2;     // accepts a weak scalar operan
 inline constexpr uint8_t kOpDifferentiable = 4;  // records a node with its VJP
 inline constexpr uint8_t kOpDescription = 8;     // takes OpOptions::description (reduce_sum)
 inline constexpr uint8_t kOpAccumulator = 16;    // takes OpOptions::accumulate_f64 (accumulator_dtype)
+// row operations (Note [Row operations] in cpp/src/ops/rows.cpp)
+inline constexpr uint8_t kOpMode = 32;           // takes OpOptions::mode
+inline constexpr uint8_t kOpK = 64;              // takes OpOptions::k
 
 // The result dtype of validated operands (docs/guide.md, "Operations and autograd").
 using DTypeRule = const DType& (*)(std::span<const Operand> operands, const OpOptions& options);
@@ -124,13 +142,13 @@ struct OpPart {
 
 struct OpDef {
   // Every part is a constructor argument: a row cannot leave one out (Note [The operation table]).
-  constexpr OpDef(OpId id_, const char* name_, std::array<const char*, 2> operand_names_, uint8_t flags_,
+  constexpr OpDef(OpId id_, const char* name_, std::array<const char*, 3> operand_names_, uint8_t flags_,
                   OpShape shape_, OpSaves saves_, OpPart<DTypeRule> result_dtype_, OpPart<VjpFn> vjp_,
                   OpPart<KernelFn> cpu_, OpPart<KernelFn> generic_)
       : id(id_),
         name(name_),
         operand_names(operand_names_),
-        arity(operand_names_[1] ? 2 : 1),
+        arity(operand_names_[2] ? 3 : operand_names_[1] ? 2 : 1),
         flags(flags_),
         central((flags_ & kOpCentral) != 0),
         weak_scalars((flags_ & kOpWeakScalars) != 0),
@@ -146,7 +164,7 @@ struct OpDef {
 
   OpId id;
   const char* name;
-  std::array<const char*, 2> operand_names;  // the Python parameter names ("a", "b"; "t"; "lhs", "rhs")
+  std::array<const char*, 3> operand_names;  // the Python parameter names ("a", "b"; "t"; "lhs", "rhs"), unused null
   int arity;                                 // operand count (named operands)
   uint8_t flags;                             // kOp* bits
   bool central;                              // flags & kOpCentral
@@ -163,6 +181,10 @@ struct OpDef {
   constexpr bool differentiable() const { return (flags & kOpDifferentiable) != 0; }
   constexpr bool takes_description() const { return (flags & kOpDescription) != 0; }
   constexpr bool takes_accumulator() const { return (flags & kOpAccumulator) != 0; }
+  // row operations (Note [Row operations] in cpp/src/ops/rows.cpp)
+  constexpr bool takes_mode() const { return (flags & kOpMode) != 0; }
+  constexpr bool takes_k() const { return (flags & kOpK) != 0; }
+  constexpr int results() const { return shape == OpShape::TopK ? 2 : 1; }
 };
 
 const OpDef& op_def(OpId id);
@@ -235,5 +257,12 @@ TensorPtr full_like_kind(const Carrier& prototype, const Shape& shape, const DTy
 TensorPtr unbroadcast(const TensorPtr& grad, const Shape& target);
 // Repeats `t` (of shape `from`) along stride-0 leaves to `to` as a dense result.
 TensorPtr expand_dense(const TensorPtr& t, const Shape& to);
+
+// row operations (Note [Row operations] in cpp/src/ops/rows.cpp; docs/guide.md, "Row operations"). `mode` counts
+// from the end when negative; `indices` is a one-mode Int32 tensor of t's carrier kind.
+TensorPtr softmax(const TensorPtr& t, int64_t mode);
+std::pair<TensorPtr, TensorPtr> topk(const TensorPtr& t, int64_t k, int64_t mode);  // (values, Int32 indices)
+TensorPtr index_select(const TensorPtr& t, int64_t mode, const TensorPtr& indices);
+TensorPtr index_add(const TensorPtr& t, int64_t mode, const TensorPtr& indices, const TensorPtr& source);
 
 }  // namespace sw

@@ -147,8 +147,13 @@ class EvictableBackend final : public OpBackend {
     OpBackend* inner = backend_for(pk);
     if (!inner) raise<NotImplementedError>(op_def(id).name, ": the Evictable primary tier ", pk.name, " executes no operations");
     TensorPtr r = inner->forward(id, views, options);
-    auto wrapped = std::make_shared<EvictableCarrier>(r->carrier, secondary->allocate_like(0, true, r->dtype(), true));
-    return make_tensor(wrapped, 0, r->layout);
+    auto wrap = [&](const TensorPtr& t) {
+      auto w = std::make_shared<EvictableCarrier>(t->carrier, secondary->allocate_like(0, true, t->dtype(), true));
+      return make_tensor(w, 0, t->layout);
+    };
+    // row operations: a second result (topk's indices) is a fresh Evictable too
+    if (options.second && *options.second) *options.second = wrap(*options.second);
+    return wrap(r);
   }
 };
 

@@ -5,6 +5,7 @@
 #include <array>
 
 #include "kernels.hpp"
+#include "rows.hpp"
 #include "strideweave/ops.hpp"
 #include "vjps.hpp"
 
@@ -51,6 +52,15 @@ inline constexpr std::array<OpDef, kOpCount> kOps{{
           &dtype_float, &vjp_silu, &elementwise<cpu::silu>, &elementwise<generic::silu>),
     OpDef(OpId::Sigmoid, "sigmoid", {"t"}, kCentralOp, OpShape::Elementwise, OpSaves::Inputs,
           &dtype_float, &vjp_sigmoid, &elementwise<cpu::sigmoid>, &elementwise<generic::sigmoid>),
+    // row operations (Note [Row operations] in rows.cpp): topk saves its second result (its indices) itself
+    OpDef(OpId::Softmax, "softmax", {"t"}, kOtherOp | kOpMode, OpShape::AlongMode, OpSaves::Inputs,
+          &dtype_of_operand, &vjp_softmax, &cpu_softmax, &generic_softmax),
+    OpDef(OpId::TopK, "topk", {"t"}, kOtherOp | kOpMode | kOpK, OpShape::TopK, OpSaves::Nothing,
+          &dtype_of_operand, &vjp_topk, &cpu_topk, &generic_topk),
+    OpDef(OpId::IndexSelect, "index_select", {"t", "indices"}, kOtherOp | kOpMode, OpShape::Gather, OpSaves::Inputs,
+          &dtype_of_operand, &vjp_index_select, &cpu_index_select, &generic_index_select),
+    OpDef(OpId::IndexAdd, "index_add", {"t", "indices", "source"}, kOtherOp | kOpMode, OpShape::Scatter, OpSaves::Inputs,
+          &dtype_of_operand, &vjp_index_add, &cpu_index_add, &generic_index_add),
 }};
 // clang-format on
 
@@ -83,7 +93,9 @@ static_assert(names_unique_and_set(), "every operation needs a name of its own")
 
 constexpr bool operands_named() {
   for (const OpDef& d : kOps)
-    if (d.operand_names[0] == nullptr || (d.arity == 2) != (d.operand_names[1] != nullptr)) return false;
+    if (d.operand_names[0] == nullptr || (d.arity >= 2) != (d.operand_names[1] != nullptr) ||
+        (d.arity == 3) != (d.operand_names[2] != nullptr))
+      return false;
   return true;
 }
 static_assert(operands_named(), "every operand of an operation needs a (Python parameter) name");
@@ -119,5 +131,25 @@ constexpr bool shapes_consistent() {
   return true;
 }
 static_assert(shapes_consistent(), "an operation's flags disagree with its shape rule or arity");
+
+// row operations (Note [Row operations] in rows.cpp): a row shape rule exactly when the row takes a mode; k only
+// for topk's rule; the operand count each rule reads (one; t and indices; t, indices and source), and only
+// index_add has three; a row with two results saves nothing through OpSaves (call_op saves its second result).
+constexpr bool is_row_shape(OpShape s) {
+  return s == OpShape::AlongMode || s == OpShape::TopK || s == OpShape::Gather || s == OpShape::Scatter;
+}
+constexpr bool row_operations_consistent() {
+  for (const OpDef& d : kOps) {
+    if (is_row_shape(d.shape) != d.takes_mode()) return false;
+    if (d.takes_k() != (d.shape == OpShape::TopK)) return false;
+    if ((d.shape == OpShape::AlongMode || d.shape == OpShape::TopK) && d.arity != 1) return false;
+    if (d.shape == OpShape::Gather && d.arity != 2) return false;
+    if ((d.shape == OpShape::Scatter) != (d.arity == 3)) return false;
+    if (d.results() == 2 && (d.saves != OpSaves::Nothing || !d.differentiable())) return false;
+    if (d.takes_mode() && (d.weak_scalars || d.takes_description() || d.takes_accumulator())) return false;
+  }
+  return true;
+}
+static_assert(row_operations_consistent(), "a row operation's flags disagree with its shape rule or arity");
 
 }  // namespace sw::detail

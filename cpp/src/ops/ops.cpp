@@ -23,6 +23,7 @@ struct OpNode final : Node {
   const OpDef* def = nullptr;
   std::vector<Operand> operands;  // tensors (as inputs) and weak scalars, in call order
   OpOptions options;
+  TensorPtr second;  // row operations: a second result the VJP reads (topk's indices), saved
 
   std::vector<TensorPtr> apply(const TensorPtr& g) override {
     OpBackend* backend = backend_for(*dispatch_kind);
@@ -40,7 +41,7 @@ struct OpNode final : Node {
   std::vector<TensorPtr> vjp(const std::vector<TensorPtr>& in, const TensorPtr& g,
                              std::span<GradientSink* const> sinks = {}) {
     std::vector<TensorPtr> grads(in.size());
-    def->vjp(VjpArgs{operands, options, in, g, sinks}, grads);
+    def->vjp(VjpArgs{operands, options, in, g, sinks, second}, grads);
     return grads;
   }
 };
@@ -67,6 +68,11 @@ void check_shapes(const OpDef& def, std::span<const Operand> ops, const Operand&
                           ")");
       return;
     }
+    // row operations (Note [Row operations] in rows.cpp)
+    case OpShape::AlongMode:
+    case OpShape::TopK:
+    case OpShape::Gather:
+    case OpShape::Scatter: detail::check_row_operands(def, ops, options); return;
   }
 }
 
@@ -104,6 +110,10 @@ TensorPtr call_op(OpId id, std::span<const Operand> ops, const OpOptions& option
   check_shapes(def, ops, *first, options);
   if (options.accumulate_f64 && !def.takes_accumulator())
     raise<TypeError>(def.name, " takes no accumulator_dtype");
+  // row operations: a row with two results needs the place of its second (sw::topk gives it)
+  if ((def.results() == 2) != (options.second != nullptr))
+    raise<TypeError>(def.name, def.results() == 2 ? " has two results: call it through its own function"
+                                                  : " has one result");
 
   TensorPtr result = backend->forward(id, ops, options);
 
@@ -119,9 +129,11 @@ TensorPtr call_op(OpId id, std::span<const Operand> ops, const OpOptions& option
     node->def = &def;
     node->operands.assign(ops.begin(), ops.end());
     node->options = options;
+    node->options.second = nullptr;  // row operations: the node keeps the second result itself
     node->inputs = inputs;
     if (def.saves == OpSaves::Inputs)
       for (const auto& t : inputs) node->save(t);
+    if (options.second) node->save(node->second = *options.second);
     attach_node(node, result);
   }
   return result;
@@ -139,6 +151,10 @@ std::vector<Capability> operation_capabilities(const Carrier& carrier, std::opti
   for (const auto& def : detail::kOps) {
     if (only && *only != def.id) continue;
     if (!backend->executes(carrier, def.id)) continue;
+    // row operations: not listed. An entry is an operand signature (tensors and weak scalars) that
+    // sw.<name>(*operands) runs; a row operation also takes a mode (and k), which an entry cannot express.
+    // dispatch_op(name) gives them (Note [Row operations] in rows.cpp).
+    if (def.takes_mode()) continue;
     if (def.arity == 1) {
       for (const DType* a : dtypes) out.push_back({def.id, {{false, a}}});
       continue;

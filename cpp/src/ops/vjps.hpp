@@ -17,6 +17,8 @@ struct VjpArgs {
   std::span<const TensorPtr> inputs;
   const TensorPtr& grad;                 // the output's gradient
   std::span<GradientSink* const> sinks;  // per input, Note [Gradient sinks]; empty when none is offered
+  // row operations: the operation's second result (topk's indices), else null (Note [Row operations] in rows.cpp)
+  TensorPtr second = nullptr;
 
   bool wants(size_t i) const { return inputs[i]->is_differentiable(); }
   const Shape& shape_of(size_t i) const { return inputs[i]->layout.shape(); }

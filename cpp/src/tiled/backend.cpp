@@ -50,7 +50,9 @@ TensorPtr materialize(const TensorPtr& t, const char* purpose) {
 
 class TiledBackend final : public OpBackend {
  public:
-  bool supports(OpId id) const override { return op_def(id).central; }
+  // The central operations, and the row operations (Note [Row operations] in cpp/src/ops/rows.cpp), on the
+  // materialised tensors like the central ones.
+  bool supports(OpId id) const override { return op_def(id).central || op_def(id).takes_mode(); }
   bool materializes() const override { return true; }
   TensorPtr materialize_for_backward(const TensorPtr& input) override { return materialize(input, "backward"); }
   TensorPtr gradient_from_dense(const TensorPtr& input, const TensorPtr& dense_in) override {
