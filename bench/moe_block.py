@@ -19,9 +19,10 @@ Reference cases, each Float32 and BFloat16, each in a fresh process (its memory 
   does (with 128 tokens and top-2, nearly every expert is routed each call).
 
 Each worker times ``--calls`` calls (one untimed call first) on fresh inputs, and reports the median seconds a
-call, tokens/s, the peak resident memory of the whole process (``ru_maxrss``: loading included) and the peak
-during the calls (the kernel's high-water mark reset after setup through ``/proc/self/clear_refs``), and its setup
-time. The record (the last line, JSON) lists every case with its throughput and peak memory relative to the in-RAM
+call, tokens/s, the peak resident memory of the whole process (loading included) and the peak during the calls
+(the kernel's high-water mark ``VmHWM``, reset after setup through ``/proc/self/clear_refs``), and its setup time.
+(Not ``ru_maxrss``: a child's carries the resident size of the process that forked it across ``exec``. The
+checkpoints are written by a worker process too, so the parent that forks the workers stays small.) The record (the last line, JSON) lists every case with its throughput and peak memory relative to the in-RAM
 case of the same dtype.
 
 StrideWeave's case is not defined in this module yet: it will be a worker mode next to these three, timed and
@@ -37,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import statistics
 import subprocess
@@ -135,6 +135,8 @@ def reset_peak_rss() -> bool:
 
 
 def worker(job: dict) -> dict:
+    if job["mode"] == "write":
+        return write_checkpoints(job["shape"], job["dtypes"], job["directory"])
     import torch
     from transformers import MixtralForCausalLM
     from transformers.utils import logging as hf_logging
@@ -202,18 +204,20 @@ def worker(job: dict) -> dict:
     times = []
     with torch.no_grad():
         call(inputs[0])  # untimed: first-call costs (allocator, thread pool)
+        setup_peak = peak_rss_now()
         hwm_reset = reset_peak_rss()
         for x in inputs[1:]:
             t0 = time.perf_counter()
             call(x)
             times.append(time.perf_counter() - t0)
     calls_peak = peak_rss_now() if hwm_reset else None
+    whole_peak = max(setup_peak, peak_rss_now())
     if offload is not None:
         shutil.rmtree(offload, ignore_errors=True)
     s = statistics.median(times)
     return {"mode": mode, "dtype": job["dtype"], "s_per_call": s, "s_min": min(times), "s_max": max(times),
             "tokens_per_s": T / s, "calls": len(times), "setup_s": setup_s,
-            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "calls_peak_rss": calls_peak,
+            "peak_rss": whole_peak, "calls_peak_rss": calls_peak,
             "torch_threads": torch.get_num_threads()}
 
 
@@ -241,7 +245,8 @@ def main(argv=None) -> None:
     results = []
     try:
         t0 = time.perf_counter()
-        folders = write_checkpoints(shape, args.dtypes, directory)
+        folders = run_worker({"mode": "write", "dtype": ",".join(args.dtypes), "shape": shape, "dtypes": args.dtypes,
+                              "directory": directory})
         log(args, f"checkpoints written in {time.perf_counter() - t0:.1f} s: " + ", ".join(
             f"{k} {sum(os.path.getsize(os.path.join(v, f)) for f in os.listdir(v)) / MiB:.0f} MiB"
             for k, v in folders.items()))
