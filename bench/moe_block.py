@@ -1,0 +1,283 @@
+"""moe_block: one MoE layer shaped like a small real model, the reference side.
+
+The layer: transformers' Mixtral sparse-MoE block (``MixtralSparseMoeBlock``: softmax router, top-2, renormalised;
+SwiGLU experts) at hidden 1024, intermediate 2816, 32 experts (277M expert parameters: 1.1 GB in Float32, 0.55 GB
+in BFloat16), 128 tokens a call, inference (``torch.no_grad``). A one-layer ``MixtralForCausalLM`` with random
+weights (nothing is downloaded) is saved once per dtype with ``save_pretrained``, so the checkpoint has Mixtral's
+per-expert layout (``model.layers.0.block_sparse_moe.experts.{e}.w1/w2/w3.weight``), and the page cache holds it.
+
+Reference cases, each Float32 and BFloat16, each in a fresh process (its memory is its own):
+
+* ``in RAM``: the model read with ``from_pretrained``; every call runs ``model.model.layers[0].mlp`` with
+  transformers' default experts implementation.
+* ``accelerate disk offload``: ``from_pretrained`` with a ``device_map`` that puts
+  ``model.layers.0.mlp.experts`` on "disk" and an ``offload_folder`` (the rest on "cpu"). transformers fuses the
+  per-expert tensors at load and re-saves the fused ``gate_up_proj``/``down_proj`` into the offload folder (not
+  timed); every call then loads both fused tensors, all 32 experts, and drops them after.
+* ``safe_open on demand``: the router's weight read once; every call routes, opens the checkpoint with
+  ``safetensors.safe_open`` and gets only the routed experts' w1/w3/w2, and runs them as transformers' eager loop
+  does (with 128 tokens and top-2, nearly every expert is routed each call).
+
+Each worker times ``--calls`` calls (one untimed call first) on fresh inputs, and reports the median seconds a
+call, tokens/s, the peak resident memory of the whole process (loading included) and the peak during the calls
+(the kernel's high-water mark ``VmHWM``, reset after setup through ``/proc/self/clear_refs``), and its setup time.
+(Not ``ru_maxrss``: a child's carries the resident size of the process that forked it across ``exec``. The
+checkpoints are written by a worker process too, so the parent that forks the workers stays small.) The record (the last line, JSON) lists every case with its throughput and peak memory relative to the in-RAM
+case of the same dtype.
+
+StrideWeave's case is not defined in this module yet: it will be a worker mode next to these three, timed and
+measured the same way, and the record will then carry the StrideWeave/reference ratios that bench/run_all.py
+charts. Until then run_all does not run this module (its NOT_BENCHMARKS), and the record has no "ratio".
+
+Usage: python bench/moe_block.py [--quick] [--calls N] [--dtypes float32 bfloat16] [--quiet]
+       [--hidden 1024 --intermediate 2816 --experts 32 --top-k 2 --tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+MiB = 1 << 20
+MODES = ("in RAM", "accelerate disk offload", "safe_open on demand")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="bench/moe_block.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="3 timed calls a case instead of 10")
+    p.add_argument("--calls", type=int, default=None, help="timed calls a case (overrides the mode's default)")
+    p.add_argument("--quiet", action="store_true", help="print only the final JSON line")
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--intermediate", type=int, default=2816)
+    p.add_argument("--experts", type=int, default=32)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.calls is not None and args.calls < 1:
+        p.error("--calls must be >= 1")
+    return args
+
+
+def log(args, *parts) -> None:
+    if not args.quiet:
+        print(*parts, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------- the checkpoint
+
+
+def mixtral_config(shape: dict):
+    from transformers import MixtralConfig
+
+    return MixtralConfig(vocab_size=128, hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],
+                         num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=8,
+                         num_local_experts=shape["experts"], num_experts_per_tok=shape["top_k"],
+                         max_position_embeddings=shape["tokens"], tie_word_embeddings=False)
+
+
+def write_checkpoints(shape: dict, dtypes: list, directory: str) -> dict:
+    """A one-layer Mixtral with random weights (seed 0), saved with save_pretrained once per dtype:
+    {dtype: folder}."""
+    import torch
+    from transformers import MixtralForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(mixtral_config(shape))
+    out = {}
+    for name in dtypes:
+        folder = os.path.join(directory, name)
+        model.to(getattr(torch, name)).save_pretrained(folder)
+        out[name] = folder
+    return out
+
+
+def warm_page_cache(folder: str) -> None:
+    for entry in os.listdir(folder):
+        with open(os.path.join(folder, entry), "rb") as fh:
+            while fh.read(8 << 20):
+                pass
+
+
+# ---------------------------------------------------------------------------------------------- one worker
+
+
+def peak_rss_now() -> int:
+    """The process's resident high-water mark in bytes (VmHWM), since start or the last reset."""
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def reset_peak_rss() -> bool:
+    """Resets the high-water mark to the current resident size (Linux >= 4.0); False where that is refused."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def worker(job: dict) -> dict:
+    if job["mode"] == "write":
+        return write_checkpoints(job["shape"], job["dtypes"], job["directory"])
+    import torch
+    from transformers import MixtralForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    mode, folder, shape, calls = job["mode"], job["folder"], job["shape"], job["calls"]
+    dtype = getattr(torch, job["dtype"])
+    H, T = shape["hidden"], shape["tokens"]
+    g = torch.Generator().manual_seed(1)
+    inputs = [torch.randn(1, T, H, generator=g).to(dtype) for _ in range(calls + 1)]
+    started = time.perf_counter()
+    offload = None
+    if mode == "in RAM":
+        model = MixtralForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+        block = model.model.layers[0].mlp
+
+        def call(x):
+            return block(x)
+    elif mode == "accelerate disk offload":
+        offload = tempfile.mkdtemp(prefix="sw-bench-moe-block-offload-")
+        device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.norm": "cpu", "lm_head": "cpu",
+                      "model.layers.0.self_attn": "cpu", "model.layers.0.input_layernorm": "cpu",
+                      "model.layers.0.post_attention_layernorm": "cpu", "model.layers.0.mlp.gate": "cpu",
+                      "model.layers.0.mlp.experts": "disk"}
+        model = MixtralForCausalLM.from_pretrained(folder, dtype=dtype, device_map=device_map,
+                                                   offload_folder=offload).eval()
+        block = model.model.layers[0].mlp
+        if block.experts.gate_up_proj.device.type != "meta":
+            raise SystemExit("moe_block: accelerate kept the experts in memory; the disk offload did not happen")
+
+        def call(x):
+            return block(x)
+    elif mode == "safe_open on demand":
+        from safetensors import safe_open
+
+        path = os.path.join(folder, "model.safetensors")
+        prefix = "model.layers.0.block_sparse_moe"
+        with safe_open(path, "pt") as f:
+            router = f.get_tensor(f"{prefix}.gate.weight")
+        k = shape["top_k"]
+        act = torch.nn.functional.silu
+
+        def call(x):
+            x = x.view(-1, H)
+            logits = torch.nn.functional.linear(x, router)
+            probs = torch.softmax(logits.float(), dim=-1)
+            top, index = torch.topk(probs, k, dim=-1)
+            top /= top.sum(dim=-1, keepdim=True)
+            out = torch.zeros_like(x)
+            with safe_open(path, "pt") as f:
+                for e in torch.unique(index).tolist():
+                    tok, slot = torch.where(index == e)
+                    w1 = f.get_tensor(f"{prefix}.experts.{e}.w1.weight")
+                    w3 = f.get_tensor(f"{prefix}.experts.{e}.w3.weight")
+                    w2 = f.get_tensor(f"{prefix}.experts.{e}.w2.weight")
+                    xe = x[tok]
+                    h = act(torch.nn.functional.linear(xe, w1)) * torch.nn.functional.linear(xe, w3)
+                    y = torch.nn.functional.linear(h, w2) * top[tok, slot, None]
+                    out.index_add_(0, tok, y.to(out.dtype))
+            return out
+    else:
+        raise SystemExit(f"moe_block: unknown worker mode {mode!r}")
+    setup_s = time.perf_counter() - started
+
+    times = []
+    with torch.no_grad():
+        call(inputs[0])  # untimed: first-call costs (allocator, thread pool)
+        setup_peak = peak_rss_now()
+        hwm_reset = reset_peak_rss()
+        for x in inputs[1:]:
+            t0 = time.perf_counter()
+            call(x)
+            times.append(time.perf_counter() - t0)
+    calls_peak = peak_rss_now() if hwm_reset else None
+    whole_peak = max(setup_peak, peak_rss_now())
+    if offload is not None:
+        shutil.rmtree(offload, ignore_errors=True)
+    s = statistics.median(times)
+    return {"mode": mode, "dtype": job["dtype"], "s_per_call": s, "s_min": min(times), "s_max": max(times),
+            "tokens_per_s": T / s, "calls": len(times), "setup_s": setup_s,
+            "peak_rss": whole_peak, "calls_peak_rss": calls_peak,
+            "torch_threads": torch.get_num_threads()}
+
+
+def run_worker(job: dict) -> dict:
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--_worker", json.dumps(job)], cwd=ROOT,
+                          capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"moe_block: the {job['mode']} ({job['dtype']}) worker failed (exit status "
+                         f"{proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args._worker:
+        print(json.dumps(worker(json.loads(args._worker))), flush=True)
+        return
+    calls = args.calls or (3 if args.quick else 10)
+    shape = {"hidden": args.hidden, "intermediate": args.intermediate, "experts": args.experts, "top_k": args.top_k,
+             "tokens": args.tokens}
+    directory = tempfile.mkdtemp(prefix="sw-bench-moe-block-")
+    results = []
+    try:
+        t0 = time.perf_counter()
+        folders = run_worker({"mode": "write", "dtype": ",".join(args.dtypes), "shape": shape, "dtypes": args.dtypes,
+                              "directory": directory})
+        log(args, f"checkpoints written in {time.perf_counter() - t0:.1f} s: " + ", ".join(
+            f"{k} {sum(os.path.getsize(os.path.join(v, f)) for f in os.listdir(v)) / MiB:.0f} MiB"
+            for k, v in folders.items()))
+        for name in args.dtypes:
+            warm_page_cache(folders[name])
+            for mode in MODES:
+                r = run_worker({"mode": mode, "dtype": name, "folder": folders[name], "shape": shape,
+                                "calls": calls})
+                results.append(r)
+                peak = "n/a" if r["calls_peak_rss"] is None else f"{r['calls_peak_rss'] / MiB:.0f} MiB"
+                log(args, f"{name:9s} {mode:24s} {r['s_per_call'] * 1e3:9.1f} ms/call "
+                          f"[{r['s_min'] * 1e3:.1f}, {r['s_max'] * 1e3:.1f}]  {r['tokens_per_s']:8.0f} tokens/s  "
+                          f"peak RSS {r['peak_rss'] / MiB:.0f} MiB (calls {peak}), setup {r['setup_s']:.1f} s")
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+    cases = []
+    for r in results:
+        base = next(b for b in results if b["dtype"] == r["dtype"] and b["mode"] == "in RAM")
+        cases.append({
+            "name": f"{r['mode']}, {r['dtype']}", "tokens_per_s": round(r["tokens_per_s"], 1),
+            "s_per_call": round(r["s_per_call"], 5), "s_min": round(r["s_min"], 5), "s_max": round(r["s_max"], 5),
+            "calls": r["calls"], "setup_s": round(r["setup_s"], 2), "peak_rss": r["peak_rss"],
+            "calls_peak_rss": r["calls_peak_rss"],
+            "throughput_vs_in_ram": round(r["tokens_per_s"] / base["tokens_per_s"], 4),
+            "peak_rss_vs_in_ram": round(r["peak_rss"] / base["peak_rss"], 4),
+            "torch_threads": r["torch_threads"],
+        })
+    print(json.dumps({"bench": "moe_block", "reference_only": True, "quick": args.quick, "shape": shape,
+                      "cases": cases}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
