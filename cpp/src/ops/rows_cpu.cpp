@@ -10,6 +10,7 @@
 #include <limits>
 #include <numeric>
 
+#include "activations.hpp"
 #include "dense.hpp"
 #include "half.hpp"
 #include "rows.hpp"
@@ -35,27 +36,12 @@ bool has_avx512() {
 
 // ---------------------------------------------------------------- exp and the row loops
 
-// exp(x) for x <= 0 (NaN stays NaN; below -104 the result is 0, as exp's is in Float32): x = n ln2 + r with
-// |r| <= ln2/2 (n rounded by the 1.5 * 2^23 trick, ln2 in two parts), Cephes' degree-6 polynomial for exp(r),
-// and 2^n in two exact factors so that results below 2^-126 stay subnormal as they should.
+// exp(x) for x <= 0: exp_core (activations.hpp: Cephes' degree-6 polynomial after x = n ln2 + r, and 2^n in two
+// exact factors so that results below 2^-126 stay subnormal) on x clamped to -104 (below it the result is 0, as
+// exp's is in Float32); NaN stays NaN.
 SW_ROWS_INLINE float exp_nonpositive(float x) {
   const float xc = x < -104.f ? -104.f : x;  // NaN compares false: it stays NaN
-  const float shifter = 12582912.f;           // 1.5 * 2^23
-  const float n = (xc * 1.44269504088896341f + shifter) - shifter;
-  float r = xc - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float e = p * r * r + r + 1.f;
-  const int32_t ni = static_cast<int32_t>(n);  // in [-150, 0] (garbage for NaN, replaced below)
-  const int32_t n1 = ni >> 1, n2 = ni - n1;
-  const float s1 = std::bit_cast<float>(static_cast<int32_t>((n1 + 127) << 23));
-  const float s2 = std::bit_cast<float>(static_cast<int32_t>((n2 + 127) << 23));
-  const float y = e * s1 * s2;
+  const float y = exp_core(xc);              // garbage for NaN, replaced below
   return x != x ? x : y;
 }
 
