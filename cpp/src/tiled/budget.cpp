@@ -37,7 +37,7 @@ void ResidencyBudget::join(const TiledEvictable& c) {
   members_.emplace(&c, 0);
 }
 
-void ResidencyBudget::remove_locked(const Key& k) noexcept {
+void ResidencyBudget::remove_locked(Key k) noexcept {  // by value: k may be the list node erased below
   auto it = entries_.find(k);
   if (it == entries_.end()) return;
   resident_bytes_ -= it->second.bytes;

@@ -101,7 +101,7 @@ class ResidencyBudget {
     int64_t bytes;
     std::list<Key>::iterator pos;
   };
-  void remove_locked(const Key& k) noexcept;
+  void remove_locked(Key k) noexcept;
 
   const int64_t max_bytes_;
   mutable std::mutex m_;
