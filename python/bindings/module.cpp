@@ -5,6 +5,8 @@
 namespace swpy { void bind_checkpoint(nb::module_& m); }  // checkpoint.cpp
 // views: narrow, chunk, permute, reshape
 namespace swpy { void bind_views(nb::module_& m); }  // views.cpp
+// sparse MoE block
+namespace swpy { void bind_moe(nb::module_& m); }  // moe.cpp
 
 NB_MODULE(_core, m) {
   m.doc() = "StrideWeave engine (C++20). Import `strideweave`, not this module.";
@@ -26,6 +28,8 @@ NB_MODULE(_core, m) {
   swpy::bind_checkpoint(m);
   // views: narrow, chunk, permute, reshape
   swpy::bind_views(m);
+  // sparse MoE block
+  swpy::bind_moe(m);
   // Note [Drain at exit] (completion.hpp): let pool threads drop their references to
   // Python-owned objects before finalization. Bounded, so work that never completes
   // (a transfer nobody finishes) cannot hang the exit.
