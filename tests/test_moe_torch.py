@@ -28,64 +28,6 @@ import hf_models
 import strideweave as sw
 from strideweave.torch import from_torch, offload_experts, to_torch
 
-# ---- TEMPORARY stand-in for sw.moe.SparseMoE (Float32 only, sw ops); DELETE before the final commit ----
-if not hasattr(sw, "moe"):
-    import types as _types
-    from strideweave import friendly as _friendly
-
-    class _StandInSparseMoE:
-        def __init__(self, w1, w2, w3, top_k=2, *, normalize=True, routing_dtype=None, budget=None):
-            self.w1, self.w2, self.w3 = w1, w2, w3
-            self.top_k, self.normalize, self.routing_dtype = top_k, normalize, routing_dtype
-            self.dtype = w1.dtype()
-            shp = np.asarray(w1).shape
-            self.intermediate_size, self.hidden_size, self.num_experts = shp
-            if budget is not None:
-                for w in (w1, w2, w3):
-                    w.carrier.set_residency_budget(budget)
-
-        def __call__(self, x, rw):
-            _, weights, idx = self.route(x, rw)
-            return self.experts(x, weights, idx)
-
-        def route(self, x, rw):
-            logits = sw.matmul(x, rw)
-            probs = sw.softmax(logits, 1)
-            vals, idx = sw.topk(probs, self.top_k, 1)
-            if self.normalize:
-                s = sw.reduce_sum(vals, "t k -> t")
-                vals = sw.div(vals, sw.reshape(s, [np.asarray(vals).shape[0], 1]))
-            return logits, vals, idx
-
-        def _expert(self, w, e):
-            p = w.carrier.project(w, sw.TileSelection([[0], [0], [e]])).wait()
-            shape = np.asarray(p).shape
-            return sw.reshape(p, [shape[0], shape[1]])
-
-        def experts(self, x, weights, idx):
-            idx_np = np.asarray(idx)
-            T, k = idx_np.shape
-            H = self.hidden_size
-            flat = sw.reshape(weights, [T * k])
-            out = _friendly.zeros(T, H)
-            for e in np.unique(idx_np):
-                t, j = np.nonzero(idx_np == e)
-                tok = _friendly.tensor(t.astype(np.int32), dtype=sw.DType.Int32)
-                pos = _friendly.tensor((t + T * j).astype(np.int32), dtype=sw.DType.Int32)
-                xe = sw.index_select(x, 0, tok)
-                h = sw.elementwise_mul(sw.silu(sw.matmul(xe, self._expert(self.w1, e))),
-                                       sw.matmul(xe, self._expert(self.w3, e)))
-                y = sw.matmul(h, self._expert(self.w2, e))
-                c = sw.elementwise_mul(y, sw.reshape(sw.index_select(flat, 0, pos), [len(t), 1]))
-                out = sw.index_add(out, 0, tok, c)
-            return out
-
-        def prefetch(self, indices):
-            return None
-
-    sw.moe = _types.SimpleNamespace(SparseMoE=_StandInSparseMoE)
-# ---- end of the stand-in ----
-
 FAMILIES = [f for f in hf_models.FAMILIES if hf_models.FAMILIES[f].available]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TOKENS = 32
@@ -149,17 +91,23 @@ def assert_routing_is_stable(logits: torch.Tensor, delta: torch.Tensor, k: int, 
 
 # ============================================================ one block against transformers' block
 
-# BFloat16 bound, in units of the largest magnitude of each quantity. Both sides round to bfloat16 at the same
-# points of the forward (the router logits, each expert's gate and up products, silu, their product, the down
-# product, the weighted expert output, the sum over the token's experts) from Float32 values that agree to Float32
-# rounding, so two results differ where a value falls on the other side of a bf16 rounding boundary: one ulp
-# (2 u16 relative) of that value. A token's output sees at most 7 such roundings per expert path (gate, up, silu,
-# product, down, weighted, sum) with values up to the largest magnitude after the down projection's cancellation
-# is undone; the backward adds transformers' own bf16 roundings of every intermediate cotangent (dY, dA, dh1, dh3,
-# each grad's matmul output: ~6 more) while StrideWeave keeps Float32 sums and rounds the gradients once. Bound:
-# 16 ulps = 32 u16 of the largest magnitude.
-BF16_ULPS = 16
+# BFloat16 bound, in units of the largest magnitude of each quantity. SparseMoE rounds to bf16 where transformers'
+# block does in forward (the logits, x W1^T, x W3^T, silu, their product, the down product, the weighted output,
+# the output after each expert; docs/guide.md "SparseMoE"), so the forward agrees to Float32 accumulation order:
+# a value may land on the other side of a bf16 rounding boundary, one ulp (2 u16) of that value. The gradients
+# differ where the two round at different points: torch adds a token's k = 2 expert contributions to x's gradient
+# and the router path's in bf16 (2 roundings) after rounding each expert's dx (1 more), where StrideWeave sums in
+# Float32 and rounds once (1); the router weight's gradient is one bf16 product of the bf16 logits' gradient on
+# both sides (2 roundings that may differ: the logits' gradient, the product). At most 4 roundings, each at most one
+# ulp of a partial sum no larger than the largest magnitude here: 4 ulps = 8 u16 of the largest magnitude.
+# (Measured: at most 2.1 u16, the hidden states' gradient; the output and logits are bit-identical.)
+BF16_ULPS = 4
 BF16_BOUND = BF16_ULPS * 2 * U16
+
+
+# Block inputs whose routing is away from ties in both layers, every family and dtype (assert_routing_is_stable
+# checks it; with seed 10, two bf16 Mixtral logits of one token are equal).
+X_SEED = 30
 
 
 def sw_routing(block, x: torch.Tensor):
@@ -179,27 +127,34 @@ def test_an_offloaded_block_matches_transformers_block(saved, family, dtype_name
     blocks = offload_experts(model, saved[family][dtype_name], budget=1 << 30)
     assert len(blocks) == config.num_hidden_layers
     bound = 1e-5 if dtype == torch.float32 else BF16_BOUND
-    errors = {}
+    errors: dict = {}
+
+    def record(what, err):
+        errors[what] = max(errors.get(what, 0.0), err)
+
     for layer, block in enumerate(blocks):
         ref_block = hf_models.moe_block(reference, layer)
         I = ref_block.experts.intermediate_dim
-        x = hf_models.hidden_states(config, TOKENS, seed=10 + layer, dtype=dtype)
+        x = hf_models.hidden_states(config, TOKENS, seed=X_SEED + layer, dtype=dtype)
         cotangent = hf_models.hidden_states(config, TOKENS, seed=20 + layer, dtype=dtype)
         ref = hf_models.block_reference(ref_block, x, cotangent)
 
         # the routing first: the same experts, away from ties
         logits, weights, indices = sw_routing(block, x)
+        f32_bound = logits_error_bound(x, ref_block.gate.weight.detach())
         if dtype == torch.float32:
-            delta = logits_error_bound(x, ref_block.gate.weight.detach())
-        else:  # both round Float32 sums to bf16: at most one bf16 ulp apart when the sums are that close
-            delta = torch.full_like(logits, 0.0, dtype=torch.float64)
-            delta += (logits.double() - ref.router_logits.double()).abs()
-            assert bool((delta <= 2 * U16 * ref.router_logits.double().abs()
-                         + logits_error_bound(x, ref_block.gate.weight.detach())).all())
+            delta = f32_bound
+        else:
+            # Both round Float32 sums that are within f32_bound to bf16: the results are equal or one bf16 ulp
+            # (at most 2 u16 |l|) apart. The routing then sees the logits' actual difference, checked to be that.
+            delta = (logits.double() - ref.router_logits.double()).abs()
+            assert bool((delta <= 2 * U16 * ref.router_logits.double().abs() + f32_bound).all())
         assert_routing_is_stable(ref.router_logits, delta, block.top_k, f"{family} {dtype_name} layer {layer}")
-        assert torch.equal(indices.long(), ref.topk_index)
+        # the same experts (their order within the top k may differ on a tie inside it, which changes nothing:
+        # both sides add the experts' outputs in ascending expert order)
+        assert torch.equal(indices.long().sort(dim=-1).values, ref.topk_index.sort(dim=-1).values)
         assert weights.dtype == ref.topk_weights.dtype
-        errors["router logits"] = assert_close(logits, ref.router_logits, bound, "router logits")
+        record("router logits", assert_close(logits, ref.router_logits, bound, "router logits"))
 
         block.zero_expert_grads()
         xt = x.detach().clone().requires_grad_(True)
@@ -207,11 +162,11 @@ def test_an_offloaded_block_matches_transformers_block(saved, family, dtype_name
         y = block(xt.unsqueeze(0)).squeeze(0)
         assert y.dtype == dtype and y.shape == x.shape
         y.backward(cotangent)
-        errors["output"] = assert_close(y, ref.output, bound, f"{family} {dtype_name} layer {layer} output")
+        record("output", assert_close(y, ref.output, bound, f"{family} {dtype_name} layer {layer} output"))
         assert xt.grad.dtype == dtype and block.gate.weight.grad.dtype == dtype
-        errors["grad hidden"] = assert_close(xt.grad, ref.grad_hidden, bound, "hidden states' gradient")
-        errors["grad router"] = assert_close(block.gate.weight.grad, ref.grads["gate.weight"], bound,
-                                             "router weight's gradient")
+        record("grad hidden", assert_close(xt.grad, ref.grad_hidden, bound, "hidden states' gradient"))
+        record("grad router", assert_close(block.gate.weight.grad, ref.grads["gate.weight"], bound,
+                                           "router weight's gradient"))
         if family == "qwen2_moe":
             for name, p in block.shared_expert.named_parameters():
                 assert_close(p.grad, ref.grads[f"shared_expert.{name}"], bound, f"shared_expert.{name} gradient")
@@ -220,7 +175,7 @@ def test_an_offloaded_block_matches_transformers_block(saved, family, dtype_name
         want = ref.expert_grads(I)
         for part, w in (("gate", block.moe.w1), ("up", block.moe.w3), ("down", block.moe.w2)):
             got = torch.from_numpy(np.asarray(w.grad).astype(np.float64))  # (out, in, E)
-            errors[f"grad {part}"] = assert_close(got.permute(2, 0, 1), want[part], bound, f"{part} gradients")
+            record(f"grad {part}", assert_close(got.permute(2, 0, 1), want[part], bound, f"{part} gradients"))
     print(f"{family} {dtype_name}: max error / largest magnitude {errors}")
 
 
@@ -305,7 +260,8 @@ def test_the_whole_model_matches_with_every_block_offloaded(saved, family):
 
 
 def prefetch_allowance(blocks) -> int:
-    """The bytes SparseMoE documents it may hold beyond the budget while prefetching (docs/guide.md)."""
+    """The bytes SparseMoE documents its prefetch may add to the budget's peak: none (docs/guide.md, "SparseMoE":
+    the tiles in flight are admitted under the budget like any others, so peak_bytes stays within max_bytes)."""
     return 0
 
 
@@ -320,8 +276,8 @@ def test_output_router_logits_and_the_aux_loss_still_work(saved, family):
     assert len(got.router_logits) == len(want.router_logits) == model.config.num_hidden_layers
     for g, w in zip(got.router_logits, want.router_logits):
         assert_close(g, w, 1e-5, "recorded router logits")
-    assert abs(float(got.aux_loss) - float(want.aux_loss)) <= 1e-5 * abs(float(want.aux_loss))
-    assert abs(float(got.loss) - float(want.loss)) <= 1e-5 * abs(float(want.loss))
+    assert abs(got.aux_loss.item() - want.aux_loss.item()) <= 1e-5 * abs(want.aux_loss.item())
+    assert abs(got.loss.item() - want.loss.item()) <= 1e-5 * abs(want.loss.item())
     want.loss.backward()
     got.loss.backward()  # the aux loss's gradient reaches the router weight through torch
     for layer in range(model.config.num_hidden_layers):

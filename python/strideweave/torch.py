@@ -157,8 +157,8 @@ def _classes() -> dict:
                                    "freed its StrideWeave graph (retain_graph is not supported by MoEBlock)")
             xs, rs, out = ctx.graph
             ctx.graph = None
-            ctx.block._before_backward()
             out.backward(from_torch(grad_out.detach().contiguous()))
+            ctx.block._after_backward()
             grads = []
             for leaf, (shape, dtype), needed in zip((xs, rs), ctx.inputs, ctx.needs_input_grad[:2]):
                 grad = leaf.grad if needed else None
@@ -264,8 +264,9 @@ def _classes() -> dict:
             self._last_indices = indices
             return self.moe.experts(xs, weights, indices)
 
-        def _before_backward(self) -> None:
-            """Starts promoting the experts the next block's backward will need (offload_experts(prefetch=True))."""
+        def _after_backward(self) -> None:
+            """Starts promoting the experts the next block's backward will need (offload_experts(prefetch=True)):
+            torch's backward of the layer between (attention, norms) runs while they arrive."""
             nxt = self.prefetch_next
             if nxt is not None and nxt._last_indices is not None:
                 nxt.moe.prefetch(nxt._last_indices)
@@ -331,8 +332,9 @@ def offload_experts(model: Any, checkpoint: Any, budget: Any, *, layers: Any = N
     ``checkpoint``: the model's safetensors (a file, a folder as ``save_pretrained`` writes it, or an open
     ``strideweave.safetensors`` Checkpoint). ``budget``: a ``strideweave.ResidencyBudget`` or a byte count for a
     new one; every block's expert weights and their gradients draw from it. ``layers``: the layer indices to
-    replace (default: every sparse-MoE layer). ``prefetch``: during backward, each block starts promoting the
-    experts the next block's backward needs (the routing it recorded in forward) before running its own.
+    replace (default: every sparse-MoE layer). ``prefetch``: in backward, each block, once its own backward is
+    done, starts promoting the experts that the next block's backward needs (the routing that block recorded in
+    forward, ``SparseMoE.prefetch``), so they arrive while torch runs the layer in between.
 
     The router module (its weight Parameter, the same object) and Qwen2-MoE's shared expert move into the new
     block; the model's experts module is dropped with the old block (its memory freed when nothing else holds
