@@ -407,6 +407,10 @@ def test_offload_experts_refuses_what_it_cannot_do(saved, tmp_path):
          lambda: offload_experts(model, path, budget, layers=[0, 2])),
         (TypeError, "layers must be a list of layer indices", lambda: offload_experts(model, path, budget, layers="0")),
         (TypeError, "prefetch must be a bool", lambda: offload_experts(model, path, budget, prefetch=1)),
+        # one expert's three Float32 (96, 64) tiles must fit at once
+        (ValueError, "a budget of 73727 bytes cannot hold one expert's three weight tiles (73728 bytes)",
+         lambda: offload_experts(model, path, 3 * 96 * 64 * 4 - 1)),
+        (ValueError, "a budget of 0 bytes cannot hold", lambda: offload_experts(model, path, 0)),
         # a Qwen checkpoint for a Mixtral: the names are not there
         (ValueError, "the checkpoint has no tensor 'model.layers.0.block_sparse_moe.experts.0.w1.weight'",
          lambda: offload_experts(model, saved["qwen3_moe"]["float32"], budget)),

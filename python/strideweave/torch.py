@@ -364,9 +364,10 @@ def offload_experts(model: Any, checkpoint: Any, budget: Any, *, layers: Any = N
             if not 0 <= i < len(decoder):
                 raise IndexError(f"offload_experts: layer {i} is out of range (the model has {len(decoder)} layers)")
             if i not in sparse:
-                raise ValueError(f"offload_experts: layer {i}'s mlp is a {type(getattr(decoder[i], 'mlp', None)).__name__}, "
-                                 "not a sparse-MoE block of a supported family")
-    if isinstance(prefetch, bool) is False:
+                kind = type(getattr(decoder[i], "mlp", None)).__name__
+                raise ValueError(f"offload_experts: layer {i}'s mlp is a {kind}, not a sparse-MoE block of a "
+                                 "supported family")
+    if not isinstance(prefetch, bool):
         raise TypeError(f"offload_experts: prefetch must be a bool, got {type(prefetch).__name__}")
     act = getattr(getattr(model, "config", None), "hidden_act", "silu")
     if act != "silu":
@@ -395,9 +396,9 @@ def offload_experts(model: Any, checkpoint: Any, budget: Any, *, layers: Any = N
         num_experts, two_i, hidden = params["gate_up_proj"].shape
         inter = two_i // 2
         dtype = params["gate_up_proj"].dtype
-        sw_dtype = {torch_name: getattr(sw.DType, sw_name) for torch_name, sw_name in _DTYPES}.get(
-            str(dtype).removeprefix("torch."))
-        if sw_dtype is None or sw_dtype.name not in ("Float32", "BFloat16", "Float16"):
+        sw_dtype = next((getattr(sw.DType, sw_name) for torch_name, sw_name in _DTYPES[:3]
+                         if dtype == getattr(torch, torch_name)), None)  # the three float dtypes
+        if sw_dtype is None:
             raise TypeError(f"offload_experts: layer {i}'s experts are {dtype}; SparseMoE takes Float32, BFloat16 "
                             "or Float16")
         if tuple(params["down_proj"].shape) != (num_experts, hidden, inter) or params["down_proj"].dtype != dtype:
@@ -417,11 +418,18 @@ def offload_experts(model: Any, checkpoint: Any, budget: Any, *, layers: Any = N
         else:
             top_k, normalize, routing_dtype = router.top_k, bool(router.norm_topk_prob), sw_dtype
             jitter = 0.0
-        plans.append((i, block, names, top_k, normalize, routing_dtype, jitter, shared))
+        tile_bytes = inter * hidden * params["gate_up_proj"].element_size()
+        plans.append((i, block, names, top_k, normalize, routing_dtype, jitter, shared, tile_bytes))
 
+    # Each call holds one expert's three weight tiles resident at once: a smaller budget could never run.
+    need = max(3 * plan[-1] for plan in plans)
+    max_bytes = budget.max_bytes if isinstance(budget, sw.ResidencyBudget) else budget
+    if max_bytes < need:
+        raise ValueError(f"offload_experts: a budget of {max_bytes} bytes cannot hold one expert's three weight "
+                         f"tiles ({need} bytes), which every call of a block needs resident at once")
     budget_obj = budget if isinstance(budget, sw.ResidencyBudget) else sw.ResidencyBudget(budget)
     new_blocks = []
-    for i, block, names, top_k, normalize, routing_dtype, jitter, shared in plans:
+    for i, block, names, top_k, normalize, routing_dtype, jitter, shared, _ in plans:
         w1, w3, w2 = (ckpt.tiled(n) for n in names)
         moe = sw.moe.SparseMoE(w1, w2, w3, top_k, normalize=normalize, routing_dtype=routing_dtype,
                                budget=budget_obj)
