@@ -9,8 +9,13 @@ refused with the reason and changes nothing.
 Only data crosses: ``from_torch`` refuses a tensor that requires grad (``x.detach()`` is the same memory without
 its history), and ``to_torch`` gives a tensor that takes no part in StrideWeave's autograd.
 
+``MoEBlock`` (a ``torch.nn.Module`` over ``strideweave.moe.SparseMoE``) and ``offload_experts(model, checkpoint,
+budget)`` put a transformers Mixtral / Qwen2-MoE / Qwen3-MoE model's experts in StrideWeave, under one residency
+budget, and leave the rest of the model in PyTorch (docs/guide.md, "Offloading the experts of a transformers
+model").
+
 PyTorch is optional: ``import strideweave`` never imports this module, and this module imports torch only when one
-of its functions runs.
+of its functions runs (``MoEBlock`` derives from ``torch.nn.Module``, so it is defined on first access).
 """
 
 from __future__ import annotations
