@@ -236,12 +236,17 @@ def assert_within(name, got, want, bound):
                                   f"(got {got[worst]!r}, want {want[worst]!r})")
 
 
-def check_all(moe, out, xt, rt, ref, dtype, routing_dtype, k):
-    inner = max(H, I, T * k)
-    tol = lambda m: tolerance(m, dtype, routing_dtype, ref, inner)  # noqa: E731
+def check_all(moe, out, xt, rt, ref, dtype, routing_dtype, k, routed=True):
+    """The output, x.grad, and the second input's gradient (router_weight's, or the given weights' when not
+    `routed`) and every expert's dW, each within `tolerance`."""
+    tol = lambda m: tolerance(m, dtype, routing_dtype, ref, max(H, I, T * k), routed)  # noqa: E731
     assert_within("out", values(out), ref.out, tol(ref.out_m))
-    assert_within("x.grad", values(xt.grad), ref.dx, tol(ref.dx_m))
-    assert_within("router_weight.grad", values(rt.grad), ref.drouter, tol(ref.drouter_m))
+    if routed:
+        assert_within("x.grad", values(xt.grad), ref.dx, tol(ref.dx_m))
+        assert_within("router_weight.grad", values(rt.grad), ref.drouter, tol(ref.drouter_m))
+    else:
+        assert_within("x.grad (experts)", values(xt.grad), ref.dx_experts, tol(ref.dx_experts_m))
+        assert_within("weights.grad", values(rt.grad), ref.dw, tol(ref.dw_m))
     got = grads_of(moe)
     for name in ("w1", "w2", "w3"):
         assert_within(f"{name}.grad", got[name], ref.dweights[name], tol(ref.dweights_m[name]))
@@ -282,13 +287,7 @@ def test_output_and_every_gradient_match_the_float64_reference(dtype, row_major,
     xt, wt = dense(x, dtype), dense(given, routing_dtype)
     out = moe.experts(xt, wt, friendly.tensor(ref.indices.astype(np.int32), dtype=DType.Int32))
     out.backward(friendly.tensor(g.astype(np.float32)))
-    tol = lambda m: tolerance(m, dtype, routing_dtype, ref, max(H, I, T * k), routed=False)  # noqa: E731
-    assert_within("experts out", values(out), ref.out, tol(ref.out_m))
-    assert_within("experts x.grad", values(xt.grad), ref.dx_experts, tol(ref.dx_experts_m))
-    assert_within("experts weights.grad", values(wt.grad), ref.dw, tol(ref.dw_m))
-    got = grads_of(moe)
-    for name in ("w1", "w2", "w3"):
-        assert_within(f"experts {name}.grad", got[name], ref.dweights[name], tol(ref.dweights_m[name]))
+    check_all(moe, out, xt, wt, ref, dtype, routing_dtype, k, routed=False)
     # Experts never routed keep implicit-zero gradient tiles.
     unused = sorted(set(range(E)) - set(ref.indices.reshape(-1).tolist()))
     for e in unused:
