@@ -79,19 +79,19 @@ TEST(OptimKernels, BothPathsAgreeBitForBit) {
 }
 
 TEST(OptimKernels, OneAdamElementByHand) {
-  // m = fma(0.1, g - 0, 0); v = fma(0.001 * g, g, 0 * 0.999); w += (-ss * m) / (sqrt(v) / bc2 + eps).
+  // m = fma(0.1, g - 0, 0); v = fma(0.001 * g, g, 0 * 0.999); w += (-step_size * m) / (sqrt(v) / bc2 + eps).
   od::AdamCoefficients a;
   a.lerp_weight = 0.1f;
   a.beta2 = 0.999f;
   a.one_minus_beta2 = 0.001f;
   a.bias_correction2_sqrt = std::sqrt(0.001f);
   a.eps = 0.0f;
-  a.neg_step_size = -1.0f;
+  a.neg_step_size = -10.0f;  // -lr / (1 - beta1), lr = 1, beta1 = 0.9: the first step
   float w = 1.0f, g = 2.0f, m = 0.0f, v = 0.0f;
   od::adam_update(&w, &g, &m, &v, 1, a);
   EXPECT_EQ(m, std::fma(0.1f, 2.0f, 0.0f));
   EXPECT_EQ(v, std::fma(0.001f * 2.0f, 2.0f, 0.0f));
-  EXPECT_EQ(w, 1.0f + (-1.0f * m) / (std::sqrt(v) / a.bias_correction2_sqrt));
+  EXPECT_EQ(w, 1.0f + (a.neg_step_size * m) / (std::sqrt(v) / a.bias_correction2_sqrt + a.eps));
   EXPECT_NEAR(w, 0.0f, 1e-5f);  // Adam's first step moves by lr (here 1) in the gradient's sign
 }
 

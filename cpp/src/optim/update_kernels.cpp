@@ -1,7 +1,8 @@
 // The optimizers' element updates (update_kernels.hpp): one AVX-512F loop and one portable loop per algorithm, the
 // same operations in the same order. Each operation is one IEEE Float32 operation (round to nearest even), and a
 // fused multiply-add is one rounding: std::fma and _mm512_fmadd_ps agree bit for bit, so both paths give identical
-// results. The project builds in ISO C++ mode, where the compiler does not contract a * b + c by itself.
+// results. This file is compiled with -ffp-contract=off (CMakeLists.txt): GCC's default for C++ would contract a
+// product feeding a sum into one fused multiply-add (one rounding fewer) where torch rounds twice.
 #include "update_kernels.hpp"
 
 #include <immintrin.h>
