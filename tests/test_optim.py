@@ -270,10 +270,11 @@ def test_dense_parameter_is_one_tile():
     assert np.array_equal(experts_of(full), experts)
 
 
-def test_budget_smaller_than_everything_gives_identical_values():
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_budget_smaller_than_everything_gives_identical_values(prefetch):
     """Weights, gradients and both moments of all experts take 4 E tiles; the budget holds 6. The steps complete,
     every value equals the unbounded run's bit for bit, the peak stays under the bound, and moment tiles are
-    evicted to their scratch file and read back."""
+    evicted to their scratch file and read back. With prefetch, the next expert's tiles promote during an update."""
     rng = np.random.default_rng(seed_of("budget"))
     experts = rng.standard_normal((E, OUT, IN)).astype(np.float32)
     tile = OUT * IN * 4
@@ -282,6 +283,8 @@ def test_budget_smaller_than_everything_gives_identical_values():
     for b in (None, budget):
         c, full = expert_weight(experts, budget=b)
         opt = sw.optim.Adam([full], lr=1e-2, weight_decay=0.01)
+        assert opt.prefetch is False
+        opt.prefetch = prefetch
         state = opt.state(full)
         if b is not None:
             assert state["exp_avg"].carrier.residency_budget is b
@@ -300,6 +303,7 @@ def test_budget_smaller_than_everything_gives_identical_values():
     stats = runs[1][3]
     assert stats["state"]["bytes_evicted"] > 0 and stats["state"]["bytes_promoted"] > 0  # written out, read back
     assert stats["weights"]["bytes_promoted"] > 0
+    assert (stats["prefetches"] > 0) == prefetch
 
 
 def test_zero_grad_drops_gradients_and_untouched_tiles_stay_implicit():

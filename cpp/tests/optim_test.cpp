@@ -165,31 +165,36 @@ TEST(Optimizer, ATightBudgetGivesTheUnboundedValues) {
   for (auto& step : grads)
     for (auto& t : step) t = randoms(rng, kN);
   const std::vector<std::vector<int64_t>> routes = {{0, 1, 2, 3, 4}, {1, 4}, {0, 2, 3}, {4, 0}};
-  std::vector<std::vector<float>> results[2];
+  std::vector<std::vector<float>> results[3];
   const int64_t tile = kN * 4;
-  auto budget = std::make_shared<ResidencyBudget>(5 * tile);  // 4 tiles per expert step, 20 in all
-  for (int bounded = 0; bounded < 2; ++bounded) {
+  auto budget = std::make_shared<ResidencyBudget>(6 * tile);  // 4 tiles per expert step, 20 in all
+  for (int run = 0; run < 3; ++run) {  // unbounded; bounded; bounded with prefetch
+    const bool bounded = run > 0;
     Weight w = make_weight(bounded ? budget : nullptr);
     optim::Hyperparameters h;
     h.lr = 0.02;
     h.weight_decay = 0.1;
     optim::Optimizer opt(optim::Algorithm::AdamW, {w.full}, h);
+    opt.set_prefetch(run == 2);
     for (size_t k = 0; k < routes.size(); ++k) {
       w.full->grad = gradient(w, routes[k], grads[k]);
       opt.step();
     }
     auto st = opt.state(w.full);
     for (int64_t e = 0; e < kE; ++e) {
-      results[bounded].push_back(tile_values(*w.carrier, e));
-      results[bounded].push_back(tile_values(static_cast<TiledEvictable&>(*st.exp_avg_sq->carrier), e));
+      results[run].push_back(tile_values(*w.carrier, e));
+      results[run].push_back(tile_values(static_cast<TiledEvictable&>(*st.exp_avg_sq->carrier), e));
     }
     if (bounded) {
       EXPECT_EQ(static_cast<TiledEvictable&>(*st.exp_avg->carrier).residency_budget(), budget);
       EXPECT_GT(opt.stats().state.bytes_evicted, 0);
       EXPECT_GT(opt.stats().state.bytes_promoted, 0);
     }
+    EXPECT_EQ(opt.stats().prefetches > 0, run == 2);
   }
-  for (size_t k = 0; k < results[0].size(); ++k) EXPECT_TRUE(bitwise_equal(results[0][k], results[1][k])) << k;
+  for (int run = 1; run < 3; ++run)
+    for (size_t k = 0; k < results[0].size(); ++k)
+      EXPECT_TRUE(bitwise_equal(results[0][k], results[run][k])) << "run " << run << " array " << k;
   EXPECT_LE(budget->stats().peak_bytes, budget->max_bytes());
   EXPECT_GT(budget->stats().evictions, 0);
 }

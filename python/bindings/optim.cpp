@@ -84,6 +84,8 @@ void bind_optim(nb::module_& m) {
         o.step();
       }, "One step over every parameter with a gradient, tile by tile.")
       .def("zero_grad", &optim::Optimizer::zero_grad, "Drops every parameter's gradient (.grad = None).")
+      .def_prop_rw("prefetch", &optim::Optimizer::prefetch, &optim::Optimizer::set_prefetch,
+                   "Whether a step promotes the next tile during the current tile's update (default False).")
       .def_prop_ro("params", [](const optim::Optimizer& o) { return o.params(); })
       .def_prop_ro("algorithm", [](const optim::Optimizer& o) { return std::string(optim::algorithm_name(o.algorithm())); })
       .def("state", [](const optim::Optimizer& o, const TensorPtr& param) {

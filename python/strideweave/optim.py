@@ -28,6 +28,15 @@ class _Optimizer:
         """The parameters, in the order given."""
         return list(self._engine.params)
 
+    @property
+    def prefetch(self) -> bool:
+        """Whether a step starts the next tile's promotions during the current tile's update (default False)."""
+        return self._engine.prefetch
+
+    @prefetch.setter
+    def prefetch(self, on: bool) -> None:
+        self._engine.prefetch = bool(on)
+
     def step(self) -> None:
         """One step over every parameter with a gradient, tile by tile (the GIL is released meanwhile)."""
         self._engine.step()

@@ -14,8 +14,8 @@
 //  * a step brings one tile's weight, gradient and state tiles resident through the normal residency paths (so a
 //    budget bounds them and evicts least recently used tiles to make room), updates them in place with one
 //    vectorised Float32 pass (a 16-bit weight is read, updated in Float32 and rounded once), marks the weight and
-//    state tiles dirty and lets them go; it then moves to the next tile with a gradient. The next tile's
-//    transfers are started before the current tile's update (prefetch) when they fit the budget;
+//    state tiles dirty and lets them go; it then moves to the next tile with a gradient. With prefetch on, the
+//    next tile's transfers are started before the current tile's update when they fit the budget;
 //  * the arithmetic is torch.optim's single-tensor code path (torch 2.13) operation by operation, in Float32,
 //    with a fused multiply-add exactly where torch's CPU kernels use one (add with alpha, lerp, addcmul); the
 //    square root is correctly rounded (torch's vectorised sqrt through MKL is not: within 1 ulp).
@@ -103,6 +103,11 @@ class Optimizer {
   ParameterState state(const TensorPtr& param) const;
   // Blocks: each carrier's tile-table lock, briefly.
   OptimizerStats stats() const;
+  // Whether a step starts the next tile's promotions during the current tile's update. Off by default: measured
+  // slower when the tiers are in the page cache and the cores are few (docs/guide.md, "Optimizers on tiled
+  // parameters"); it can help when promotions wait on a device rather than on the CPU.
+  void set_prefetch(bool on) noexcept { prefetch_ = on; }
+  bool prefetch() const noexcept { return prefetch_; }
 
  private:
   struct Slot;
@@ -113,6 +118,7 @@ class Optimizer {
   std::vector<std::unique_ptr<Slot>> slots_;
   mutable std::mutex mutex_;  // one step (or state read) at a time
   OptimizerStats counts_;
+  bool prefetch_ = false;
 };
 
 }  // namespace sw::optim

@@ -132,7 +132,7 @@ void Optimizer::step_slot(Slot& s, const TensorPtr& grad) {
     Hold h2 = S2 ? hold_resident(*S2, i, "optimizer state", name) : nullptr;
     // The next tile's transfers run on the I/O pool during this update, when the budget has room for them
     // besides the tiles held here (else they are left to the next iteration).
-    if (k + 1 < tiles.size()) {
+    if (prefetch_ && k + 1 < tiles.size()) {
       const int64_t j = tiles[k + 1];
       const TileCoord next = W.tile_coord(j);
       for (TiledEvictable* c : carriers) {
