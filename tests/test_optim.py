@@ -406,3 +406,52 @@ def test_state_of_a_tensor_that_is_not_a_parameter():
     with pytest.raises(ValueError, match="not one of this optimizer's parameters"):
         opt.state(friendly.tensor(np.ones(3, np.float32)))
     assert opt.params[0] is full
+
+
+def test_more_parameter_errors_change_nothing(tmp_path):
+    c, full, experts = fresh()
+    path = tmp_path / "w.f32"
+    np.ones(8, np.float32).tofile(path)
+    read_only = sw.Tensor(sw.FileBacked(str(path), mutable=False), 0, sw.Layout(sw.Shape(8), sw.Stride(1)))
+    with pytest.raises(ValueError, match="parameter 0 is read-only"):
+        sw.optim.SGD([read_only], lr=0.1)
+    on_file = sw.Tensor(sw.move(friendly.tensor(np.ones(8, np.float32)), sw.FileBacked()).carrier, 0,
+                        sw.Layout(sw.Shape(8), sw.Stride(1)))
+    with pytest.raises(ValueError, match="a parameter is a TiledEvictable or a dense CPU tensor"):
+        sw.optim.SGD([on_file], lr=0.1)
+    strided = sw.Tensor(sw.CPU(10), 0, sw.Layout(sw.Shape(5), sw.Stride(2)))
+    with pytest.raises(ValueError, match="is not compact"):
+        sw.optim.Adam([strided])
+    again = sw.Tensor(c, 0, full.layout)  # another tensor over the same carrier
+    with pytest.raises(ValueError, match="parameters 0 and 1 view one carrier"):
+        sw.optim.Adam([full, again])
+    with pytest.raises(ValueError, match="invalid dampening"):
+        sw.optim.SGD([full], lr=0.1, dampening=float("nan"))
+    with pytest.raises(ValueError, match="algorithm must be 'SGD', 'Adam' or 'AdamW'"):
+        sw._core.Optimizer("Lion", [full], 0.1, 0.0, 0.0, False, 0.9, 0.999, 1e-8, 0.0)
+    assert np.array_equal(experts_of(full), experts) and c.stats()["primary_tiles"] == 0
+    assert np.array_equal(np.fromfile(path, np.float32), np.ones(8, np.float32))
+
+
+def test_more_gradient_errors_change_nothing():
+    c, full, experts = fresh()
+    opt = sw.optim.SGD([full], lr=0.1)
+    full.grad = sw.Tensor(sw.CPU(OUT * IN * E, dtype=sw.DType.Int32), 0, full.layout)
+    with pytest.raises(TypeError, match="the gradient of parameter 0 has dtype Int32"):
+        opt.step()
+    full.grad = full  # the parameter's own carrier
+    with pytest.raises(ValueError, match="the parameter's own carrier"):
+        opt.step()
+    backward_grads(c, full, {0: np.ones((OUT, IN), np.float32)})
+    g = full.grad
+    g.carrier.release()
+    with pytest.raises(ValueError, match="over a released carrier"):
+        opt.step()
+    assert np.array_equal(experts_of(full), experts) and opt.stats()["steps"] == 0
+    router = friendly.tensor(np.ones(4, np.float32))
+    opt2 = sw.optim.SGD([router], lr=0.1)
+    router.grad = sw.Tensor(sw.move(friendly.tensor(np.ones(4, np.float32)), sw.FileBacked()).carrier, 0,
+                            router.layout)
+    with pytest.raises(ValueError, match="it must be dense CPU memory"):
+        opt2.step()
+    assert np.array_equal(np.asarray(router), np.ones(4, np.float32))

@@ -199,6 +199,30 @@ TEST(Optimizer, ATightBudgetGivesTheUnboundedValues) {
   EXPECT_GT(budget->stats().evictions, 0);
 }
 
+TEST(Optimizer, ATileThatOtherWorkPinsIsRefusedWithNothingChanged) {
+  std::mt19937 rng(static_cast<uint32_t>(test_seed()));
+  Weight w = make_weight();
+  optim::Optimizer opt(optim::Algorithm::SGD, {w.full}, {});
+  std::vector<std::vector<float>> g(kE);
+  for (auto& t : g) t = randoms(rng, kN);
+  w.full->grad = gradient(w, {1, 2}, g);
+  const auto before = tile_values(*w.carrier, 1);
+  WorkToken pin = TiledInternals::begin_work(w.carrier, {1}, "projection");  // another caller's running work
+  pin.ready()->value();
+  try {
+    opt.step();
+    ADD_FAILURE() << "no error";
+  } catch (const RuntimeError& e) {
+    EXPECT_TRUE(contains(e.what(), "SGD.step: tile (1,) of the weight could not be held")) << e.what();
+  }
+  EXPECT_TRUE(bitwise_equal(tile_values(*w.carrier, 1), before));
+  EXPECT_EQ(opt.state(w.full).steps, (std::vector<int64_t>(kE, 0)));
+  EXPECT_EQ(opt.stats().tiles_stepped, 0);
+  ASSERT_EQ(pin.end(), nullptr);
+  opt.step();  // the work ended: now it steps
+  EXPECT_EQ(opt.state(w.full).steps, (std::vector<int64_t>{0, 1, 1, 0, 0}));
+}
+
 TEST(Optimizer, ConstructionErrorsChangeNothing) {
   Weight w = make_weight();
   auto expect_error = [&](optim::Algorithm a, std::vector<TensorPtr> ps, optim::Hyperparameters h, ErrorKind kind,
