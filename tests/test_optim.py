@@ -455,3 +455,42 @@ def test_more_gradient_errors_change_nothing():
     with pytest.raises(ValueError, match="it must be dense CPU memory"):
         opt2.step()
     assert np.array_equal(np.asarray(router), np.ones(4, np.float32))
+
+
+def test_bf16_checkpoint_experts_against_torch(tmp_path):
+    """The experts of a BFloat16 safetensors checkpoint, opened where they lie (ckpt.tiled: (out, in, E), row-major
+    tiles): AdamW steps them in memory and leaves the file alone. Reference and bound (0) as for 16-bit weights."""
+    from safetensors.torch import save_file
+    rng = np.random.default_rng(seed_of("checkpoint"))
+    experts = rng.standard_normal((E, OUT, IN)).astype(ml_dtypes.bfloat16)
+    names = [f"model.layers.0.block_sparse_moe.experts.{e}.w1.weight" for e in range(E)]
+    path = tmp_path / "model.safetensors"
+    save_file({n: torch.from_numpy(experts[e].astype(np.float32)).to(torch.bfloat16) for e, n in enumerate(names)},
+              str(path))
+    before = path.read_bytes()
+    full = sw.safetensors.open(path).tiled(names)
+    assert full.layout.shape == sw.Shape(OUT, IN, E) and full.dtype() is sw.DType.BFloat16
+    hyper = dict(lr=1e-2, weight_decay=0.1)
+    opt = sw.optim.AdamW([full], **hyper)
+    params = [torch.nn.Parameter(torch.zeros(OUT, IN)) for _ in range(E)]
+    ref = torch.optim.AdamW(params, foreach=False, **hyper)
+    weights16 = experts.copy()
+    for route in ([0, 2], [2, 3], [5]):
+        full.grad = None
+        grads = {}
+        for e in route:
+            w = full.carrier.project(full, TileSelection(((0,), (0,), (e,)))).wait()   # (OUT, IN, 1)
+            grads[e] = rng.standard_normal((OUT, IN)).astype(ml_dtypes.bfloat16).astype(np.float32)
+            sw.reduce_sum(sw.elementwise_mul(w, friendly.tensor(grads[e].reshape(OUT, IN, 1))), "o i e ->").backward()
+        for e, p in enumerate(params):
+            with torch.no_grad():
+                p.copy_(torch.from_numpy(weights16[e].astype(np.float32)))
+            p.grad = torch.from_numpy(grads[e]) if e in route else None
+        opt.step()
+        with correctly_rounded_sqrt():
+            ref.step()
+        weights16 = np.stack([p.detach().numpy().astype(ml_dtypes.bfloat16) for p in params])
+        got = np.moveaxis(np.asarray(full), -1, 0)
+        assert np.array_equal(got.view(np.uint16), weights16.view(np.uint16))  # bound 0
+    assert opt.state(full)["step"] == [1, 0, 2, 1, 0, 1]
+    assert path.read_bytes() == before
