@@ -5,6 +5,8 @@
 namespace swpy { void bind_checkpoint(nb::module_& m); }  // checkpoint.cpp
 // views: narrow, chunk, permute, reshape
 namespace swpy { void bind_views(nb::module_& m); }  // views.cpp
+// optimizers on tiled parameters
+namespace swpy { void bind_optim(nb::module_& m); }  // optim.cpp
 
 NB_MODULE(_core, m) {
   m.doc() = "StrideWeave engine (C++20). Import `strideweave`, not this module.";
@@ -26,6 +28,8 @@ NB_MODULE(_core, m) {
   swpy::bind_checkpoint(m);
   // views: narrow, chunk, permute, reshape
   swpy::bind_views(m);
+  // optimizers on tiled parameters
+  swpy::bind_optim(m);
   // Note [Drain at exit] (completion.hpp): let pool threads drop their references to
   // Python-owned objects before finalization. Bounded, so work that never completes
   // (a transfer nobody finishes) cannot hang the exit.

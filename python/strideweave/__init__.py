@@ -78,6 +78,9 @@ from ._core import chunk, narrow, permute, reshape, reshape_is_view  # noqa: E40
 # one residency budget for weights and their gradients
 from .carriers.tiled_evictable import ResidencyBudget  # noqa: E402
 
+# optimizers on tiled parameters
+from . import optim  # noqa: E402
+
 
 def move(tensor: Tensor, destination: Carrier) -> Tensor:
     """Exactly ``move_async(tensor, destination).wait()``."""
@@ -154,4 +157,6 @@ __all__ = [
     "index_select",
     "softmax",
     "topk",
+    # optimizers on tiled parameters
+    "optim",
 ]
