@@ -68,7 +68,6 @@ def main(argv=None) -> None:
     xa = rng.standard_normal((TOKENS, IN), dtype=np.float32)
     ga = rng.standard_normal((TOKENS, OUT), dtype=np.float32)
     x, g = friendly.tensor(xa), friendly.tensor(ga)
-    sw.set_mapping_cache_limit(64)
     cases = []
     with tempfile.TemporaryDirectory(prefix="sw-bench-rowmajor-") as tmp:
         rm, rfull = build(os.path.join(tmp, "row.f32"), experts, True)

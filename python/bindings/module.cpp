@@ -5,6 +5,8 @@
 namespace swpy { void bind_checkpoint(nb::module_& m); }  // checkpoint.cpp
 // views: narrow, chunk, permute, reshape
 namespace swpy { void bind_views(nb::module_& m); }  // views.cpp
+// optimizers on tiled parameters
+namespace swpy { void bind_optim(nb::module_& m); }  // optim.cpp
 // sparse MoE block
 namespace swpy { void bind_moe(nb::module_& m); }  // moe.cpp
 
@@ -28,6 +30,8 @@ NB_MODULE(_core, m) {
   swpy::bind_checkpoint(m);
   // views: narrow, chunk, permute, reshape
   swpy::bind_views(m);
+  // optimizers on tiled parameters
+  swpy::bind_optim(m);
   // sparse MoE block
   swpy::bind_moe(m);
   // Note [Drain at exit] (completion.hpp): let pool threads drop their references to

@@ -78,6 +78,8 @@ from ._core import chunk, narrow, permute, reshape, reshape_is_view  # noqa: E40
 # one residency budget for weights and their gradients
 from .carriers.tiled_evictable import ResidencyBudget  # noqa: E402
 
+# optimizers on tiled parameters
+from . import optim  # noqa: E402
 # sparse MoE block
 from . import moe  # noqa: E402
 
@@ -157,6 +159,8 @@ __all__ = [
     "index_select",
     "softmax",
     "topk",
+    # optimizers on tiled parameters
+    "optim",
     # sparse MoE block
     "moe",
 ]

@@ -233,16 +233,47 @@ constexpr std::array<std::array<OuterFn, kOuterCols>, kOuterGroups> kOuterBlocks
     outer_row<3>(std::make_index_sequence<kOuterCols>{}), outer_row<4>(std::make_index_sequence<kOuterCols>{}),
 }};
 
+// Sixteen rows by sixteen pairs of A (rows i0.., pairs q0..), transposed into Ap: pair q of row i is 32 bits at
+// out[q * mp + i]. Four rounds of in-register shuffles instead of 256 scattered 4-byte stores.
+SW_AVX512 void pack_pairs_16x16(const uint16_t* A, int64_t lda, uint32_t* out, int64_t mp) {
+  __m512i r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(A + i * lda);
+  for (int i = 0; i < 16; i += 2) {  // per 128-bit lane: (a0 b0 a1 b1), (a2 b2 a3 b3)
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int g = 0; g < 16; g += 4) {  // r[g + c], lane L: pair 4L + c of rows g .. g + 3
+    r[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+    r[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+    r[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+    r[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {  // pair 4L + c: lane L of r[c], r[4 + c], r[8 + c], r[12 + c]
+    const __m512i v0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44), v1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xEE);
+    const __m512i w0 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44);
+    const __m512i w1 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xEE);
+    _mm512_storeu_si512(out + (0 + c) * mp, _mm512_shuffle_i32x4(v0, w0, 0x88));
+    _mm512_storeu_si512(out + (4 + c) * mp, _mm512_shuffle_i32x4(v0, w0, 0xDD));
+    _mm512_storeu_si512(out + (8 + c) * mp, _mm512_shuffle_i32x4(v1, w1, 0x88));
+    _mm512_storeu_si512(out + (12 + c) * mp, _mm512_shuffle_i32x4(v1, w1, 0xDD));
+  }
+}
+
 // Ap for rows [0, m) of A: pairs of the inner index interleaved across rows, zero-padded (Note [Outer products
 // for many rows]). Reused per thread: the packed operand is a few hundred KiB at most for the shapes this serves.
+// Called on the AVX-512 BF16 path only, so whole blocks of sixteen rows and sixteen pairs transpose in registers.
 const uint16_t* pack_pairs(int64_t m, int64_t k, const uint16_t* A, int64_t lda, int64_t mp) {
   thread_local std::vector<uint32_t> buf;
   const int64_t pairs = (k + 1) / 2, full = k / 2;
-  buf.assign(static_cast<size_t>(pairs * mp), 0u);
+  const int64_t mb = m / 16 * 16, qb = full / 16 * 16;  // the part whole blocks cover
+  if (mb == mp && qb == pairs) buf.resize(static_cast<size_t>(pairs * mp));  // every entry is written below
+  else buf.assign(static_cast<size_t>(pairs * mp), 0u);
+  for (int64_t i0 = 0; i0 < mb; i0 += 16)
+    for (int64_t q0 = 0; q0 < qb; q0 += 16) pack_pairs_16x16(A + i0 * lda + 2 * q0, lda, buf.data() + q0 * mp + i0, mp);
   for (int64_t i = 0; i < m; ++i) {
     const uint16_t* row = A + i * lda;
     uint32_t* out = buf.data() + i;
-    for (int64_t q = 0; q < full; ++q) std::memcpy(out + q * mp, row + 2 * q, 4);
+    for (int64_t q = i < mb ? qb : 0; q < full; ++q) std::memcpy(out + q * mp, row + 2 * q, 4);
     if (full < pairs) out[full * mp] = row[2 * full];
   }
   return reinterpret_cast<const uint16_t*>(buf.data());

@@ -25,6 +25,7 @@
 #include <variant>
 #include <vector>
 
+#include "strideweave/errors.hpp"
 #include "strideweave/fork.hpp"
 #include "strideweave/tiled/tiled_evictable.hpp"
 
@@ -168,6 +169,17 @@ struct TiledInternals {
   // while their transfers run: then nobody else can observe or change its tiles, and a gradient sum may add into
   // tiles no request is transitioning (Note [Requests' own references]).
   static bool only_reference_is(const TiledEvictable& c, const CarrierPtr& self) { return c.only_reference_is(self); }
+
+  // -------- optimizer state (cpp/src/optim; Note [Optimizers on tiled parameters] in strideweave/optim.hpp)
+  // A fresh carrier (empty tiers, every tile invalid, no request or work yet) whose tiles all become implicit zeros.
+  static void make_implicit_zeros(TiledEvictable& c) {
+    std::lock_guard lock(c.mutex_);
+    for (auto& t : c.tiles_) {
+      SW_ASSERT(t.loc == TileLocation::Invalid && !t.pending && t.pins == 0,
+                "make_implicit_zeros of a carrier in use");
+      t.loc = TileLocation::Implicit;
+    }
+  }
 };
 
 // Live carriers whose secondary tier is a named file, for the report at interpreter exit

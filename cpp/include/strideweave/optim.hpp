@@ -1,0 +1,124 @@
+// strideweave/optim.hpp — SGD, Adam and AdamW over tiled (and dense) parameters, stepped tile by tile.
+//
+// Note [Optimizers on tiled parameters]: a parameter is a tensor over the whole extent of a TiledEvictable (one
+// tile per expert) or a dense tensor over CPU memory (one "tile": the whole tensor). Each tile is stepped as
+// torch.optim steps one nn.Parameter:
+//  * a tile whose gradient tile is an implicit zero (no backward touched it since the gradient was dropped) is
+//    skipped entirely, as torch.optim skips a parameter whose .grad is None, and each tile keeps its own step count
+//    (Adam's bias corrections use it). This differs from torch.optim over ONE fused (E, ...) parameter, which
+//    moves every expert on every step;
+//  * the state (SGD's momentum buffer, Adam's exp_avg and exp_avg_sq) is Float32 always, held in TiledEvictables
+//    of the weight's geometry beside it: a primary tier of the weight's primary kind, a secondary tier of their
+//    own (an anonymous FileBacked scratch file, removed on release), the weight's ResidencyBudget when it has one,
+//    no residency policy; every tile is an implicit zero until its first step;
+//  * a step brings one tile's weight, gradient and state tiles resident through the normal residency paths (so a
+//    budget bounds them and evicts least recently used tiles to make room), updates them in place with one
+//    vectorised Float32 pass (a 16-bit weight is read, updated in Float32 and rounded once), marks the weight and
+//    state tiles dirty and lets them go; it then moves to the next tile with a gradient. With prefetch on, the
+//    next tile's transfers are started before the current tile's update when they fit the budget;
+//  * the arithmetic is torch.optim's single-tensor code path (torch 2.13) operation by operation, in Float32,
+//    with a fused multiply-add exactly where torch's CPU kernels use one (add with alpha, lerp, addcmul); the
+//    square root is correctly rounded (torch's vectorised sqrt through MKL is not: within 1 ulp).
+// Design and the formulas: docs/guide.md, "Optimizers on tiled parameters".
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "strideweave/tensor.hpp"
+
+namespace sw::optim {
+
+enum class Algorithm { SGD, Adam, AdamW };
+const char* algorithm_name(Algorithm a);
+
+struct Hyperparameters {
+  double lr = 1e-3;
+  // SGD
+  double momentum = 0.0, dampening = 0.0;
+  bool nesterov = false;
+  // Adam / AdamW
+  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
+  // both (Adam: added to the gradient; AdamW: decoupled, the weight is scaled by 1 - lr * weight_decay)
+  double weight_decay = 0.0;
+};
+
+// Bytes moved between the tiers of one kind of carrier (weights, gradients or optimizer state): the carriers'
+// own TiledStats summed (a weight's counts include the transfers of its projections, not only the optimizer's).
+struct TierTraffic {
+  int64_t promotions = 0, evictions = 0;
+  int64_t bytes_promoted = 0, bytes_evicted = 0;
+};
+
+struct OptimizerStats {
+  int64_t steps = 0;          // step() calls
+  int64_t tiles_stepped = 0;  // tiles updated, over every step
+  int64_t tiles_skipped = 0;  // tiles whose gradient was an implicit zero or absent
+  int64_t prefetches = 0;     // tiles whose transfers began while the previous tile was updated
+  TierTraffic weights, gradients, state;
+};
+
+// One parameter's state: its per-tile step counts and its Float32 state tensors (same shape and layout as the
+// parameter; null when the algorithm has none).
+struct ParameterState {
+  std::vector<int64_t> steps;  // one per tile (one for a dense parameter)
+  TensorPtr momentum_buffer;   // SGD with momentum
+  TensorPtr exp_avg, exp_avg_sq;  // Adam, AdamW
+};
+
+class Optimizer {
+ public:
+  // Validates everything before anything is allocated (nothing changes on error):
+  //  ValueError: lr < 0, momentum < 0, weight_decay < 0, nesterov without momentum or with
+  //    dampening, betas outside [0, 1), eps < 0, no parameters, a parameter listed twice (or two over one carrier),
+  //    a parameter that is not a leaf (autograd computes it), a read-only parameter, a tiled parameter that is not
+  //    the whole extent of its TiledEvictable (offset 0, one slot per element, tile footprints), a dense one that
+  //    is not over CPU memory or not compact;
+  //  TypeError: a parameter whose dtype is not Float32, BFloat16 or Float16.
+  // Blocks: allocates the state carriers (their tiles are implicit: no storage yet).
+  Optimizer(Algorithm algorithm, std::vector<TensorPtr> params, Hyperparameters h);
+  ~Optimizer();
+  Optimizer(const Optimizer&) = delete;
+  Optimizer& operator=(const Optimizer&) = delete;
+
+  Algorithm algorithm() const noexcept { return algorithm_; }
+  const Hyperparameters& hyperparameters() const noexcept { return h_; }
+  const std::vector<TensorPtr>& params() const noexcept { return params_; }
+
+  // One step over every parameter with a gradient, tile by tile (Note [Optimizers on tiled parameters]). Every
+  // gradient is checked first (ValueError when its shape, layout, offset or geometry does not match its parameter,
+  // TypeError when its dtype is not a float one), so a bad gradient changes nothing. An error while stepping (I/O,
+  // a budget that cannot hold one tile of the weight, its gradient and its state together) leaves the tiles
+  // stepped before it stepped.
+  // Blocks: promotions and evictions (I/O) in this thread and the I/O pool; the update runs on the compute pool.
+  void step();
+  // Drops every parameter's gradient (.grad = None): nothing is allocated, the gradient carriers go when their
+  // last reference does.
+  void zero_grad();
+
+  // The state of `param` (one of params(), by identity); ValueError otherwise.
+  ParameterState state(const TensorPtr& param) const;
+  // Blocks: each carrier's tile-table lock, briefly.
+  OptimizerStats stats() const;
+  // Whether a step starts the next tile's promotions during the current tile's update. Off by default: measured
+  // slower when the tiers are in the page cache and the cores are few (docs/guide.md, "Optimizers on tiled
+  // parameters"); it can help when promotions wait on a device rather than on the CPU.
+  void set_prefetch(bool on) noexcept { prefetch_ = on; }
+  bool prefetch() const noexcept { return prefetch_; }
+
+ private:
+  struct Slot;
+  void step_slot(Slot& s, const TensorPtr& grad);
+  Algorithm algorithm_;
+  Hyperparameters h_;
+  std::vector<TensorPtr> params_;
+  std::vector<std::unique_ptr<Slot>> slots_;
+  mutable std::mutex mutex_;  // one step (or state read) at a time
+  OptimizerStats counts_;
+  bool prefetch_ = false;
+};
+
+}  // namespace sw::optim

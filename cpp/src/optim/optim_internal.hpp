@@ -1,0 +1,52 @@
+// optim/optim_internal.hpp — what optimizer.cpp, step.cpp and update.cpp share (never a public header).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "strideweave/dtype.hpp"
+#include "strideweave/optim.hpp"
+#include "strideweave/tiled/tiled_evictable.hpp"
+
+namespace sw::optim {
+
+// One parameter: its carrier (tiled or dense), its state tensors and per-tile step counts.
+struct Optimizer::Slot {
+  TensorPtr param;
+  std::shared_ptr<TiledEvictable> tiled;  // null for a dense parameter
+  TensorPtr state1, state2;               // momentum buffer or exp_avg; exp_avg_sq (over Float32 carriers)
+  std::vector<int64_t> steps;             // per tile
+};
+
+}  // namespace sw::optim
+
+namespace sw::optim::detail {
+
+inline bool float_dtype(const DType& d) {
+  return d.id() == DTypeId::Float32 || d.id() == DTypeId::BFloat16 || d.id() == DTypeId::Float16;
+}
+
+inline void add_traffic(TierTraffic& a, int64_t promotions, int64_t evictions, int64_t promoted, int64_t evicted) {
+  a.promotions += promotions;
+  a.evictions += evictions;
+  a.bytes_promoted += promoted;
+  a.bytes_evicted += evicted;
+}
+inline void add_traffic(TierTraffic& a, const TiledStats& s) {
+  add_traffic(a, s.promotions, s.evictions, s.bytes_promoted, s.bytes_evicted);
+}
+// What happened between two readings of a carrier's stats.
+inline void add_traffic(TierTraffic& a, const TiledStats& before, const TiledStats& after) {
+  add_traffic(a, after.promotions - before.promotions, after.evictions - before.evictions,
+              after.bytes_promoted - before.bytes_promoted, after.bytes_evicted - before.bytes_evicted);
+}
+
+// One update of n values in place: the weight `w` (dtype wd), its gradient `g` (dtype gd), the Float32 state s1
+// (momentum buffer or exp_avg; null when none) and s2 (exp_avg_sq), at the tile's step count `step` (1 on its
+// first step). A 16-bit weight is widened, updated in Float32 and rounded once (nearest even).
+// Blocks: runs on the compute pool (a large tile is split over the cores).
+void update(Algorithm a, const Hyperparameters& h, int64_t step, void* w, DTypeId wd, const void* g, DTypeId gd,
+            float* s1, float* s2, int64_t n);
+
+}  // namespace sw::optim::detail

@@ -1,0 +1,147 @@
+// The optimizers (strideweave/optim.hpp, Note [Optimizers on tiled parameters]): validation, the state carriers,
+// and a step tile by tile: each tile's weight, gradient and state made resident and held, one update pass, commit.
+#include "strideweave/optim.hpp"
+
+#include <cmath>
+
+#include "strideweave/carriers/native.hpp"
+#include "strideweave/carriers/storage.hpp"
+#include "strideweave/errors.hpp"
+#include "../tiled/internal.hpp"
+#include "optim_internal.hpp"
+
+namespace sw::optim {
+
+const char* algorithm_name(Algorithm a) {
+  switch (a) {
+    case Algorithm::SGD: return "SGD";
+    case Algorithm::Adam: return "Adam";
+    case Algorithm::AdamW: return "AdamW";
+  }
+  return "?";
+}
+
+namespace {
+
+// Whether `t`'s layout reaches as many slots as it has elements, each once (a compact view).
+bool compact(const TensorImpl& t) { return t.layout.size() == t.layout.cosize() && t.layout.is_injective(); }
+
+}  // namespace
+
+Optimizer::Optimizer(Algorithm algorithm, std::vector<TensorPtr> params, Hyperparameters h)
+    : algorithm_(algorithm), h_(h) {
+  const char* name = algorithm_name(algorithm);
+  auto bad = [&](const char* what, double v, const char* rule) {
+    raise<ValueError>(name, ": invalid ", what, " ", v, " (", rule, ")");
+  };
+  if (!(h.lr >= 0)) bad("learning rate lr", h.lr, "must be >= 0");
+  if (!(h.weight_decay >= 0)) bad("weight_decay", h.weight_decay, "must be >= 0");
+  if (algorithm == Algorithm::SGD) {
+    if (!(h.momentum >= 0)) bad("momentum", h.momentum, "must be >= 0");
+    if (!std::isfinite(h.dampening)) bad("dampening", h.dampening, "must be finite");
+    if (h.nesterov && (h.momentum <= 0 || h.dampening != 0))
+      raise<ValueError>(name, ": nesterov momentum requires momentum > 0 and dampening 0, got momentum ", h.momentum,
+                        " and dampening ", h.dampening);
+  } else {
+    if (!(h.eps >= 0)) bad("eps", h.eps, "must be >= 0");
+    if (!(h.beta1 >= 0 && h.beta1 < 1)) bad("beta at index 0:", h.beta1, "must be in [0, 1)");
+    if (!(h.beta2 >= 0 && h.beta2 < 1)) bad("beta at index 1:", h.beta2, "must be in [0, 1)");
+  }
+  if (params.empty()) raise<ValueError>(name, ": got an empty parameter list");
+  // Every parameter is checked before any state is allocated.
+  for (size_t i = 0; i < params.size(); ++i) {
+    const TensorPtr& p = params[i];
+    if (!p) raise<TypeError>(name, ": parameter ", i, " is None, not a Tensor");
+    if (!detail::float_dtype(p->dtype()))
+      raise<TypeError>(name, ": parameter ", i, " has dtype ", p->dtype().name(),
+                       "; an optimizer steps Float32, BFloat16 or Float16 parameters");
+    for (size_t j = 0; j < i; ++j) {
+      if (params[j] == p) raise<ValueError>(name, ": parameter ", i, " is listed twice (also parameter ", j, ")");
+      if (params[j]->carrier == p->carrier)
+        raise<ValueError>(name, ": parameters ", j, " and ", i, " view one carrier; give each carrier once");
+    }
+    {
+      std::lock_guard lock(p->mutex);
+      if (p->node)
+        raise<ValueError>(name, ": parameter ", i, " is not a leaf (autograd computes it), so it cannot be optimized");
+    }
+    if (!p->is_mutable()) raise<ValueError>(name, ": parameter ", i, " is read-only (its carrier is not mutable)");
+    if (auto t = std::dynamic_pointer_cast<TiledEvictable>(p->carrier)) {
+      if (t->is_released()) raise<ValueError>(name, ": parameter ", i, "'s TiledEvictable is released");
+      if (p->offset != 0 || p->size() != t->size() || !compact(*p))
+        raise<ValueError>(name, ": parameter ", i, " of shape ", p->layout.shape().str(),
+                          " must view the whole extent of its TiledEvictable (", t->size(),
+                          " slots, each once, from offset 0), got ", p->size(), " elements from offset ", p->offset);
+      t->check_footprints(*p);  // ValueError ("tile footprints")
+    } else {
+      if (&p->carrier->kind() != &cpu_kind() || !p->carrier->native_data())
+        raise<ValueError>(name, ": parameter ", i, " is over a ", p->carrier->kind().name,
+                          " carrier; a parameter is a TiledEvictable or a dense CPU tensor");
+      if (!compact(*p))
+        raise<ValueError>(name, ": parameter ", i, " of shape ", p->layout.shape().str(),
+                          " is not compact (its layout reaches ", p->layout.cosize(), " slots for ", p->size(),
+                          " elements, or one slot twice)");
+    }
+  }
+  const bool has_state = algorithm != Algorithm::SGD || h.momentum != 0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    auto s = std::make_unique<Slot>();
+    s->param = params[i];
+    s->tiled = std::dynamic_pointer_cast<TiledEvictable>(params[i]->carrier);
+    auto make_state = [&]() -> TensorPtr {
+      const TensorPtr& p = params[i];
+      if (s->tiled) {
+        // Float32 tiles of the weight's geometry over the weight's primary kind and a scratch file of their own,
+        // every tile an implicit zero, under the weight's budget; no residency policy.
+        CarrierPtr primary = s->tiled->primary()->allocate_like(0, true, DType::Float32(), true);
+        CarrierPtr scratch = std::make_shared<FileBackedCarrier>(std::string(), DType::Float32(), true);
+        auto c = std::make_shared<TiledEvictable>(primary, scratch, s->tiled->grid_shape(), s->tiled->tile_shape(),
+                                                  nullptr, true);
+        TiledInternals::make_implicit_zeros(*c);
+        if (s->tiled->residency_budget()) c->set_residency_budget(s->tiled->residency_budget());
+        return make_tensor(c, p->offset, p->layout);
+      }
+      CarrierPtr c = p->carrier->allocate_like(p->layout.cosize(), true, DType::Float32(), false);  // zeros
+      return make_tensor(c, 0, p->layout);
+    };
+    if (has_state) s->state1 = make_state();
+    if (algorithm != Algorithm::SGD) s->state2 = make_state();
+    s->steps.assign(static_cast<size_t>(s->tiled ? s->tiled->tile_count() : 1), 0);
+    slots_.push_back(std::move(s));
+  }
+  params_ = std::move(params);
+}
+
+Optimizer::~Optimizer() = default;
+
+void Optimizer::zero_grad() {
+  for (const TensorPtr& p : params_) {
+    std::lock_guard lock(p->mutex);
+    p->grad = nullptr;
+  }
+}
+
+ParameterState Optimizer::state(const TensorPtr& param) const {
+  std::lock_guard lock(mutex_);
+  for (const auto& s : slots_) {
+    if (s->param != param) continue;
+    ParameterState out;
+    out.steps = s->steps;
+    if (algorithm_ == Algorithm::SGD) out.momentum_buffer = s->state1;
+    else out.exp_avg = s->state1, out.exp_avg_sq = s->state2;
+    return out;
+  }
+  raise<ValueError>(algorithm_name(algorithm_), ".state: the tensor is not one of this optimizer's parameters");
+}
+
+OptimizerStats Optimizer::stats() const {
+  std::lock_guard lock(mutex_);
+  OptimizerStats out = counts_;
+  out.state = {};
+  for (const auto& s : slots_)
+    for (const TensorPtr& t : {s->state1, s->state2})
+      if (auto c = t ? std::dynamic_pointer_cast<TiledEvictable>(t->carrier) : nullptr) detail::add_traffic(out.state, c->stats());
+  return out;
+}
+
+}  // namespace sw::optim

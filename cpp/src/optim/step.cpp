@@ -1,0 +1,161 @@
+// Optimizer::step (Note [Optimizers on tiled parameters] in strideweave/optim.hpp): the gradients checked first,
+// then each parameter tile by tile: the tile's weight, gradient and state made resident (promotions under the
+// weight's budget) and held, the next tile's transfers started, one update pass, the weight and state committed
+// (dirty, version advanced) and every hold ended, so the budget may evict them afterwards.
+#include <algorithm>
+#include <cmath>
+
+#include "strideweave/carriers/native.hpp"
+#include "strideweave/errors.hpp"
+#include "strideweave/optim.hpp"
+#include "../tiled/internal.hpp"
+#include "optim_internal.hpp"
+
+namespace sw::optim {
+
+namespace {
+
+using Hold = std::unique_ptr<TiledInternals::TileWrite>;
+
+// Tile `i` of `c` resident (promoted through the residency path: admitted under a budget; an implicit tile becomes
+// a zero buffer) and held for an in-place update. Another thread's work may take the tile between the promotion
+// and the hold: tried three times, then RuntimeError.
+Hold hold_resident(TiledEvictable& c, int64_t i, const char* what, const char* name) {
+  const TileCoord coord = c.tile_coord(i);
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    if (c.tile_state(coord).location != TileLocation::Primary) c.promote_async({i})->value();
+    if (Hold h = TiledInternals::hold_tile_for_update(c, i)) return h;
+  }
+  raise<RuntimeError>(name, ".step: tile ", coord_str(coord), " of the ", what,
+                      " could not be held for its update: other work pins it or a request is moving it (or its "
+                      "primary tier has no host memory); wait for that work and step again");
+}
+
+}  // namespace
+
+void Optimizer::step() {
+  std::lock_guard lock(mutex_);
+  const char* name = algorithm_name(algorithm_);
+  // The gradients, every one checked before any tile changes.
+  std::vector<TensorPtr> grads(slots_.size());
+  for (size_t k = 0; k < slots_.size(); ++k) {
+    const Slot& s = *slots_[k];
+    TensorPtr g;
+    {
+      std::lock_guard glock(s.param->mutex);
+      g = s.param->grad;
+    }
+    if (!g) continue;
+    if (!detail::float_dtype(g->dtype()))
+      raise<TypeError>(name, ".step: the gradient of parameter ", k, " has dtype ", g->dtype().name(),
+                       "; gradients are Float32, BFloat16 or Float16");
+    if (!(g->layout == s.param->layout))
+      raise<ValueError>(name, ".step: the gradient of parameter ", k, " has layout ", g->layout.str(),
+                        ", its parameter ", s.param->layout.str(), "; a gradient must have its parameter's layout");
+    if (g->carrier == s.param->carrier || g->carrier->is_released())
+      raise<ValueError>(name, ".step: the gradient of parameter ", k, " is ",
+                        g->carrier->is_released() ? "over a released carrier" : "the parameter's own carrier");
+    if (s.tiled) {
+      auto gt = std::dynamic_pointer_cast<TiledEvictable>(g->carrier);
+      if (!gt || !(gt->geometry() == s.tiled->geometry()) || g->offset != s.param->offset)
+        raise<ValueError>(name, ".step: the gradient of parameter ", k, " (a TiledEvictable of grid ",
+                          coord_str(s.tiled->grid_shape()), " and tile ", coord_str(s.tiled->tile_shape()),
+                          ") must be a tiled gradient of that geometry from offset ", s.param->offset, ", got ",
+                          gt ? "a TiledEvictable of grid " + coord_str(gt->grid_shape()) + " and tile " +
+                                   coord_str(gt->tile_shape()) + " from offset " + std::to_string(g->offset)
+                             : "a " + g->carrier->kind().name + " carrier");
+      if (const auto& budget = s.tiled->residency_budget()) {
+        const int64_t n = s.tiled->tile_size();
+        const int64_t need = s.tiled->tile_bytes() + gt->tile_bytes() + (s.state1 ? 4 * n : 0) + (s.state2 ? 4 * n : 0);
+        if (need > budget->max_bytes())
+          raise<ValueError>(name, ".step: one tile of parameter ", k, " with its gradient and state takes ", need,
+                            " bytes, more than its ResidencyBudget's max_bytes ", budget->max_bytes(),
+                            "; a step holds them resident together");
+      }
+    } else if (&g->carrier->kind() != &cpu_kind() || !g->carrier->native_data()) {
+      raise<ValueError>(name, ".step: the gradient of dense parameter ", k, " is over a ", g->carrier->kind().name,
+                        " carrier; it must be dense CPU memory");
+    }
+    grads[k] = std::move(g);
+  }
+  counts_.steps++;
+  for (size_t k = 0; k < slots_.size(); ++k) {
+    Slot& s = *slots_[k];
+    if (!grads[k]) {
+      counts_.tiles_skipped += static_cast<int64_t>(s.steps.size());
+      continue;
+    }
+    step_slot(s, grads[k]);
+  }
+}
+
+void Optimizer::step_slot(Slot& s, const TensorPtr& grad) {
+  const char* name = algorithm_name(algorithm_);
+  const DTypeId wd = s.param->dtype().id(), gd = grad->dtype().id();
+  if (!s.tiled) {  // a dense parameter: one tile, its memory updated in place
+    const int64_t n = s.param->layout.cosize();
+    auto* w = s.param->carrier->mutable_native_data() + s.param->offset * static_cast<int64_t>(slot_bytes(s.param->dtype()));
+    const auto* g = grad->carrier->native_data() + grad->offset * static_cast<int64_t>(slot_bytes(grad->dtype()));
+    float* s1 = s.state1 ? reinterpret_cast<float*>(s.state1->carrier->mutable_native_data()) : nullptr;
+    float* s2 = s.state2 ? reinterpret_cast<float*>(s.state2->carrier->mutable_native_data()) : nullptr;
+    const int64_t step = ++s.steps[0];
+    detail::update(algorithm_, h_, step, w, wd, g, gd, s1, s2, n);
+    s.param->carrier->bump_version();
+    if (s.state1) s.state1->carrier->bump_version();
+    if (s.state2) s.state2->carrier->bump_version();
+    counts_.tiles_stepped++;
+    return;
+  }
+  TiledEvictable& W = *s.tiled;
+  auto G = std::static_pointer_cast<TiledEvictable>(grad->carrier);
+  TiledEvictable* S1 = s.state1 ? static_cast<TiledEvictable*>(s.state1->carrier.get()) : nullptr;
+  TiledEvictable* S2 = s.state2 ? static_cast<TiledEvictable*>(s.state2->carrier.get()) : nullptr;
+  const TiledStats w0 = W.stats(), g0 = G->stats();
+  // The tiles with a gradient, in canonical order; an implicit gradient tile is skipped (torch: .grad is None).
+  std::vector<int64_t> tiles;
+  for (const TileCoord& t : G->tiles_where([](const TileState& st) { return st.location != TileLocation::Implicit; }))
+    tiles.push_back(G->tile_index(t));
+  std::sort(tiles.begin(), tiles.end());
+  counts_.tiles_skipped += W.tile_count() - static_cast<int64_t>(tiles.size());
+  std::vector<TiledEvictable*> carriers = {&W, G.get()};
+  if (S1) carriers.push_back(S1);
+  if (S2) carriers.push_back(S2);
+  std::vector<CompletionPtr<std::monostate>> prefetch;
+  const int64_t n = W.tile_size();
+  for (size_t k = 0; k < tiles.size(); ++k) {
+    const int64_t i = tiles[k];
+    for (auto& p : prefetch) p->wait();  // its errors, if any, come back from the promotions below
+    prefetch.clear();
+    Hold hw = hold_resident(W, i, "weight", name);
+    Hold hg = hold_resident(*G, i, "gradient", name);
+    Hold h1 = S1 ? hold_resident(*S1, i, "optimizer state", name) : nullptr;
+    Hold h2 = S2 ? hold_resident(*S2, i, "optimizer state", name) : nullptr;
+    // The next tile's transfers run on the I/O pool during this update, when the budget has room for them
+    // besides the tiles held here (else they are left to the next iteration).
+    if (prefetch_ && k + 1 < tiles.size()) {
+      const int64_t j = tiles[k + 1];
+      const TileCoord next = W.tile_coord(j);
+      for (TiledEvictable* c : carriers) {
+        if (c->tile_state(next).location != TileLocation::Secondary) continue;
+        try {
+          prefetch.push_back(c->promote_async({j}));
+          counts_.prefetches++;
+        } catch (const Error&) {  // no room now: the next iteration promotes it itself
+        }
+      }
+    }
+    const int64_t step = ++s.steps[static_cast<size_t>(i)];
+    detail::update(algorithm_, h_, step, hw->data(), wd, hg->data(), gd, h1 ? h1->data() : nullptr,
+           h2 ? h2->data() : nullptr, n);
+    hw->commit();
+    if (h1) h1->commit();
+    if (h2) h2->commit();
+    hg.reset();  // read only: the hold ends, the gradient tile unchanged
+    counts_.tiles_stepped++;
+  }
+  for (auto& p : prefetch) p->wait();
+  detail::add_traffic(counts_.weights, w0, W.stats());
+  detail::add_traffic(counts_.gradients, g0, G->stats());
+}
+
+}  // namespace sw::optim

@@ -1,0 +1,82 @@
+// One update of a tile's values (optim_internal.hpp): torch's scalars for this step, then the element kernels of
+// update_kernels.cpp over pieces that stay in cache, 16-bit weights and gradients widened and the weight rounded
+// back once.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "../ops/half.hpp"
+#include "../ops/strided.hpp"
+#include "optim_internal.hpp"
+#include "update_kernels.hpp"
+
+namespace sw::optim::detail {
+
+namespace {
+
+SgdCoefficients sgd_coefficients(const Hyperparameters& h, bool first) {
+  SgdCoefficients c;
+  c.weight_decay = static_cast<float>(h.weight_decay);
+  c.momentum = static_cast<float>(h.momentum);
+  c.one_minus_dampening = static_cast<float>(1.0 - h.dampening);
+  c.neg_lr = static_cast<float>(-h.lr);
+  c.nesterov = h.nesterov;
+  c.first = first;
+  return c;
+}
+
+// torch's scalars: computed in double (Python floats: `1 - beta1 ** step`, `lr / bias_correction1`,
+// `bias_correction2 ** 0.5` with the C library's pow, as CPython's float power), each rounded to Float32 where it
+// meets a Float32 tensor.
+AdamCoefficients adam_coefficients(const Hyperparameters& h, Algorithm a, int64_t step) {
+  const double bias_correction1 = 1.0 - std::pow(h.beta1, static_cast<double>(step));
+  const double bias_correction2 = 1.0 - std::pow(h.beta2, static_cast<double>(step));
+  const double step_size = h.lr / bias_correction1;
+  AdamCoefficients c;
+  c.decoupled = a == Algorithm::AdamW && h.weight_decay != 0.0;
+  c.decay = static_cast<float>(1.0 - h.lr * h.weight_decay);
+  c.weight_decay = a == Algorithm::Adam ? static_cast<float>(h.weight_decay) : 0.0f;
+  c.lerp_weight = static_cast<float>(1.0 - h.beta1);
+  c.beta2 = static_cast<float>(h.beta2);
+  c.one_minus_beta2 = static_cast<float>(1.0 - h.beta2);
+  c.bias_correction2_sqrt = static_cast<float>(std::pow(bias_correction2, 0.5));
+  c.eps = static_cast<float>(h.eps);
+  c.neg_step_size = static_cast<float>(-step_size);
+  return c;
+}
+
+// n values of `src` (dtype d, 16-bit) widened to Float32 (exact).
+void widen(DTypeId d, const void* src, float* out, int64_t n) {
+  if (d == DTypeId::BFloat16) sw::detail::bf16_to_f32(static_cast<const uint16_t*>(src), out, n);
+  else sw::detail::f16_to_f32(static_cast<const uint16_t*>(src), out, n);
+}
+
+}  // namespace
+
+void update(Algorithm a, const Hyperparameters& h, int64_t step, void* w, DTypeId wd, const void* g, DTypeId gd,
+            float* s1, float* s2, int64_t n) {
+  const SgdCoefficients sgd = sgd_coefficients(h, step == 1);
+  const AdamCoefficients adam = adam_coefficients(h, a, step);
+  constexpr int64_t kChunk = 2048;  // 8 KiB of Float32 per operand: the pieces stay in L1/L2
+  const int64_t wsize = wd == DTypeId::Float32 ? 4 : 2, gsize = gd == DTypeId::Float32 ? 4 : 2;
+  // Bound by memory bandwidth: a large tile (an expert's megabytes) is split over the cores.
+  sw::detail::parallel_for(n, int64_t{1} << 15, [&](int64_t b, int64_t e) {
+    float wb[kChunk], gb[kChunk];
+    for (int64_t at = b; at < e; at += kChunk) {
+      const int64_t len = std::min(kChunk, e - at);
+      void* wat = static_cast<std::byte*>(w) + at * wsize;
+      const void* gat = static_cast<const std::byte*>(g) + at * gsize;
+      float* wp = wd == DTypeId::Float32 ? static_cast<float*>(wat) : wb;
+      if (wd != DTypeId::Float32) widen(wd, wat, wb, len);
+      const float* gp = gd == DTypeId::Float32 ? static_cast<const float*>(gat) : gb;
+      if (gd != DTypeId::Float32) widen(gd, gat, gb, len);
+      float* p1 = s1 ? s1 + at : nullptr;
+      if (a == Algorithm::SGD) sgd_update(wp, gp, p1, len, sgd);
+      else adam_update(wp, gp, p1, s2 + at, len, adam);
+      if (wd == DTypeId::BFloat16) sw::detail::f32_to_bf16(wb, static_cast<uint16_t*>(wat), len);
+      else if (wd == DTypeId::Float16) sw::detail::f32_to_f16(wb, static_cast<uint16_t*>(wat), len);
+    }
+  });
+}
+
+}  // namespace sw::optim::detail

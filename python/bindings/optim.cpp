@@ -1,0 +1,117 @@
+// strideweave._core.Optimizer: the engine's SGD / Adam / AdamW (strideweave/optim.hpp) under the thin Python classes
+// of strideweave.optim.
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include "common.hpp"
+#include "strideweave/errors.hpp"
+#include "strideweave/optim.hpp"
+
+namespace swpy {
+
+namespace {
+
+using sw::TensorImpl;
+using sw::TensorPtr;
+namespace optim = sw::optim;
+
+optim::Algorithm algorithm_of(const std::string& name) {
+  if (name == "SGD") return optim::Algorithm::SGD;
+  if (name == "Adam") return optim::Algorithm::Adam;
+  if (name == "AdamW") return optim::Algorithm::AdamW;
+  sw::raise<sw::ValueError>("Optimizer: algorithm must be 'SGD', 'Adam' or 'AdamW', got '", name, "'");
+}
+
+std::vector<TensorPtr> params_of(nb::handle params, const char* name) {
+  if (nb::isinstance<TensorImpl>(params) || !nb::hasattr(params, "__iter__"))
+    sw::raise<sw::TypeError>(name, ": params must be an iterable of Tensors, got ", nb::type_name(params.type()).c_str());
+  std::vector<TensorPtr> out;
+  for (nb::handle p : nb::iter(params)) {
+    if (!nb::isinstance<TensorImpl>(p))
+      sw::raise<sw::TypeError>(name, ": parameter ", out.size(), " must be a Tensor, got ",
+                               nb::type_name(p.type()).c_str());
+    out.push_back(nb::cast<TensorPtr>(p));
+  }
+  return out;
+}
+
+double number_of(nb::handle v, const char* name, const char* what) {
+  if (PyBool_Check(v.ptr()) || !(PyFloat_Check(v.ptr()) || PyLong_Check(v.ptr())))
+    sw::raise<sw::TypeError>(name, ": ", what, " must be a float, got ", nb::type_name(v.type()).c_str());
+  return PyFloat_AsDouble(v.ptr());
+}
+
+nb::dict traffic(const optim::TierTraffic& t) {
+  nb::dict d;
+  d["promotions"] = t.promotions;
+  d["evictions"] = t.evictions;
+  d["bytes_promoted"] = t.bytes_promoted;
+  d["bytes_evicted"] = t.bytes_evicted;
+  return d;
+}
+
+}  // namespace
+
+void bind_optim(nb::module_& m) {
+  nb::class_<optim::Optimizer>(m, "Optimizer", nb::is_final(),
+                               "The engine behind strideweave.optim.SGD, Adam and AdamW (use those).")
+      .def("__init__",
+           [](optim::Optimizer* self, const std::string& algorithm, nb::handle params, nb::handle lr,
+              nb::handle momentum, nb::handle dampening, bool nesterov, nb::handle beta1, nb::handle beta2,
+              nb::handle eps, nb::handle weight_decay) {
+             const optim::Algorithm a = algorithm_of(algorithm);
+             const char* name = optim::algorithm_name(a);
+             optim::Hyperparameters h;
+             h.lr = number_of(lr, name, "lr");
+             h.momentum = number_of(momentum, name, "momentum");
+             h.dampening = number_of(dampening, name, "dampening");
+             h.nesterov = nesterov;
+             h.beta1 = number_of(beta1, name, "betas[0]");
+             h.beta2 = number_of(beta2, name, "betas[1]");
+             h.eps = number_of(eps, name, "eps");
+             h.weight_decay = number_of(weight_decay, name, "weight_decay");
+             std::vector<TensorPtr> ps = params_of(params, name);
+             new (self) optim::Optimizer(a, std::move(ps), h);
+           },
+           nb::arg("algorithm"), nb::arg("params"), nb::arg("lr"), nb::arg("momentum"), nb::arg("dampening"),
+           nb::arg("nesterov"), nb::arg("beta1"), nb::arg("beta2"), nb::arg("eps"), nb::arg("weight_decay"),
+           nb::sig("def __init__(self, algorithm: str, params: collections.abc.Iterable[Tensor], lr: float, "
+                   "momentum: float, dampening: float, nesterov: bool, beta1: float, beta2: float, eps: float, "
+                   "weight_decay: float) -> None"))
+      .def("step", [](optim::Optimizer& o) {
+        GilRelease nogil;
+        o.step();
+      }, "One step over every parameter with a gradient, tile by tile.")
+      .def("zero_grad", &optim::Optimizer::zero_grad, "Drops every parameter's gradient (.grad = None).")
+      .def_prop_rw("prefetch", &optim::Optimizer::prefetch, &optim::Optimizer::set_prefetch,
+                   "Whether a step promotes the next tile during the current tile's update (default False).")
+      .def_prop_ro("params", [](const optim::Optimizer& o) { return o.params(); })
+      .def_prop_ro("algorithm", [](const optim::Optimizer& o) { return std::string(optim::algorithm_name(o.algorithm())); })
+      .def("state", [](const optim::Optimizer& o, const TensorPtr& param) {
+        optim::ParameterState s = o.state(param);
+        nb::dict d;
+        d["step"] = nb::cast(s.steps);
+        if (o.algorithm() == optim::Algorithm::SGD) {
+          d["momentum_buffer"] = nb::cast(s.momentum_buffer);
+        } else {
+          d["exp_avg"] = nb::cast(s.exp_avg);
+          d["exp_avg_sq"] = nb::cast(s.exp_avg_sq);
+        }
+        return d;
+      }, nb::arg("param"), nb::sig("def state(self, param: Tensor) -> dict[str, typing.Any]"))
+      .def("stats", [](const optim::Optimizer& o) {
+        optim::OptimizerStats s = o.stats();
+        nb::dict d;
+        d["steps"] = s.steps;
+        d["tiles_stepped"] = s.tiles_stepped;
+        d["tiles_skipped"] = s.tiles_skipped;
+        d["prefetches"] = s.prefetches;
+        d["weights"] = traffic(s.weights);
+        d["gradients"] = traffic(s.gradients);
+        d["state"] = traffic(s.state);
+        return d;
+      }, nb::sig("def stats(self) -> dict[str, typing.Any]"));
+}
+
+}  // namespace swpy

@@ -1,0 +1,91 @@
+"""Optimizers on tiled parameters: ``SGD``, ``Adam`` and ``AdamW``, stepped tile by tile in the C++ engine.
+
+A parameter is a ``Tensor`` over the whole extent of a ``TiledEvictable`` (one tile per expert) or a dense CPU
+tensor. Each tile is stepped as ``torch.optim`` steps one ``nn.Parameter``: a tile whose gradient tile is an
+implicit zero is skipped, and each tile keeps its own step count. The state (momentum buffer, ``exp_avg``,
+``exp_avg_sq``) is Float32, in TiledEvictables beside the weight (their own scratch file, the weight's residency
+budget). docs/guide.md, "Optimizers on tiled parameters".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from ._core import Optimizer as _Engine
+from ._core import Tensor
+
+__all__ = ["SGD", "Adam", "AdamW"]
+
+
+class _Optimizer:
+    """What the three share: the engine object and its methods."""
+
+    _engine: _Engine
+
+    @property
+    def params(self) -> list[Tensor]:
+        """The parameters, in the order given."""
+        return list(self._engine.params)
+
+    @property
+    def prefetch(self) -> bool:
+        """Whether a step starts the next tile's promotions during the current tile's update (default False)."""
+        return self._engine.prefetch
+
+    @prefetch.setter
+    def prefetch(self, on: bool) -> None:
+        self._engine.prefetch = bool(on)
+
+    def step(self) -> None:
+        """One step over every parameter with a gradient, tile by tile (the GIL is released meanwhile)."""
+        self._engine.step()
+
+    def zero_grad(self) -> None:
+        """Drops every parameter's gradient (``.grad = None``); nothing is allocated."""
+        self._engine.zero_grad()
+
+    def state(self, param: Tensor) -> dict[str, Any]:
+        """``{"step": [per-tile counts], ...}`` with the state tensors of ``param`` (Float32, its shape and layout)."""
+        return self._engine.state(param)
+
+    def stats(self) -> dict[str, Any]:
+        """Steps, tiles stepped and skipped, prefetches, and transfers per tier (weights, gradients, state)."""
+        return self._engine.stats()
+
+
+def _betas(betas: Iterable[float], name: str) -> tuple[float, float]:
+    values = tuple(betas)
+    if len(values) != 2:
+        raise ValueError(f"{name}: betas must be a pair (beta1, beta2), got {len(values)} values")
+    return values[0], values[1]
+
+
+class SGD(_Optimizer):
+    """``torch.optim.SGD``'s update, per tile: ``SGD(params, lr, momentum=0.0, dampening=0.0, weight_decay=0.0,
+    nesterov=False)``."""
+
+    def __init__(self, params: Iterable[Tensor], lr: float, momentum: float = 0.0, dampening: float = 0.0,
+                 weight_decay: float = 0.0, nesterov: bool = False) -> None:
+        self._engine = _Engine("SGD", params, lr, momentum, dampening, bool(nesterov), 0.9, 0.999, 1e-8,
+                               weight_decay)
+
+
+class Adam(_Optimizer):
+    """``torch.optim.Adam``'s update, per tile: ``Adam(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+    weight_decay=0.0)`` (weight decay added to the gradient)."""
+
+    def __init__(self, params: Iterable[Tensor], lr: float = 1e-3, betas: Iterable[float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0) -> None:
+        b1, b2 = _betas(betas, "Adam")
+        self._engine = _Engine("Adam", params, lr, 0.0, 0.0, False, b1, b2, eps, weight_decay)
+
+
+class AdamW(_Optimizer):
+    """``torch.optim.AdamW``'s update, per tile: ``AdamW(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+    weight_decay=1e-2)`` (decoupled: the weight is scaled by ``1 - lr * weight_decay`` first)."""
+
+    def __init__(self, params: Iterable[Tensor], lr: float = 1e-3, betas: Iterable[float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2) -> None:
+        b1, b2 = _betas(betas, "AdamW")
+        self._engine = _Engine("AdamW", params, lr, 0.0, 0.0, False, b1, b2, eps, weight_decay)
