@@ -479,5 +479,7 @@ def test_moe_block_refuses_wrong_inputs(saved):
         Cls(moe, block.gate, shared_expert=torch.nn.Identity())
     with pytest.raises(ValueError, match="jitter_noise must be a number in"):
         Cls(moe, block.gate, jitter_noise=1.5)
-    built = Cls(moe, torch.zeros(8, H))  # a tensor becomes the Parameter gate.weight
-    assert isinstance(built.gate.weight, torch.nn.Parameter) and built.gate.weight.shape == (8, H)
+    weight = torch.zeros(8, H)
+    built = Cls(moe, weight)  # a tensor becomes the Parameter gate.weight, over the same memory
+    assert isinstance(built.gate.weight, torch.nn.Parameter) and built.gate.weight.data_ptr() == weight.data_ptr()
+    assert Cls(moe, block.gate.weight).gate.weight is block.gate.weight  # a Parameter is held as it is

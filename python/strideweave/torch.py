@@ -195,9 +195,9 @@ def _classes() -> dict:
             if not isinstance(moe, sw.moe.SparseMoE):
                 raise TypeError(f"MoEBlock: moe must be a strideweave.moe.SparseMoE, got {type(moe).__name__}")
             dtype = _torch_dtype(moe.dtype)
-            if isinstance(gate, torch.Tensor) and not isinstance(gate, torch.nn.Parameter):
+            if isinstance(gate, torch.Tensor):  # a Parameter is held as it is, a tensor as a Parameter over it
                 router = torch.nn.Module()
-                router.weight = torch.nn.Parameter(gate.detach())
+                router.weight = gate if isinstance(gate, torch.nn.Parameter) else torch.nn.Parameter(gate.detach())
                 gate = router
             if not isinstance(gate, torch.nn.Module) or not isinstance(getattr(gate, "weight", None),
                                                                        torch.nn.Parameter):
