@@ -3,6 +3,7 @@
 
 #include <functional>
 #include <memory>
+#include <variant>
 
 #include "common.hpp"
 #include "strideweave/completion.hpp"
@@ -22,5 +23,8 @@ struct AwaitMove : AwaitHandle {};
 
 // The garbage collector's slots of every handle class (AwaitResult and each subclass passes them).
 extern PyType_Slot await_slots[];
+
+// sparse MoE block: an AwaitResidency handle of a residency request (tiled.cpp).
+nb::object residency_await(sw::CompletionPtr<std::monostate> c);
 
 }  // namespace swpy

@@ -7,6 +7,8 @@ namespace swpy { void bind_checkpoint(nb::module_& m); }  // checkpoint.cpp
 namespace swpy { void bind_views(nb::module_& m); }  // views.cpp
 // optimizers on tiled parameters
 namespace swpy { void bind_optim(nb::module_& m); }  // optim.cpp
+// sparse MoE block
+namespace swpy { void bind_moe(nb::module_& m); }  // moe.cpp
 
 NB_MODULE(_core, m) {
   m.doc() = "StrideWeave engine (C++20). Import `strideweave`, not this module.";
@@ -30,6 +32,8 @@ NB_MODULE(_core, m) {
   swpy::bind_views(m);
   // optimizers on tiled parameters
   swpy::bind_optim(m);
+  // sparse MoE block
+  swpy::bind_moe(m);
   // Note [Drain at exit] (completion.hpp): let pool threads drop their references to
   // Python-owned objects before finalization. Bounded, so work that never completes
   // (a transfer nobody finishes) cannot hang the exit.

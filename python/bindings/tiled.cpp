@@ -629,4 +629,7 @@ void bind_tiled(nb::module_& m) {
 #undef TILES
 #undef COORDS
 
+// sparse MoE block: its prefetch returns a residency request's handle
+nb::object residency_await(sw::CompletionPtr<std::monostate> c) { return residency_handle(std::move(c)); }
+
 }  // namespace swpy

@@ -80,6 +80,8 @@ from .carriers.tiled_evictable import ResidencyBudget  # noqa: E402
 
 # optimizers on tiled parameters
 from . import optim  # noqa: E402
+# sparse MoE block
+from . import moe  # noqa: E402
 
 
 def move(tensor: Tensor, destination: Carrier) -> Tensor:
@@ -159,4 +161,6 @@ __all__ = [
     "topk",
     # optimizers on tiled parameters
     "optim",
+    # sparse MoE block
+    "moe",
 ]

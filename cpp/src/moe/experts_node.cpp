@@ -1,0 +1,285 @@
+// SparseMoE's expert part: the forward visit of the routed experts and its autograd node (Note [A sparse MoE
+// block] in sparse_moe.cpp), plus the dense helpers both use.
+#include <cstring>
+#include <deque>
+
+#include "../ops/activations.hpp"
+#include "../ops/dense.hpp"
+#include "../ops/half.hpp"
+#include "internal.hpp"
+#include "strideweave/autograd.hpp"
+#include "strideweave/carriers/native.hpp"
+#include "strideweave/errors.hpp"
+#include "strideweave/grad_mode.hpp"
+#include "strideweave/ops.hpp"
+
+namespace sw::moe {
+
+// ---------------------------------------------------------------- dense helpers
+
+std::vector<float> floats_of(const TensorImpl& t) {
+  const int64_t n = t.size();
+  std::vector<float> v(static_cast<size_t>(n));
+  const std::byte* base = t.carrier->native_data();
+  if (base && t.layout.is_column_major()) {
+    switch (t.dtype().id()) {
+      case DTypeId::Float32:
+        std::memcpy(v.data(), reinterpret_cast<const float*>(base) + t.offset, static_cast<size_t>(n) * 4);
+        return v;
+      case DTypeId::BFloat16:
+        detail::bf16_to_f32(reinterpret_cast<const uint16_t*>(base) + t.offset, v.data(), n);
+        return v;
+      case DTypeId::Float16:
+        detail::f16_to_f32(reinterpret_cast<const uint16_t*>(base) + t.offset, v.data(), n);
+        return v;
+      default:
+        break;
+    }
+  }
+  std::vector<double> d = detail::read_doubles(t);
+  for (size_t i = 0; i < d.size(); ++i) v[i] = static_cast<float>(d[i]);
+  return v;
+}
+
+void round_to(std::vector<float>& v, const DType& dtype) {
+  const auto n = static_cast<int64_t>(v.size());
+  std::vector<uint16_t> bits(v.size());
+  if (dtype.id() == DTypeId::BFloat16) {
+    detail::f32_to_bf16(v.data(), bits.data(), n);
+    detail::bf16_to_f32(bits.data(), v.data(), n);
+  } else if (dtype.id() == DTypeId::Float16) {
+    detail::f32_to_f16(v.data(), bits.data(), n);
+    detail::f16_to_f32(bits.data(), v.data(), n);
+  }
+}
+
+TensorPtr tensor_of(const std::vector<float>& v, int64_t rows, int64_t cols, const DType& dtype) {
+  auto c = std::make_shared<CPUCarrier>(rows * cols, dtype, true, /*empty=*/true);
+  std::byte* dst = c->mutable_native_data();
+  const int64_t n = rows * cols;
+  if (dtype.id() == DTypeId::Float32) std::memcpy(dst, v.data(), static_cast<size_t>(n) * 4);
+  else if (dtype.id() == DTypeId::BFloat16) detail::f32_to_bf16(v.data(), reinterpret_cast<uint16_t*>(dst), n);
+  else if (dtype.id() == DTypeId::Float16) detail::f32_to_f16(v.data(), reinterpret_cast<uint16_t*>(dst), n);
+  else raise<InternalError>("SparseMoE: tensor_of of ", dtype.name());
+  return make_tensor(std::move(c), 0, column_major(Shape::flat({rows, cols})));
+}
+
+TensorPtr int_tensor(const std::vector<int32_t>& v) {
+  const auto n = static_cast<int64_t>(v.size());
+  auto c = std::make_shared<CPUCarrier>(n, DType::Int32(), true, /*empty=*/true);
+  std::memcpy(c->mutable_native_data(), v.data(), v.size() * sizeof(int32_t));
+  return make_tensor(std::move(c), 0, column_major(Shape::flat({n})));
+}
+
+TensorPtr op(OpId id, const TensorPtr& a, const TensorPtr& b) {
+  GradModeGuard off(false);
+  std::vector<Operand> ops{Operand::of(a)};
+  if (b) ops.push_back(Operand::of(b));
+  return call_op(id, ops);
+}
+
+TensorPtr matrix_of(const TensorPtr& compact) {
+  const FlatLayout& f = compact->layout.flat();
+  return make_tensor(compact->carrier, compact->offset,
+                     Layout(Shape::flat({f.extents[0], f.extents[1]}), Stride::flat({f.strides[0], f.strides[1]})));
+}
+
+TensorPtr compact_of(const TensorPtr& matrix) {
+  const FlatLayout& f = matrix->layout.flat();
+  return make_tensor(matrix->carrier, matrix->offset,
+                     Layout(Shape::flat({f.extents[0], f.extents[1], 1}),
+                            Stride::flat({f.strides[0], f.strides[1], f.extents[0] * f.extents[1]})));
+}
+
+TensorPtr transposed(const TensorPtr& t) { return permute_modes(t, {1, 0}); }
+
+namespace {
+
+// Whether a two-mode tensor is row-major (mode 1 contiguous): a PyTorch (out, in) tile.
+bool row_major(const TensorImpl& t) {
+  const FlatLayout& f = t.layout.flat();
+  return f.extents.size() == 2 && f.strides[1] == 1 && f.strides[0] == f.extents[1] && f.extents[0] > 1 &&
+         f.extents[1] > 1;
+}
+
+// a b^T (a (m, k), b (n, k)), laid out like `like` (row-major when it is: the tile's own order, so the
+// projection's VJP copies it into the tile run by run).
+TensorPtr product_like(const TensorPtr& a, const TensorPtr& b, const TensorImpl& like) {
+  if (row_major(like)) return transposed(op(OpId::Matmul, b, a));
+  return op(OpId::Matmul, a, b);
+}
+
+// One value rounded to `dtype` (Float32: as is).
+inline float round1(float v, DTypeId dtype) {
+  if (dtype == DTypeId::BFloat16) return detail::bf16_to_float(detail::float_to_bf16(v));
+  if (dtype == DTypeId::Float16) return detail::f16_to_float(detail::float_to_f16(v));
+  return v;
+}
+
+struct ExpertRecord {
+  int64_t expert = 0;
+  std::vector<int32_t> tokens;
+  std::vector<int64_t> positions;  // t + T j
+  TensorPtr token_tensor;          // Int32 (n,)
+  TensorPtr h1, h3, y;             // (n, I), (n, I), (n, H), the block's dtype
+};
+
+struct ExpertsNode final : Node {
+  std::shared_ptr<MoEShared> s;
+  TensorPtr x, weights;
+  int64_t tokens = 0;
+  std::vector<ExpertRecord> records;  // in forward order
+
+  std::vector<TensorPtr> apply(const TensorPtr& g) override;
+  void release_saved() override {
+    saved.clear();
+    records.clear();
+    x = weights = nullptr;
+  }
+};
+
+std::vector<TensorPtr> ExpertsNode::apply(const TensorPtr& g) {
+  MoEShared& st = *s;
+  std::lock_guard lock(st.call_mutex);
+  st.settle_prefetches();
+  const int64_t T = tokens, H = st.hidden, I = st.inter;
+  const DTypeId bd = st.dtype->id();
+  const std::vector<float> gv = floats_of(*g);        // (T, H) column-major
+  const std::vector<float> wv = floats_of(*weights);  // (T, k) column-major
+  std::vector<float> dx(static_cast<size_t>(T * H), 0.0f);
+  std::vector<double> dw(wv.size(), 0.0);
+  const int64_t depth = st.depth(true);
+  std::deque<ExpertTiles> window;
+  size_t next = 0;  // records are visited from the last
+  const size_t count = records.size();
+  for (size_t i = 0; i < count; ++i) {
+    while (next < count && next <= i + static_cast<size_t>(depth)) {
+      window.push_back(start_expert(st, records[count - 1 - next].expert, /*record=*/true));
+      ++next;
+    }
+    ExpertTiles& tiles = window.front();
+    finish_expert(st, tiles);
+    const ExpertRecord& r = records[count - 1 - i];
+    const auto n = static_cast<int64_t>(r.tokens.size());
+    // dY = g[tokens] w (the block's dtype), dw = <g_t, y_t>.
+    const std::vector<float> yf = floats_of(*r.y);
+    std::vector<float> dy(static_cast<size_t>(n * H));
+    for (int64_t q = 0; q < n; ++q) {
+      const int64_t t = r.tokens[static_cast<size_t>(q)];
+      const float w = wv[static_cast<size_t>(r.positions[static_cast<size_t>(q)])];
+      double dot = 0;
+      for (int64_t h = 0; h < H; ++h) {
+        const float gt = gv[static_cast<size_t>(t + T * h)];
+        dy[static_cast<size_t>(q + n * h)] = gt * w;
+        dot += static_cast<double>(gt) * yf[static_cast<size_t>(q + n * h)];
+      }
+      dw[static_cast<size_t>(r.positions[static_cast<size_t>(q)])] += dot;
+    }
+    TensorPtr dyt = tensor_of(dy, n, H, *st.dtype);  // rounded once to the block's dtype
+    // dA = dY W2 (n, I); a = silu(h1); dh3 = dA * a; dh1 = (dA * h3) silu'(h1).
+    TensorPtr da = op(OpId::Matmul, dyt, transposed(tiles.matrix[1]));
+    TensorPtr a = op(OpId::Silu, r.h1);
+    const std::vector<float> daf = floats_of(*da), af = floats_of(*a), h1f = floats_of(*r.h1), h3f = floats_of(*r.h3);
+    std::vector<float> dh1(daf.size()), dh3(daf.size());
+    for (size_t p = 0; p < daf.size(); ++p) {
+      dh3[p] = daf[p] * af[p];
+      dh1[p] = detail::silu_grad_of(round1(daf[p] * h3f[p], bd), h1f[p]);
+    }
+    TensorPtr dh1t = tensor_of(dh1, n, I, *st.dtype), dh3t = tensor_of(dh3, n, I, *st.dtype);
+    // Weight gradients, each in its tile's order.
+    TensorPtr xe;
+    {
+      GradModeGuard off(false);
+      xe = index_select(x, 0, r.token_tensor);
+    }
+    TensorPtr hh = op(OpId::ElementwiseMul, a, r.h3);
+    TensorPtr dW[3] = {product_like(transposed(dh1t), transposed(xe), *tiles.matrix[0]),
+                       product_like(transposed(dyt), transposed(hh), *tiles.matrix[1]),
+                       product_like(transposed(dh3t), transposed(xe), *tiles.matrix[2])};
+    // dx_e = dh1 W1 + dh3 W3.
+    const std::vector<float> dx1 = floats_of(*op(OpId::Matmul, dh1t, transposed(tiles.matrix[0])));
+    const std::vector<float> dx3 = floats_of(*op(OpId::Matmul, dh3t, transposed(tiles.matrix[2])));
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t q = 0; q < n; ++q) {
+        const auto p = static_cast<size_t>(q + n * h);
+        dx[static_cast<size_t>(r.tokens[static_cast<size_t>(q)] + T * h)] += dx1[p] + dx3[p];
+      }
+    // Into the tiled gradients, through each tile's projection node.
+    for (size_t k = 0; k < 3; ++k) backward(tiles.compact[k], compact_of(dW[k]), false);
+    window.pop_front();  // the expert's tiles go
+  }
+  std::vector<float> dwf(dw.begin(), dw.end());
+  const int64_t k = st.top_k;
+  return {tensor_of(dx, T, H, DType::Float32()), tensor_of(dwf, T, k, DType::Float32())};
+}
+
+}  // namespace
+
+TensorPtr run_experts(const std::shared_ptr<MoEShared>& sp, const TensorPtr& x, const TensorPtr& weights,
+                      const TensorPtr& indices) {
+  MoEShared& s = *sp;
+  std::lock_guard lock(s.call_mutex);
+  const bool record = is_grad_enabled() && (x->is_differentiable() || weights->is_differentiable());
+  GradModeGuard off(false);
+  s.settle_prefetches();
+  {
+    std::lock_guard l(s.stats_mutex);
+    s.stats.calls++;
+  }
+  const int64_t T = x->layout.flat().extents[0], H = s.hidden, k = s.top_k;
+  const DTypeId bd = s.dtype->id();
+  const Dispatch d = dispatch(detail::read_doubles(*indices), T, k, s.experts);
+  const std::vector<float> wv = floats_of(*weights);
+  std::vector<float> out(static_cast<size_t>(T * H), 0.0f);  // row-major
+  std::vector<ExpertRecord> records;
+  const int64_t depth = s.depth(false);
+  std::deque<ExpertTiles> window;
+  size_t next = 0;
+  for (size_t i = 0; i < d.experts.size(); ++i) {
+    while (next < d.experts.size() && next <= i + static_cast<size_t>(depth)) {
+      window.push_back(start_expert(s, d.experts[next], /*record=*/false));
+      ++next;
+    }
+    ExpertTiles& tiles = window.front();
+    finish_expert(s, tiles);
+    const std::vector<int32_t>& tok = d.tokens[i];
+    const std::vector<int64_t>& pos = d.positions[i];
+    const auto n = static_cast<int64_t>(tok.size());
+    TensorPtr tok_t = int_tensor(tok);
+    TensorPtr xe = index_select(x, 0, tok_t);
+    TensorPtr h1 = op(OpId::Matmul, xe, tiles.matrix[0]);
+    TensorPtr h3 = op(OpId::Matmul, xe, tiles.matrix[2]);
+    TensorPtr y = op(OpId::Matmul, op(OpId::ElementwiseMul, op(OpId::Silu, h1), h3), tiles.matrix[1]);
+    const std::vector<float> yf = floats_of(*y);  // (n, H) column-major
+    for (int64_t q = 0; q < n; ++q) {
+      const float w = wv[static_cast<size_t>(pos[static_cast<size_t>(q)])];
+      float* row = out.data() + static_cast<size_t>(tok[static_cast<size_t>(q)]) * static_cast<size_t>(H);
+      for (int64_t h = 0; h < H; ++h) row[h] = round1(row[h] + round1(yf[static_cast<size_t>(q + n * h)] * w, bd), bd);
+    }
+    if (record) records.push_back({d.experts[i], tok, pos, tok_t, h1, h3, y});
+    window.pop_front();
+  }
+  auto c = std::make_shared<CPUCarrier>(T * H, *s.dtype, true, /*empty=*/true);
+  std::byte* dst = c->mutable_native_data();
+  if (bd == DTypeId::Float32) std::memcpy(dst, out.data(), out.size() * 4);
+  else if (bd == DTypeId::BFloat16) detail::f32_to_bf16(out.data(), reinterpret_cast<uint16_t*>(dst), T * H);
+  else detail::f32_to_f16(out.data(), reinterpret_cast<uint16_t*>(dst), T * H);
+  TensorPtr result = make_tensor(std::move(c), 0, Layout(Shape::flat({T, H}), Stride::flat({H, 1})));
+  if (record) {
+    auto node = std::make_shared<ExpertsNode>();
+    node->name = "sparse_moe_experts";
+    node->dispatch_kind = &cpu_kind();
+    node->inputs = {x, weights};
+    node->save(x);
+    node->save(weights);
+    node->s = sp;
+    node->x = x;
+    node->weights = weights;
+    node->tokens = T;
+    node->records = std::move(records);
+    attach_node(node, result);
+  }
+  return result;
+}
+
+}  // namespace sw::moe
