@@ -372,6 +372,28 @@ def test_a_budget_smaller_than_the_routed_experts(dtype, experts_held):
     assert moe.stats()["expert_visits"] == 4 * routed
 
 
+@pytest.mark.parametrize("dtype", [DType.Float32, DType.BFloat16], ids=lambda d: d.name)
+def test_later_backwards_add_into_the_held_gradient(dtype):
+    """A second backward adds each dW into the resident .grad tile in place; a .grad the caller holds is left as
+    it was (the sum is a fresh gradient then)."""
+    x, router, w1, w2, w3, g = problem(BASE_SEED + 350, dtype, 2)
+    moe = build(w1, w2, w3, dtype, top_k=2)
+    run(moe, x, router, g, dtype)
+    one = grads_of(moe)
+    run(moe, x, router, g, dtype)
+    two = grads_of(moe)
+    held = moe.w1.grad
+    version = held.carrier.version
+    run(moe, x, router, g, dtype)
+    three = grads_of(moe)
+    assert held.carrier.version == version and moe.w1.grad is not held
+    np.testing.assert_array_equal(values(held).transpose(2, 0, 1), two["w1"])
+    u = UNIT[dtype] + U32  # each step: a Float32 sum rounded once to the .grad's dtype
+    for name in ("w1", "w2", "w3"):
+        assert_within(f"2 {name}", two[name], 2 * one[name], u * 2 * np.abs(one[name]) + 1e-30)
+        assert_within(f"3 {name}", three[name], 3 * one[name], u * (2 + 3) * np.abs(one[name]) + 1e-30)
+
+
 # ---------------------------------------------------------------- prefetch and statistics
 
 

@@ -6,6 +6,8 @@
 #include "../ops/activations.hpp"
 #include "../ops/dense.hpp"
 #include "../ops/half.hpp"
+#include "../tiled/internal.hpp"
+#include "../tiled/tile_copies.hpp"
 #include "internal.hpp"
 #include "strideweave/autograd.hpp"
 #include "strideweave/carriers/native.hpp"
@@ -109,6 +111,91 @@ TensorPtr product_like(const TensorPtr& a, const TensorPtr& b, const TensorImpl&
   return op(OpId::Matmul, a, b);
 }
 
+// `t` (a view of a whole native carrier) over a Float32 copy of that carrier, widened exactly; `t` itself when
+// it is Float32. A 16-bit cotangent would reach backward's seed copy, which converts slot by slot.
+TensorPtr widened(const TensorPtr& t) {
+  if (t->dtype().id() == DTypeId::Float32) return t;
+  const int64_t n = t->carrier->size();
+  auto c = std::make_shared<CPUCarrier>(n, DType::Float32(), true, /*empty=*/true);
+  const auto* src = reinterpret_cast<const uint16_t*>(t->carrier->native_data());
+  auto* dst = reinterpret_cast<float*>(c->mutable_native_data());
+  if (t->dtype().id() == DTypeId::BFloat16) detail::bf16_to_f32(src, dst, n);
+  else detail::f16_to_f32(src, dst, n);
+  return make_tensor(std::move(c), t->offset, t->layout);
+}
+
+// Adds dW (a (rows, cols) tensor over a whole native carrier of one tile's size) into tile `e` of the weight's
+// .grad in place, when that tile is resident, nobody but the leaf holds the gradient and dW's memory is in the
+// tile buffer's order: what backward through the tile's projection would do (a Float32 sum, rounded once to a
+// 16-bit .grad), without the fresh one-tile gradient in between (Note [A sparse MoE block]). False, changing
+// nothing, otherwise.
+bool add_into_resident_gradient(const Weight& w, int64_t e, const TensorPtr& dW) {
+  const TensorPtr& leaf = w.full;
+  TensorPtr current;
+  {
+    std::lock_guard lock(leaf->mutex);
+    if (leaf->node) return false;
+    current = leaf->grad;
+  }
+  // The same conditions as the projection's gradient sink (Note [Gradient sinks]): `current` is held here once
+  // beside the leaf's .grad, and its carrier by nobody else.
+  if (!current || current.use_count() != 2 || !current->carrier->is_mutable() || current->carrier->is_owned() ||
+      current->carrier == leaf->carrier || !(current->layout == leaf->layout) || current->offset != leaf->offset)
+    return false;
+  const auto* raw = dynamic_cast<const TiledEvictable*>(current->carrier.get());
+  if (!raw || raw->is_released() || raw->grid_shape() != w.carrier->grid_shape() ||
+      raw->tile_shape() != w.carrier->tile_shape() || !TiledInternals::only_reference_is(*raw, current->carrier))
+    return false;
+  auto acc = std::static_pointer_cast<TiledEvictable>(current->carrier);  // checked before this reference
+  const DTypeId gd = acc->dtype().id();
+  if ((gd != DTypeId::Float32 && acc->dtype() != leaf->dtype()) || dW->offset != 0 ||
+      dW->carrier->size() != acc->tile_size() || !dW->carrier->native_data())
+    return false;
+  if (!TileAccess(*acc, *current).buffer_order_is(compact_of(dW)->layout)) return false;
+  std::unique_ptr<TiledInternals::TileWrite> write = TiledInternals::hold_tile_for_update(*acc, acc->tile_index({0, 0, e}));
+  if (!write) return false;
+  const int64_t n = acc->tile_size();
+  const std::vector<float> d = floats_of(*make_tensor(dW->carrier, 0, column_major(Shape::flat({n}))));
+  if (gd == DTypeId::Float32) {
+    float* g = write->data();
+    for (int64_t i = 0; i < n; ++i) g[i] += d[static_cast<size_t>(i)];
+  } else {  // widened, added in Float32, rounded once
+    auto* g = reinterpret_cast<uint16_t*>(write->data());
+    constexpr int64_t kBlock = 4096;
+    float buf[kBlock];
+    for (int64_t b = 0; b < n; b += kBlock) {
+      const int64_t m = std::min(kBlock, n - b);
+      if (gd == DTypeId::BFloat16) detail::bf16_to_f32(g + b, buf, m);
+      else detail::f16_to_f32(g + b, buf, m);
+      for (int64_t i = 0; i < m; ++i) buf[i] += d[static_cast<size_t>(b + i)];
+      if (gd == DTypeId::BFloat16) detail::f32_to_bf16(buf, g + b, m);
+      else detail::f32_to_f16(buf, g + b, m);
+    }
+  }
+  write->commit();
+  return true;
+}
+
+// lhs (n, rows) times a weight tile (rows, cols), contracted over the tile's rows: (n, cols) in Float32, column-major.
+// `lhs` holds values of the block's dtype. A 16-bit tile is widened (exactly) into `scratch` first, so that BLAS
+// reads it in its own order: a 16-bit product would pack the tile transposed (its contiguous index is not the
+// contracted one), which costs more than widening. Float32 sums either way, as the 16-bit product's.
+std::vector<float> times_tile(const std::vector<float>& lhs, int64_t n, const TensorPtr& tile,
+                              std::shared_ptr<CPUCarrier>& scratch) {
+  TensorPtr w = tile;
+  if (tile->dtype().id() != DTypeId::Float32) {
+    const int64_t size = tile->carrier->size();
+    if (!scratch || scratch->size() != size)
+      scratch = std::make_shared<CPUCarrier>(size, DType::Float32(), true, /*empty=*/true);
+    const auto* src = reinterpret_cast<const uint16_t*>(tile->carrier->native_data());
+    auto* dst = reinterpret_cast<float*>(scratch->mutable_native_data());
+    if (tile->dtype().id() == DTypeId::BFloat16) detail::bf16_to_f32(src, dst, size);
+    else detail::f16_to_f32(src, dst, size);
+    w = make_tensor(scratch, tile->offset, tile->layout);
+  }
+  return floats_of(*op(OpId::Matmul, tensor_of(lhs, n, tile->layout.flat().extents[0], DType::Float32()), transposed(w)));
+}
+
 // One value rounded to `dtype` (Float32: as is).
 inline float round1(float v, DTypeId dtype) {
   if (dtype == DTypeId::BFloat16) return detail::bf16_to_float(detail::float_to_bf16(v));
@@ -150,6 +237,7 @@ std::vector<TensorPtr> ExpertsNode::apply(const TensorPtr& g) {
   std::vector<double> dw(wv.size(), 0.0);
   const int64_t depth = st.depth(true);
   std::deque<ExpertTiles> window;
+  std::shared_ptr<CPUCarrier> scratch;  // a 16-bit tile widened (times_tile), reused from expert to expert
   size_t next = 0;  // records are visited from the last
   const size_t count = records.size();
   for (size_t i = 0; i < count; ++i) {
@@ -175,16 +263,20 @@ std::vector<TensorPtr> ExpertsNode::apply(const TensorPtr& g) {
       }
       dw[static_cast<size_t>(r.positions[static_cast<size_t>(q)])] += dot;
     }
-    TensorPtr dyt = tensor_of(dy, n, H, *st.dtype);  // rounded once to the block's dtype
+    round_to(dy, *st.dtype);  // rounded once to the block's dtype
+    TensorPtr dyt = tensor_of(dy, n, H, *st.dtype);
     // dA = dY W2 (n, I); a = silu(h1); dh3 = dA * a; dh1 = (dA * h3) silu'(h1).
-    TensorPtr da = op(OpId::Matmul, dyt, transposed(tiles.matrix[1]));
+    std::vector<float> daf = times_tile(dy, n, tiles.matrix[1], scratch);
+    round_to(daf, *st.dtype);
     TensorPtr a = op(OpId::Silu, r.h1);
-    const std::vector<float> daf = floats_of(*da), af = floats_of(*a), h1f = floats_of(*r.h1), h3f = floats_of(*r.h3);
+    const std::vector<float> af = floats_of(*a), h1f = floats_of(*r.h1), h3f = floats_of(*r.h3);
     std::vector<float> dh1(daf.size()), dh3(daf.size());
     for (size_t p = 0; p < daf.size(); ++p) {
       dh3[p] = daf[p] * af[p];
       dh1[p] = detail::silu_grad_of(round1(daf[p] * h3f[p], bd), h1f[p]);
     }
+    round_to(dh1, *st.dtype);
+    round_to(dh3, *st.dtype);
     TensorPtr dh1t = tensor_of(dh1, n, I, *st.dtype), dh3t = tensor_of(dh3, n, I, *st.dtype);
     // Weight gradients, each in its tile's order.
     TensorPtr xe;
@@ -196,16 +288,18 @@ std::vector<TensorPtr> ExpertsNode::apply(const TensorPtr& g) {
     TensorPtr dW[3] = {product_like(transposed(dh1t), transposed(xe), *tiles.matrix[0]),
                        product_like(transposed(dyt), transposed(hh), *tiles.matrix[1]),
                        product_like(transposed(dh3t), transposed(xe), *tiles.matrix[2])};
-    // dx_e = dh1 W1 + dh3 W3.
-    const std::vector<float> dx1 = floats_of(*op(OpId::Matmul, dh1t, transposed(tiles.matrix[0])));
-    const std::vector<float> dx3 = floats_of(*op(OpId::Matmul, dh3t, transposed(tiles.matrix[2])));
+    // dx_e = dh1 W1 + dh3 W3, summed in Float32 and rounded once (PyTorch's product with the fused [W1; W3]).
+    std::vector<float> dxe = times_tile(dh1, n, tiles.matrix[0], scratch);
+    const std::vector<float> dx3 = times_tile(dh3, n, tiles.matrix[2], scratch);
+    for (size_t p = 0; p < dxe.size(); ++p) dxe[p] += dx3[p];
+    round_to(dxe, *st.dtype);
     for (int64_t h = 0; h < H; ++h)
-      for (int64_t q = 0; q < n; ++q) {
-        const auto p = static_cast<size_t>(q + n * h);
-        dx[static_cast<size_t>(r.tokens[static_cast<size_t>(q)] + T * h)] += dx1[p] + dx3[p];
-      }
+      for (int64_t q = 0; q < n; ++q)
+        dx[static_cast<size_t>(r.tokens[static_cast<size_t>(q)] + T * h)] += dxe[static_cast<size_t>(q + n * h)];
     // Into the tiled gradients, through each tile's projection node.
-    for (size_t k = 0; k < 3; ++k) backward(tiles.compact[k], compact_of(dW[k]), false);
+    for (size_t k = 0; k < 3; ++k)
+      if (!add_into_resident_gradient(st.w[k], r.expert, dW[k]))
+        backward(tiles.compact[k], compact_of(widened(dW[k])), false);
     window.pop_front();  // the expert's tiles go
   }
   std::vector<float> dwf(dw.begin(), dw.end());

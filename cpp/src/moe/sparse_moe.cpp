@@ -22,9 +22,12 @@
 //      dY = g[tokens] w (rounded to the block's dtype), dw[t, j] = <g_t, y_t> (Float32),
 //      dA = dY W2, a = silu(h1), dh3 = dA * a, dh1 = (dA * h3) silu'(h1) (each rounded to the block's dtype),
 //      dW2 = dY^T (a * h3), dW1 = dh1^T x_e, dW3 = dh3^T x_e (block-dtype products accumulated in Float32),
-//      dx_e = dh1 W1 + dh3 W3 (added into dx in Float32),
-//    then passes each dW to backward of its tile's projection, whose VJP adds it into the .grad tile (Float32
-//    sums for 16-bit parameters: Note [Tiled gradients of 16-bit parameters]), and drops the expert's tiles.
+//      dx_e = dh1 W1 + dh3 W3 (one Float32 sum rounded to the block's dtype, added into dx in Float32; a 16-bit
+//      tile is widened once into a scratch buffer for dA and dx_e, which contract over its non-contiguous index),
+//    then adds each dW into the .grad tile: in place when that tile is resident and only the leaf holds the
+//    gradient (the conditions of Note [Gradient sinks]), else through backward of the tile's projection, whose
+//    VJP does the same through a fresh one-tile gradient (Float32 sums for 16-bit parameters either way: Note
+//    [Tiled gradients of 16-bit parameters]); then it drops the expert's tiles.
 //    The budget bounds weights and gradients together, as for any projection (Note [One residency budget]).
 #include "internal.hpp"
 
