@@ -85,7 +85,7 @@ at most ``K = 24`` sites, ``|F_sw - F_exact| <= ((1 + u_s)^K - 1) M_F``. The res
 add ``|h_l|`` and ``|g|`` to the magnitudes. The bound is loose for BFloat16 (about 0.1 M_F: the quantities are
 sums of many signed terms, so M_F is often much larger than |F|); the worst ratio |error| / bound is printed. With
 ``--dtype float32`` it is about 1.5e-3 M_F, and tests/test_finetune_example.py shows the check failing when one
-expert's gradient contribution is lost.
+element of one expert's gradient is lost.
 
 Flags: ``--layers --experts --hidden --intermediate --vocab --tokens --steps --lr --weight-decay --budget-ratio
 --dtype --dir --seed --check-every --no-check --no-prefetch --no-progress --plot FILE.png --compare``. ``make demo``
@@ -586,7 +586,7 @@ def check_step(torch, cfg: Config, model: Model, fwd: dict, weights: dict, grads
                 for m in MATRICES:
                     loc = model.weights(layer, m).grad.carrier.tile_state((0, 0, e)).location
                     counts["untouched_not_implicit"] += int(loc != "implicit")
-    # The logits and the softmax feeding the loss's cotangent.
+    # The logits (the softmax and the loss's cotangent are computed from StrideWeave's logits).
     top = f64(fwd["top"])
     u = f64(model.unembedding)
     worst.add("logits", fwd["logits"], (top @ u.T).numpy(), factor * (top.abs() @ u.abs().T).numpy())
