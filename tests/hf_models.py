@@ -237,3 +237,11 @@ def routing_margin(router_logits: torch.Tensor, k: int) -> torch.Tensor:
     probs = torch.softmax(router_logits.float(), dim=-1)
     top = torch.topk(probs, k + 1, dim=-1).values
     return top[:, k - 1] - top[:, k]
+
+
+def routing_logit_margin(router_logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Per token, its k-th largest router logit minus its (k+1)-th, in Float64. Softmax is increasing, so top-k of
+    the probabilities is top-k of the logits: two computations of the logits that differ by at most delta per entry
+    choose the same k experts when this margin exceeds 2 delta (plus the softmax's own rounding)."""
+    top = torch.topk(router_logits.double(), k + 1, dim=-1).values
+    return top[:, k - 1] - top[:, k]
