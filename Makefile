@@ -1,7 +1,8 @@
 # StrideWeave: every target starts from a fresh machine and installs what is missing.
 #   make test      C++ tests (ctest), the C++ example against the installed package, Python tests (pytest) and
 #                  the type check of the stubs
-#   make demo      the main example: examples/moe_offload.py (MoE weights offloaded to a file)
+#   make demo      the main example: examples/finetune_moe.py (fine-tunes the MoE layers of a Mixtral-format bf16
+#                  checkpoint whose experts, gradients and Adam moments exceed the memory budget)
 #   make sanitize  C++ tests under ASan+UBSan and under TSan
 #   make bench     benchmarks (bench/*.py --quick; FULL=1 for full runs) -> bench/results/
 SHELL := /bin/bash
@@ -71,7 +72,7 @@ typecheck: install
 test: cpp-test cpp-example py-test typecheck
 
 demo: install
-	$(VPY) examples/moe_offload.py
+	$(VPY) examples/finetune_moe.py
 
 # Benchmark-only dependencies (PyTorch, matplotlib); make test never needs them.
 $(VENV)/.bench-stamp: requirements-bench.txt $(VENV)/.stamp

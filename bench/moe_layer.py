@@ -38,7 +38,6 @@ Usage: python bench/moe_layer.py [--quick] [--reps N] [--quiet]
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -65,33 +64,9 @@ def main(argv=None) -> None:
     ours, ref, nbytes = _moe.interleaved_pairs(args, "moe_layer", cfg, pairs, None, "ram", describe)
 
     ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(ours, ref)]
-    mem = [a["peak_rss"] / b["peak_rss"] for a, b in zip(ours, ref)]
     case = _moe.pairs_case(cfg, ours, ref, ratios, nbytes)
-    memory_ratio = statistics.median(mem)
-    ours_rss = statistics.median(a["peak_rss"] for a in ours)
-    ref_rss = statistics.median(b["peak_rss"] for b in ref)
-    harness.log(args, case.summary(), f"| throughput (higher is better); peak RSS ours {ours_rss / MiB:.0f} MiB, "
-                f"ref {ref_rss / MiB:.0f} MiB: memory ratio {memory_ratio:.3f} [{min(mem):.3f}, {max(mem):.3f}]")
-    rec = harness.record(
-        "moe_layer", [case], target=TARGET, better="higher", quick=args.quick,
-        note=(f"ratio = StrideWeave tokens/s / PyTorch (all experts in RAM) tokens/s; memory ratio (peak RSS, "
-              f"lower is better) {memory_ratio:.3f} [{min(mem):.3f}, {max(mem):.3f}], target {MEMORY_TARGET:g}"),
-    )
-    throughput_ok = rec["meets_target"]
-    memory_ok = memory_ratio <= MEMORY_TARGET
+    rec = _moe.record_with_memory(args, "moe_layer", case, ours, ref, TARGET, MEMORY_TARGET, "all experts in RAM")
     rec.update({
-        "ratio_label": "StrideWeave tokens/s / PyTorch (in RAM) tokens/s",
-        "memory_ratio": round(memory_ratio, 4),
-        "memory_ratio_min": round(min(mem), 4),
-        "memory_ratio_max": round(max(mem), 4),
-        "memory_target": MEMORY_TARGET,
-        "memory_better": "lower",
-        "memory_meets_target": memory_ok,
-        "targets_met": throughput_ok and memory_ok,
-        "ours_tokens_per_s": round(statistics.median(a["tokens_per_s"] for a in ours), 1),
-        "reference_tokens_per_s": round(statistics.median(b["tokens_per_s"] for b in ref), 1),
-        "ours_peak_rss": int(ours_rss),
-        "reference_peak_rss": int(ref_rss),
         "batches": cfg.batches,
         "pairs": len(ratios),
     })

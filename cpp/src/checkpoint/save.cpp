@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -67,11 +68,15 @@ void save(const std::string& path, const std::vector<std::pair<std::string, Tens
   const std::string header = encode_header(specs, metadata, offsets);  // ValueError for repeated names
 
   const std::filesystem::path target(path);
+  // The temporary file is this save's own (process id and a per-process counter, created exclusively): saves of
+  // one path from several threads never write into one another's file, so each rename moves a whole file.
+  static std::atomic<uint64_t> saves{0};
   TempFile tmp;
   std::string temp_name(".");
   temp_name.append(target.filename().string()).append(".tmp-").append(std::to_string(::getpid()));
+  temp_name.append("-").append(std::to_string(saves.fetch_add(1, std::memory_order_relaxed)));
   tmp.path = (target.parent_path() / temp_name).string();
-  tmp.fd = io::open_file(tmp.path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  tmp.fd = io::open_file(tmp.path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
   io::pwrite_full(tmp.fd, header.data(), header.size(), 0, tmp.path);
   const int64_t data_start = static_cast<int64_t>(header.size());
   std::vector<std::byte> buf;

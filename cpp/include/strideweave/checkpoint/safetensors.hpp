@@ -193,7 +193,8 @@ std::string_view element_type_of(const DType& dtype);
 // range; evicted tiles are read from their secondary tier without moving),
 // never gathered whole. The file appears whole or not at all: it is written
 // under a temporary name in the same folder, synced, then renamed over `path`
-// (and the folder synced). ValueError for an empty or repeated name, TypeError
+// (and the folder synced). Each save has its own temporary file (created
+// exclusively), so concurrent saves of one path each land whole. ValueError for an empty or repeated name, TypeError
 // for a dtype the format cannot hold, RuntimeError for a released carrier or
 // an I/O failure (the temporary file is removed; `path` is left as it was).
 void save(const std::string& path, const std::vector<std::pair<std::string, TensorPtr>>& tensors,
