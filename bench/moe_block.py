@@ -145,22 +145,23 @@ def warm_page_cache(folder: str) -> None:
 # ---------------------------------------------------------------------------------------------- one worker
 
 
-def peak_rss_now() -> int:
-    """The process's resident high-water mark in bytes (VmHWM), since start or the last reset."""
+def status_bytes(field: str) -> int:
+    """A memory field of /proc/self/status ("VmHWM", "VmRSS") in bytes."""
     with open("/proc/self/status") as fh:
         for line in fh:
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def peak_rss_now() -> int:
+    """The process's resident high-water mark in bytes (VmHWM), since start or the last reset."""
+    return status_bytes("VmHWM")
 
 
 def current_rss() -> int:
     """The process's resident size in bytes now (VmRSS)."""
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
+    return status_bytes("VmRSS")
 
 
 def reset_peak_rss() -> bool:
