@@ -3,26 +3,19 @@ fails when one expert's gradient is wrong, and the saved checkpoint is a Mixtral
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import sys
 
 import numpy as np
 import pytest
 
 import strideweave as sw
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+import examples  # tests/examples.py
 
 
 def load_example():
-    path = os.path.join(HERE, "..", "examples", "finetune_moe.py")
-    spec = importlib.util.spec_from_file_location("finetune_moe", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+    return examples.load_example("finetune_moe")
 
 
 TINY = ["--layers", "2", "--experts", "4", "--hidden", "16", "--intermediate", "24", "--vocab", "32",

@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 
 import numpy as np
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+import examples  # tests/examples.py
 
 
 def load_example():
-    path = os.path.join(HERE, "..", "examples", "moe_offload.py")
-    spec = importlib.util.spec_from_file_location("moe_offload", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+    return examples.load_example("moe_offload")
 
 
 TINY = ["--experts", "8", "--d-model", "32", "--d-hidden", "32", "--budget", "3", "--batches", "4",
