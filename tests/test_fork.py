@@ -29,7 +29,7 @@ import strideweave as sw
 from strideweave import DType, Tensor
 from strideweave.carriers.tiled_evictable import TiledEvictable, TileSelection, TileSet
 
-from forked import check_in_forked_child
+from forked import check_in_forked_child, child_watchdog, describe_hung_child
 from pending_carrier import destination, pending_tensor, settle_all, take, wait_handle
 from waiting import held
 
@@ -68,6 +68,7 @@ def run_in_mp_fork(target, timeout=CHILD_TIMEOUT_S):
 
     def main():
         try:
+            child_watchdog(timeout)
             result = target()
         except BaseException as e:  # noqa: BLE001 - the parent reports it
             result = f"{type(e).__name__}: {e}"
@@ -78,7 +79,7 @@ def run_in_mp_fork(target, timeout=CHILD_TIMEOUT_S):
     send.close()
     try:
         if not receive.poll(timeout):
-            pytest.fail("the forked child hung (no answer within the timeout)")
+            pytest.fail(f"the forked child hung (no answer within the timeout):\n{describe_hung_child(p.pid)}")
         try:
             result = receive.recv()
         except EOFError:
