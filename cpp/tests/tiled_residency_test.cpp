@@ -90,6 +90,42 @@ TEST_F(TiledTest, ReadingASlotNeverMovesATile) {
   EXPECT_EQ(state(*te, 2).location, TileLocation::Secondary);
 }
 
+TEST_F(TiledTest, BulkReadsGoRunByRunThroughEveryTileStateAndMoveNothing) {
+  // read_slots over any range equals slot-by-slot reads, with tiles resident (one dirty), in the secondary and
+  // implicit, footprints of several runs (tiles 2 x 3 of an 8 x 6 grid: 3 runs each); a secondary tile is read
+  // with one pread per footprint run in the range (not per slot) and stays where it is.
+  Tiled proto = make_tiled({4, 2}, {2, 3});
+  auto te = std::static_pointer_cast<TiledEvictable>(proto->allocate_like(proto->size(), true, F32(), false));
+  for (int64_t s = 0; s < te->size(); ++s)
+    if (te->locate(s).first != 5) te->set(s, F(static_cast<double>(s) * 0.5 - 3.0));  // tile 5 stays implicit
+  te->evict_async({0, 1, 2, 3})->value();  // written to the secondary
+  te->set(te->footprint_runs(6)[1].offset, F(99.0));  // tile 6: resident and dirty
+  ASSERT_EQ(state(*te, 2).location, TileLocation::Secondary);
+  ASSERT_EQ(state(*te, 5).location, TileLocation::Implicit);
+  ASSERT_EQ(state(*te, 6).location, TileLocation::Primary);
+  const auto want = peek_all(*te);
+  const auto s0 = te->stats();
+  const size_t w = slot_bytes(te->dtype());
+  for (auto [start, count] : std::vector<std::pair<int64_t, int64_t>>{{0, te->size()}, {5, 17}, {13, 1}, {20, 28}}) {
+    std::vector<std::byte> buf(static_cast<size_t>(count) * w);
+    te->read_slots(start, count, buf.data());
+    for (int64_t k = 0; k < count; ++k)
+      EXPECT_EQ(load_value(te->dtype(), buf.data() + static_cast<size_t>(k) * w), want[static_cast<size_t>(start + k)])
+          << "slot " << start + k;
+  }
+  // Tile 2's footprint is 3 runs of 2 slots: reading all of it is 3 preads.
+  const auto reads = io::calls(io::Op::Pread);
+  for (const sw::Run r : te->footprint_runs(2)) {
+    std::vector<std::byte> buf(static_cast<size_t>(r.length) * w);
+    te->read_slots(r.offset, r.length, buf.data());
+  }
+  EXPECT_EQ(io::calls(io::Op::Pread) - reads, 3);
+  for (int64_t i = 0; i < te->tile_count(); ++i)
+    EXPECT_EQ(state(*te, i).location, i == 5 ? TileLocation::Implicit
+                                      : i >= 4 ? TileLocation::Primary : TileLocation::Secondary) << i;
+  expect_stats_eq(te->stats(), s0);
+}
+
 TEST_F(TiledTest, EvictionWritesDirtyTilesAndSkipsCleanOnes) {
   Tiled te = make_tiled({4}, {3});  // 4 tiles of 3 slots
   auto values = seeded(F32(), 12, 0);

@@ -1,6 +1,7 @@
 // Slot access of a TiledEvictable (the Carrier interface): reads (Note [Reading a slot never moves a tile]),
 // writes (a write promotes first), bulk forms and allocate_like.
 #include <algorithm>
+#include <cstring>
 
 #include "strideweave/carriers/native.hpp"
 #include "strideweave/carriers/storage.hpp"
@@ -38,35 +39,10 @@ const TiledEvictable::Tile& TiledEvictable::readable_tile(int64_t index, std::un
 // and a write, which the read does not overlap in any order that matters
 // (it returns the value before that write, as if it had run first).
 Value TiledEvictable::read_value(int64_t slot) const {
-  auto [index, within] = locate(slot);
-  std::unique_lock lock(mutex_);
-  {
-    const Tile& t = tiles_[index];
-    if (t.pending) pending_conflict(index, "accessing its values");
-    if (t.loc == TileLocation::Secondary) {
-      auto* self = const_cast<TiledEvictable*>(this);
-      self->active_work_++;
-      lock.unlock();
-      struct EndRead {
-        TiledEvictable* self;
-        ~EndRead() {
-          std::lock_guard l(self->mutex_);
-          self->active_work_--;
-          self->idle_cv_.notify_all();
-        }
-      } end{self};
-      return secondary_->read_value(slot);
-    }
-  }
-  const Tile& t = readable_tile(index, lock);
-  if (t.loc == TileLocation::Implicit) {
-    switch (dtype().id()) {
-      case DTypeId::Int32: return Value::from_int(0);
-      case DTypeId::Bool: return Value::from_bool(false);
-      default: return Value::from_float(0.0);
-    }
-  }
-  return t.buffer->read_value(within);
+  const auto [index, within] = locate(slot);
+  alignas(8) std::byte buf[8];
+  read_tile_run(index, slot, within, 1, buf);
+  return load_value(dtype(), buf);
 }
 
 void TiledEvictable::write_value(int64_t slot, const Value& value) {
@@ -88,10 +64,55 @@ void TiledEvictable::write_value(int64_t slot, const Value& value) {
   t.dirty = true;
 }
 
+// In bulk: one read per footprint run of each tile the range covers (a resident tile's run is one copy from its
+// buffer, a secondary tile's one read of its tier, an implicit tile's zeros), never slot by slot.
 void TiledEvictable::read_slots(int64_t start, int64_t count, void* out) const {
   auto* bytes = static_cast<std::byte*>(out);
   const size_t w = slot_bytes(dtype());
-  for (int64_t k = 0; k < count; ++k) store_value(dtype(), bytes + k * w, read_value(start + k));
+  for (int64_t k = 0; k < count;) {
+    const int64_t slot = start + k;
+    const auto [index, within] = locate(slot);
+    // The footprint run holding `slot`: runs are in slot order.
+    const FootprintRuns runs = geometry_.footprint_runs(index);
+    size_t lo = 0, hi = runs.size();
+    while (hi - lo > 1) {
+      const size_t mid = lo + (hi - lo) / 2;
+      (runs[mid].offset <= slot ? lo : hi) = mid;
+    }
+    const Run r = runs[lo];
+    const int64_t n = r.offset <= slot && slot < r.offset + r.length ? std::min(count - k, r.offset + r.length - slot) : 1;
+    read_tile_run(index, slot, within, n, bytes + static_cast<size_t>(k) * w);
+    k += n;
+  }
+}
+
+void TiledEvictable::read_tile_run(int64_t index, int64_t slot, int64_t within, int64_t n, std::byte* out) const {
+  std::unique_lock lock(mutex_);
+  {
+    const Tile& t = tiles_[index];
+    if (t.pending) pending_conflict(index, "accessing its values");
+    if (t.loc == TileLocation::Secondary) {  // read through the secondary; the tile stays where it is
+      auto* self = const_cast<TiledEvictable*>(this);
+      self->active_work_++;
+      lock.unlock();
+      struct EndRead {
+        TiledEvictable* self;
+        ~EndRead() {
+          std::lock_guard l(self->mutex_);
+          self->active_work_--;
+          self->idle_cv_.notify_all();
+        }
+      } end{self};
+      secondary_->read_slots(slot, n, out);
+      return;
+    }
+  }
+  const Tile& t = readable_tile(index, lock);
+  if (t.loc == TileLocation::Implicit) {
+    std::memset(out, 0, static_cast<size_t>(n) * slot_bytes(dtype()));  // zero bytes: 0, 0.0 or false
+    return;
+  }
+  t.buffer->read_slots(within, n, out);
 }
 
 void TiledEvictable::write_slots(int64_t start, int64_t count, const void* in) {

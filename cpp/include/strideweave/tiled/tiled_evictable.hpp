@@ -258,6 +258,9 @@ class TiledEvictable final : public DependentCarrier {
   std::string discard_warning(int64_t tiles, const char* when) const;
   // Blocking promotion of one tile for slot access (lock held by caller is released inside).
   const Tile& readable_tile(int64_t index, std::unique_lock<std::mutex>& lock) const;
+  // Reads n slots of tile `index` from `slot` (within-tile ordinal `within`), one footprint run: from the
+  // secondary for a secondary tile (Note [Reading a slot never moves a tile]), else from the tile's buffer.
+  void read_tile_run(int64_t index, int64_t slot, int64_t within, int64_t n, std::byte* out) const;
   void ensure_secondary_storage();
   [[noreturn]] void pending_conflict(int64_t index, const char* what) const;
   // Ends a sum's hold `hold` on `tiles` (lock held by the caller); Note [Gradient sums hold their tiles].
