@@ -1193,6 +1193,34 @@ def test_mapping_cache_gives_freed_memory_back_after_the_decay():
         sw.set_mapping_cache_limit(previous_limit)
 
 
+def test_mapping_cache_default_limit_is_a_sixteenth_of_a_memory_cgroup_limit():
+    """A process in a memory cgroup limited to 512 MiB starts with a cache limit of a sixteenth of that (32 MiB),
+    not of the machine's memory (it used to keep up to 1 GiB there, double the whole allowance's sixteenth at a
+    1 GiB limit). Needs a writable memory cgroup (root, or a delegated subtree); skipped otherwise."""
+    import subprocess
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+    try:
+        from bigger_than_ram import Cgroup
+
+        cg = Cgroup(512 << 20)
+    except (SystemExit, OSError) as e:
+        pytest.skip(f"no writable memory cgroup here: {e}")
+    finally:
+        sys.path.pop(0)
+    try:
+        code = "import strideweave as sw; print(sw.set_mapping_cache_limit(0))"
+        inside = subprocess.run([sys.executable, "-c", code], preexec_fn=cg.enter, capture_output=True, text=True,
+                                check=True)
+        outside = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    finally:
+        cg.close()
+    machine = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert int(inside.stdout) == min(1 << 30, machine // 16, (512 << 20) // 16)
+    assert int(outside.stdout) >= int(inside.stdout)
+
+
 def test_mapping_cache_in_a_forked_child_gives_memory_back_and_reuses_it(long_decay):
     """The trimming thread does not survive fork(): the child starts its own, and the cache's lock is usable."""
     previous_limit = sw.set_mapping_cache_limit(0)

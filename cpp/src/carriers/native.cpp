@@ -10,7 +10,10 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <mutex>
+#include <optional>
+#include <string>
 #include <new>
 #include <thread>
 #include <utility>
@@ -39,12 +42,61 @@ void check_storage_dtype(const char* kind, const DType& dtype) {
 class MappingCache;
 MappingCache& mapping_cache();
 
-// 1 GiB, or a sixteenth of the machine's memory where that is less.
-size_t default_mapping_cache_limit() {
+// The number in a cgroup file ("max", a missing file or anything else: none).
+std::optional<size_t> cgroup_number(const std::string& path, const std::string& key = {}) {
+  std::ifstream f(path);
+  std::string word;
+  if (key.empty()) {
+    if (f >> word && !word.empty() && std::all_of(word.begin(), word.end(), [](char c) { return c >= '0' && c <= '9'; }))
+      return static_cast<size_t>(std::stoull(word));
+    return std::nullopt;
+  }
+  for (std::string line; std::getline(f, line);)
+    if (line.size() > key.size() && line.compare(0, key.size(), key) == 0 && line[key.size()] == ' ')
+      return static_cast<size_t>(std::stoull(line.substr(key.size() + 1)));
+  return std::nullopt;
+}
+
+}  // namespace
+
+// The memory this process may use: the machine's, or less where a memory cgroup limits it (cgroup v2: the
+// smallest memory.max of its cgroup and its ancestors; v1: the memory controller's hierarchical limit).
+size_t memory_available_to_process() noexcept {
   const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
-  if (pages <= 0 || page <= 0) return kMaxDefaultMappingCacheLimit;
-  const size_t sixteenth = static_cast<size_t>(pages) / 16 * static_cast<size_t>(page);
-  return std::min(kMaxDefaultMappingCacheLimit, sixteenth);
+  size_t total = pages > 0 && page > 0 ? static_cast<size_t>(pages) * static_cast<size_t>(page) : SIZE_MAX;
+  try {
+    std::ifstream f("/proc/self/cgroup");
+    for (std::string line; std::getline(f, line);) {
+      const size_t a = line.find(':'), b = a == std::string::npos ? a : line.find(':', a + 1);
+      if (b == std::string::npos) continue;
+      // (std::string::append throughout: GCC 12 warns falsely (-Wrestrict) on operator+ chains.)
+      std::string controllers(",");
+      controllers.append(line, a + 1, b - a - 1).append(",");
+      const std::string path = line.substr(b + 1);
+      if (line.compare(0, a, "0") == 0 && controllers == ",,") {  // cgroup v2
+        for (std::string p = path; !p.empty(); p = p == "/" ? "" : p.substr(0, std::max<size_t>(1, p.rfind('/')))) {
+          std::string file("/sys/fs/cgroup");
+          file.append(p == "/" ? "" : p).append("/memory.max");
+          if (auto limit = cgroup_number(file)) total = std::min(total, *limit);
+        }
+      } else if (controllers.find(",memory,") != std::string::npos) {  // cgroup v1
+        std::string file("/sys/fs/cgroup/memory");
+        file.append(path == "/" ? "" : path).append("/memory.stat");
+        if (auto limit = cgroup_number(file, "hierarchical_memory_limit")) total = std::min(total, *limit);
+      }
+    }
+  } catch (...) {  // unreadable or malformed: the machine's memory
+  }
+  return total;
+}
+
+namespace {
+
+// 1 GiB, or a sixteenth of the memory available to the process where that is less.
+size_t default_mapping_cache_limit() {
+  const size_t available = memory_available_to_process();
+  if (available == SIZE_MAX) return kMaxDefaultMappingCacheLimit;
+  return std::min(kMaxDefaultMappingCacheLimit, available / 16);
 }
 
 // Note [Mapping cache]: a fresh huge-page mapping pays a page fault on first

@@ -65,8 +65,8 @@ class AlignedBuffer {
 
 // Freed AlignedBuffer mappings (the 1 MiB-and-up, huge-page path) are kept for
 // reuse by later allocations of the same mapped length, up to a process-wide
-// limit of cached bytes (1 GiB, or a sixteenth of the machine's memory where
-// that is less), and each for at most the decay time after it was freed (2 s
+// limit of cached bytes (1 GiB, or a sixteenth of memory_available_to_process()
+// where that is less: a memory cgroup's limit counts), and each for at most the decay time after it was freed (2 s
 // by default): a trimming thread unmaps older ones. See Note [Mapping cache]
 // in native.cpp. set_mapping_cache_limit returns the previous limit; lowering
 // it unmaps the oldest cached mappings at once (0 turns the cache off).
@@ -78,6 +78,9 @@ class AlignedBuffer {
 size_t set_mapping_cache_limit(size_t bytes);
 std::chrono::steady_clock::duration set_mapping_cache_decay(std::chrono::steady_clock::duration decay);
 size_t mapping_cache_bytes();
+// The memory this process may use: the machine's, or a memory cgroup's limit where that is less (the mapping
+// cache's default limit is a sixteenth of it, at most 1 GiB).
+size_t memory_available_to_process() noexcept;
 size_t trim_mapping_cache(std::chrono::steady_clock::time_point now);
 
 // Copies `count` slots between two carriers of one dtype in bulk (memcpy for
