@@ -70,6 +70,17 @@ the same as the budgeted run's: eviction and promotion move bytes and do no arit
 * the saved checkpoint holds exactly PyTorch's final weights, and a forward pass over the reopened checkpoint gives
   exactly the logits of the in-memory model.
 
+The replay holds every expert, gradient and moment in memory (it has no budget). ``--check-sample N`` is the check
+for runs bigger than RAM: no replay; on the checked steps the budgeted run itself records, to files beside the
+checkpoint, each sampled layer's input, output gradient and routing and, for N sampled experts (seeded; printed),
+their weights, gradients, AdamW moments and step counts before and after the optimizer step. Afterwards, one
+record in memory at a time, the same comparisons run on the sample: the routing of the sampled layers, each
+sampled expert's weight gradients in Float64 within the same bound (an expert's gradient needs only its own rows,
+so the other experts are not needed; an unrouted expert's gradient must be implicit), each sampled AdamW step
+against ``torch.optim.AdamW`` started from the recorded state (weights, both moments and the step count, bit for
+bit), and the sample's saved values. The recording's time is left out of the run's wall time.
+``bench/bigger_than_ram.py`` runs the example this way under a memory cgroup smaller than the state.
+
 Note [The bound of the check]
 -----------------------------
 Each compared quantity ``F`` is a function of rounded intermediates ``q_s`` (the router logits, h1, h3, silu(h1),
@@ -89,7 +100,8 @@ sums of many signed terms, so M_F is often much larger than |F|); the worst rati
 element of one expert's gradient is lost.
 
 Flags: ``--layers --experts --hidden --intermediate --vocab --tokens --steps --lr --weight-decay --budget-ratio
---dtype --dir --seed --check-every --no-check --no-prefetch --no-progress --plot FILE.png --compare``. ``make demo``
+--dtype --dir --seed --check-every --check-sample N --no-check --no-prefetch --no-progress --plot FILE.png --compare
+--summary-json FILE``. ``make demo``
 runs the defaults: about a minute on a 2-core machine. ``--plot`` draws the resident bytes of each tier (weights,
 gradients, moments) after each step's backward and optimizer step, and the throughput; ``--compare`` runs the
 same training in PyTorch with everything in RAM (bf16 compute, Float32 master weights and moments,
@@ -146,6 +158,8 @@ class Config:
     seed: int = 0
     check: bool = True
     check_every: int = 12  # the Float64 comparison on steps 0, check_every, 2 check_every, ... and the last
+    check_sample: int = 0  # > 0: check that many sampled experts within the budgeted run instead of a full replay
+    summary_json: str | None = None
     prefetch: bool = True
     progress: bool = True
     plot: str | None = None
@@ -156,6 +170,8 @@ class Config:
                      "check_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.check_sample < 0:
+            raise ValueError("--check-sample must be >= 0")
         if self.top_k >= self.experts:
             raise ValueError("--top-k must be smaller than --experts")
         if self.budget_ratio < 1:
@@ -200,6 +216,10 @@ def parse_args(argv=None) -> Config:
     p.add_argument("--check-every", type=int, default=d.check_every,
                    help="Float64 comparison every N steps, and on the last (default %(default)s)")
     p.add_argument("--no-check", dest="check", action="store_false", help="skip the comparison with PyTorch")
+    p.add_argument("--check-sample", type=int, default=d.check_sample, metavar="N",
+                   help="check N sampled experts within the budgeted run instead of replaying every step "
+                        "(memory stays bounded: for runs bigger than RAM)")
+    p.add_argument("--summary-json", metavar="FILE", default=None, help="also write the summary as JSON")
     p.add_argument("--no-prefetch", dest="prefetch", action="store_false",
                    help="no prefetch of the next step's and each layer's routed experts")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
@@ -414,8 +434,9 @@ def gradient_traffic(model: Model) -> dict:
 # ---------------------------------------------------------------- the offloaded run
 
 
-def train(cfg: Config, folder: str, progress=None) -> dict:
-    """The fine-tuning run under the budget. Returns the summary numbers and the model (still open)."""
+def train(cfg: Config, folder: str, progress=None, recorder=None) -> dict:
+    """The fine-tuning run under the budget. Returns the summary numbers and the model (still open). A
+    `SampleRecorder` records its sampled experts on the checked steps (its time is not counted in the wall time)."""
     budget = sw.ResidencyBudget(cfg.budget_bytes())
     model = Model(cfg, folder, budget=budget, prefetch=cfg.prefetch)
     opt = sw.optim.AdamW(model.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -430,12 +451,17 @@ def train(cfg: Config, folder: str, progress=None) -> dict:
     for step in steps:
         t0 = time.perf_counter()
         tokens = batch_tokens(cfg, step)
-        fwd = model.forward(tokens)
+        recording = recorder is not None and recorder.checks(step)
+        fwd = model.forward(tokens, record=recording)
         loss, _ = model.backward(fwd, tokens, succ[tokens])
+        if recording:
+            recorder.after_backward(model, opt, fwd, step)
         del fwd
         after_backward = tier_bytes(model, opt)
         traffic = gradient_traffic(model)
         opt.step()
+        if recording:
+            recorder.after_step(model, opt, step)
         traffic_after = gradient_traffic(model)  # a step reads gradient tiles back; nothing writes them
         grads["read"] += traffic_after["read"]
         grads["written"] += traffic_after["written"]
@@ -444,11 +470,12 @@ def train(cfg: Config, folder: str, progress=None) -> dict:
         if cfg.prefetch and step + 1 < cfg.steps:
             next_idx = model.route_first_layer(batch_tokens(cfg, step + 1))
             model.blocks[0].prefetch(next_idx)
-        per_step.append({"loss": loss, "seconds": time.perf_counter() - t0, "after_backward": after_backward,
+        recorded = recorder.seconds.pop(step, 0.0) if recording else 0.0
+        per_step.append({"loss": loss, "seconds": time.perf_counter() - t0 - recorded, "after_backward": after_backward,
                          "after_step": after_step, "grad_read_in_backward": traffic["read"]})
         if progress is not None and hasattr(steps, "set_postfix"):
             steps.set_postfix(loss=f"{loss:.3f}")
-    wall = time.perf_counter() - start
+    wall = time.perf_counter() - start - (recorder.total_seconds if recorder is not None else 0.0)
     moe = [b.stats() for b in model.blocks]
     weights_read = sum(p.carrier.stats()["bytes_promoted"] for p in model.params)
     weights_written = sum(p.carrier.stats()["bytes_evicted"] for p in model.params)
@@ -496,20 +523,23 @@ class Reloaded(Model):
         ckpt = sw.safetensors.open(experts_path)
         self.saved = ckpt
         self.blocks = []
+        budget = sw.ResidencyBudget(cfg.budget_bytes())  # the experts alone may not fit in memory either
         for layer in range(cfg.layers):
             w = {m: ckpt.tiled([expert_name(layer, e, m) for e in range(cfg.experts)]) for m in MATRICES}
-            self.blocks.append(sw.moe.SparseMoE(w["w1"], w["w2"], w["w3"], top_k=cfg.top_k))
+            self.blocks.append(sw.moe.SparseMoE(w["w1"], w["w2"], w["w3"], top_k=cfg.top_k, budget=budget))
         self.params = [getattr(b, m) for b in reversed(self.blocks) for m in MATRICES]
 
 
 # ---------------------------------------------------------------- the check against PyTorch
 
 
-def block_reference(torch, x, router, w1, w2, w3, idx, g, absolute: bool):
+def block_reference(torch, x, router, w1, w2, w3, idx, g, absolute: bool, only=None):
     """One Mixtral block in Float64 on given inputs and routing (or its magnitudes: see Note [The bound of the
-    check]): returns (out, dx, {(e, m): dW})."""
+    check]): returns (out, dx, {(e, m): dW}). w1, w2, w3: indexable by expert. `only`: the experts to include (all
+    routed ones by default); an expert's weight gradients need only its own rows, whatever the others do."""
     x = x.clone().requires_grad_()
-    experts = sorted(set(idx.reshape(-1).tolist()))
+    experts = set(idx.reshape(-1).tolist())
+    experts = sorted(experts if only is None else experts & set(only))
     ws = {(e, m): t[e].clone().requires_grad_() for e in experts for m, t in (("w1", w1), ("w2", w2), ("w3", w3))}
     logits = x @ router.T
     sel = logits.gather(1, idx)
@@ -548,6 +578,26 @@ class Worst:
         self.ratio[name] = max(self.ratio.get(name, 0.0), r)
 
 
+def check_routing(cfg: Config, x, router, idx_np: np.ndarray, counts: dict) -> None:
+    """Routing: the exact top-k wherever the Float64 logits (x, router: Float64 torch tensors) are more than twice
+    their bound away from a tie."""
+    logits = (x @ router.T).numpy()
+    mag = (x.abs() @ router.abs().T).numpy()
+    order = np.argsort(-logits, axis=1, kind="stable")
+    gap = logits[np.arange(cfg.tokens), order[:, cfg.top_k - 1]] - logits[np.arange(cfg.tokens), order[:, cfg.top_k]]
+    bound = site_unit(cfg) * mag.max(axis=1)
+    # The block takes the top-k of the Float32 softmax of its logits: where the k-th probability underflows
+    # below Float32's normal range, it ties with the others that underflow (the lower expert wins), so those
+    # tokens are near ties too, whatever their logits' gap.
+    top = logits[np.arange(cfg.tokens), order[:, 0]]
+    kth = logits[np.arange(cfg.tokens), order[:, cfg.top_k - 1]]
+    clear = (gap > 2 * bound) & (kth - top - np.log(cfg.experts) > np.log(2.0**-126) + 2 * bound)
+    same = np.sort(order[:, :cfg.top_k], axis=1) == np.sort(idx_np, axis=1)
+    counts["near_ties"] += int((~clear).sum())
+    counts["routing_mismatch"] += int((clear & ~same.all(axis=1)).sum())
+    counts["routed_tokens"] += cfg.tokens
+
+
 def check_step(torch, cfg: Config, model: Model, fwd: dict, weights: dict, grads: dict, worst: Worst,
                counts: dict) -> None:
     """Every layer of one step against the Float64 reference on StrideWeave's own inputs. `weights` and `grads`:
@@ -564,22 +614,7 @@ def check_step(torch, cfg: Config, model: Model, fwd: dict, weights: dict, grads
         out, dx, dws = block_reference(torch, x, router, stacks["w1"], stacks["w2"], stacks["w3"], idx, g, False)
         mout, mdx, mdws = block_reference(torch, x.abs(), router.abs(), *[[t.abs() for t in stacks[m]] for m in MATRICES],
                                           idx, g.abs(), True)
-        # Routing: the exact top-k wherever the logits are more than twice their bound away from a tie.
-        logits = (x @ router.T).numpy()
-        mag = (x.abs() @ router.abs().T).numpy()
-        order = np.argsort(-logits, axis=1, kind="stable")
-        gap = logits[np.arange(cfg.tokens), order[:, cfg.top_k - 1]] - logits[np.arange(cfg.tokens), order[:, cfg.top_k]]
-        bound = site_unit(cfg) * mag.max(axis=1)
-        # The block takes the top-k of the Float32 softmax of its logits: where the k-th probability underflows
-        # below Float32's normal range, it ties with the others that underflow (the lower expert wins), so those
-        # tokens are near ties too, whatever their logits' gap.
-        top = logits[np.arange(cfg.tokens), order[:, 0]]
-        kth = logits[np.arange(cfg.tokens), order[:, cfg.top_k - 1]]
-        clear = (gap > 2 * bound) & (kth - top - np.log(cfg.experts) > np.log(2.0**-126) + 2 * bound)
-        same = np.sort(order[:, :cfg.top_k], axis=1) == np.sort(idx_np, axis=1)
-        counts["near_ties"] += int((~clear).sum())
-        counts["routing_mismatch"] += int((clear & ~same.all(axis=1)).sum())
-        counts["routed_tokens"] += cfg.tokens
+        check_routing(cfg, x, router, idx_np, counts)
         h_sw = fwd["outputs"][layer]
         worst.add("layer output h + MoE(h)", h_sw, (x + out).numpy(), factor * (x.abs() + mout).numpy())
         worst.add("gradient of the layer input", fwd["leaves"][layer].grad, (g + dx).numpy(),
@@ -662,6 +697,177 @@ def replay_with_torch(cfg: Config, folder: str, progress=None) -> dict:
     model.release()
     return {"worst": worst.ratio, "counts": counts, "mismatched_weights": mismatched_weights, "final": final,
             "checked_steps": checked}
+
+
+# ---------------------------------------------------------------- the sampled check (--check-sample N)
+
+
+def tile_values(full: sw.Tensor, e: int):
+    """Tile e of a tiled (out, in, E) tensor: its (out, in) values through a one-tile projection (promoted under the
+    run's budget like any tile), or None when the tile is implicit (a gradient never written, a moment never set)."""
+    if full.carrier.tile_state((0, 0, e)).location == "implicit":
+        return None
+    with sw.no_grad():
+        t = full.carrier.project(full, sw.TileSelection(((0,), (0,), (e,)))).wait()
+    return np.asarray(t)[..., 0].copy()
+
+
+def save_arrays(path: str, arrays: dict) -> None:
+    """np.savez of `arrays` (None values left out; BFloat16 ones stored as their uint16 bits)."""
+    out = {}
+    for k, v in arrays.items():
+        if v is None:
+            continue
+        v = np.asarray(v)
+        out[k + ".bf16" if v.dtype == NP_DTYPE["bfloat16"] else k] = v.view(np.uint16) if v.dtype == NP_DTYPE["bfloat16"] else v
+    np.savez(path, **out)
+
+
+def load_arrays(path: str) -> dict:
+    with np.load(path) as z:
+        return {(k[:-5] if k.endswith(".bf16") else k): (z[k].view(NP_DTYPE["bfloat16"]) if k.endswith(".bf16") else z[k])
+                for k in z.files}
+
+
+class SampleRecorder:
+    """What the sampled check needs, recorded to disk during the budgeted run itself, on the checked steps: each
+    sampled layer's input h_l, the gradient g of its output and its routing; each sampled expert's weights,
+    gradients, AdamW moments and step counts before its optimizer step, and its weights, moments and counts after.
+    Nothing is kept in memory: a run bigger than RAM stays bounded (the records are a few tiles per checked step)."""
+
+    def __init__(self, cfg: Config, directory: str):
+        self.cfg, self.directory = cfg, directory
+        pairs = [(layer, e) for layer in range(cfg.layers) for e in range(cfg.experts)]
+        chosen = np.random.default_rng([cfg.seed, 14]).choice(len(pairs), min(cfg.check_sample, len(pairs)), replace=False)
+        self.sample = sorted(pairs[int(i)] for i in chosen)
+        self.layers = sorted({layer for layer, _ in self.sample})
+        self.steps: list[int] = []
+        self.seconds: dict = {}  # step -> seconds spent recording it (not counted in the run's wall time)
+        self.total_seconds = 0.0
+        os.makedirs(directory, exist_ok=True)
+
+    def checks(self, step: int) -> bool:
+        return step % self.cfg.check_every == 0 or step == self.cfg.steps - 1
+
+    def path(self, step: int, what: str) -> str:
+        return os.path.join(self.directory, f"step{step:05d}-{what}.npz")
+
+    def _timed(self, step: int, t0: float) -> None:
+        dt = time.perf_counter() - t0
+        self.seconds[step] = self.seconds.get(step, 0.0) + dt
+        self.total_seconds += dt
+
+    def after_backward(self, model: Model, opt, fwd: dict, step: int) -> None:
+        t0 = time.perf_counter()
+        cfg = self.cfg
+        for layer in self.layers:
+            g = fwd["leaves"][layer + 1].grad if layer + 1 < cfg.layers else fwd["top"].grad
+            w, idx = fwd["routes"][layer]
+            save_arrays(self.path(step, f"layer{layer}"),
+                        {"x": np.asarray(fwd["leaves"][layer]), "g": np.asarray(g), "w": w, "idx": idx})
+        for layer, e in self.sample:
+            for m in MATRICES:
+                p = model.weights(layer, m)
+                st = opt.state(p)
+                save_arrays(self.path(step, f"before-{layer}-{e}-{m}"), {
+                    "w": tile_values(p, e), "grad": None if p.grad is None else tile_values(p.grad, e),
+                    "exp_avg": tile_values(st["exp_avg"], e), "exp_avg_sq": tile_values(st["exp_avg_sq"], e),
+                    "count": np.int64(st["step"][e])})
+        self.steps.append(step)
+        self._timed(step, t0)
+
+    def after_step(self, model: Model, opt, step: int) -> None:
+        t0 = time.perf_counter()
+        for layer, e in self.sample:
+            for m in MATRICES:
+                p = model.weights(layer, m)
+                st = opt.state(p)
+                save_arrays(self.path(step, f"after-{layer}-{e}-{m}"), {
+                    "w": tile_values(p, e), "exp_avg": tile_values(st["exp_avg"], e),
+                    "exp_avg_sq": tile_values(st["exp_avg_sq"], e), "count": np.int64(st["step"][e])})
+        self._timed(step, t0)
+
+
+def adamw_mismatch(torch, cfg: Config, before: dict, after: dict) -> int:
+    """Bytes of the weights and moments after one step (and a wrong step count) that differ from torch.optim.AdamW
+    stepped from the recorded state: one nn.Parameter (Float32 copy of the weights), the recorded gradient and
+    moments, foreach=False, the correctly rounded square root (as in the full check). A matrix without gradient
+    must be left as it was."""
+    zeros = np.zeros(before["w"].shape, np.float32)
+    count = int(before["count"])
+    if "grad" not in before:
+        want_w, want_m, want_v, want_count = before["w"], before.get("exp_avg", zeros), before.get("exp_avg_sq", zeros), count
+    else:
+        p = torch.nn.Parameter(torch.from_numpy(before["w"].astype(np.float32)))
+        p.grad = torch.from_numpy(before["grad"].astype(np.float32))
+        ref = torch.optim.AdamW([p], lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=False)
+        if count > 0:
+            ref.state[p] = {"step": torch.tensor(float(count)),
+                            "exp_avg": torch.from_numpy(before.get("exp_avg", zeros).copy()),
+                            "exp_avg_sq": torch.from_numpy(before.get("exp_avg_sq", zeros).copy())}
+        original_sqrt = torch.Tensor.sqrt
+        torch.Tensor.sqrt = lambda self: torch.sqrt(self.double()).to(self.dtype)  # correctly rounded
+        try:
+            ref.step()
+        finally:
+            torch.Tensor.sqrt = original_sqrt
+        st = ref.state[p]
+        want_w = p.detach().numpy().astype(NP_DTYPE[cfg.dtype])
+        want_m, want_v, want_count = st["exp_avg"].numpy(), st["exp_avg_sq"].numpy(), count + 1
+    got = (after["w"], after.get("exp_avg", zeros), after.get("exp_avg_sq", zeros))
+    differ = sum(int(np.count_nonzero(bits(a) != bits(b))) for a, b in zip(got, (want_w, want_m, want_v)))
+    return differ + int(int(after["count"]) != want_count)
+
+
+def verify_sample(cfg: Config, folder: str, recorder: SampleRecorder, saved) -> dict:
+    """The sampled check, from the records (one record in memory at a time), against PyTorch: each sampled layer's
+    routing, each sampled expert's weight gradients in Float64 within Note [The bound of the check] (an unrouted
+    expert's gradient must be implicit), its AdamW step bit for bit, and its saved values."""
+    import torch
+
+    f64 = lambda a: torch.from_numpy(np.asarray(a).astype(np.float64))  # noqa: E731
+    factor = (1 + site_unit(cfg)) ** SITES - 1
+    ckpt = sw.safetensors.open(folder)
+    routers = {layer: f64(ckpt.tensor(gate_name(layer))) for layer in recorder.layers}
+    worst = Worst()
+    counts = {"near_ties": 0, "routing_mismatch": 0, "routed_tokens": 0, "untouched_not_implicit": 0,
+              "routed_without_gradient": 0}
+    mismatched = 0
+    for step in recorder.steps:
+        for layer in recorder.layers:
+            rec = load_arrays(recorder.path(step, f"layer{layer}"))
+            x, g, idx_np = f64(rec["x"]), f64(rec["g"]), rec["idx"]
+            check_routing(cfg, x, routers[layer], idx_np, counts)
+            idx = torch.from_numpy(idx_np.astype(np.int64))
+            for e in [e for ly, e in recorder.sample if ly == layer]:
+                before = {m: load_arrays(recorder.path(step, f"before-{layer}-{e}-{m}")) for m in MATRICES}
+                if e in idx_np:
+                    ws = [{e: f64(before[m]["w"])} for m in MATRICES]
+                    _, _, dws = block_reference(torch, x, routers[layer], *ws, idx, g, False, only=[e])
+                    _, _, mdws = block_reference(torch, x.abs(), routers[layer].abs(),
+                                                 *[{e: w[e].abs()} for w in ws], idx, g.abs(), True, only=[e])
+                    for m in MATRICES:
+                        if "grad" not in before[m]:
+                            counts["routed_without_gradient"] += 1
+                        else:
+                            worst.add("expert weight gradients", before[m]["grad"], dws[(e, m)].numpy(),
+                                      factor * mdws[(e, m)].numpy())
+                else:
+                    counts["untouched_not_implicit"] += sum("grad" in before[m] for m in MATRICES)
+                for m in MATRICES:
+                    mismatched += adamw_mismatch(torch, cfg, before[m],
+                                                 load_arrays(recorder.path(step, f"after-{layer}-{e}-{m}")))
+    last = recorder.steps[-1]  # the last step is always checked: its weights after are the final ones
+    saved_diff = 0
+    for layer, e in recorder.sample:
+        for m in MATRICES:
+            final = load_arrays(recorder.path(last, f"after-{layer}-{e}-{m}"))["w"]
+            saved_diff += int(np.count_nonzero(bits(np.asarray(saved.tensor(expert_name(layer, e, m)))) != bits(final)))
+    ok = (max(worst.ratio.values(), default=0.0) <= 1.0 and mismatched == 0 and saved_diff == 0
+          and counts["routing_mismatch"] == 0 and counts["untouched_not_implicit"] == 0
+          and counts["routed_without_gradient"] == 0 and "expert weight gradients" in worst.ratio)
+    return {"worst": worst.ratio, "counts": counts, "mismatched_weights": mismatched, "saved_mismatches": saved_diff,
+            "checked_steps": list(recorder.steps), "sample": [list(p) for p in recorder.sample], "ok": ok}
 
 
 # ---------------------------------------------------------------- PyTorch, everything in RAM
@@ -795,7 +1001,9 @@ def main(argv=None, cfg: Config | None = None) -> dict:
         size = sum(os.path.getsize(os.path.join(folder, n)) for n in os.listdir(folder))
         print(f"checkpoint: {cfg.layers} layers x {cfg.experts} experts, {fmt_bytes(size)} of {cfg.dtype} in "
               f"{cfg.layers + 1} shards, written by the safetensors package in {time.perf_counter() - t0:.1f} s")
-        r = train(cfg, folder, progress)
+        recorder = SampleRecorder(cfg, os.path.join(directory, "check-sample")) \
+            if cfg.check and cfg.check_sample else None
+        r = train(cfg, folder, progress, recorder)
         print_table("StrideWeave MoE fine-tuning summary", summary_rows(cfg, r))
         summary = {k: v for k, v in r.items() if k not in ("model", "opt", "budget")}
         failures = []
@@ -816,7 +1024,28 @@ def main(argv=None, cfg: Config | None = None) -> dict:
               f"{'PASS' if same else 'FAIL'}")
         if not same:
             failures.append("reload")
-        if cfg.check:
+        if cfg.check and recorder is not None:
+            t0 = time.perf_counter()
+            c = verify_sample(cfg, folder, recorder, reloaded.saved)
+            summary["check"] = c
+            counts = c["counts"]
+            print(f"\ncheck of {len(c['sample'])} sampled experts (layer, expert) {c['sample']} (seed {cfg.seed}) "
+                  f"against PyTorch, recorded within the run on steps {c['checked_steps']} "
+                  f"({time.perf_counter() - t0:.1f} s):")
+            for name, ratio in c["worst"].items():
+                print(f"  {name:<32} worst |error| / bound {ratio:.3g}  (Float64 reference on the run's own inputs)")
+            print(f"  routing of the sampled layers: {counts['routed_tokens']} token-layers checked, "
+                  f"{counts['near_ties']} near ties, {counts['routing_mismatch']} others differ from the exact "
+                  f"top-{cfg.top_k}; unrouted experts with a gradient: {counts['untouched_not_implicit']}, routed "
+                  f"ones without: {counts['routed_without_gradient']}")
+            print(f"  each sampled AdamW step vs torch.optim.AdamW from the recorded state (weights, both moments, "
+                  f"step count): {c['mismatched_weights']} bytes differ (bound 0)")
+            print(f"  saved checkpoint vs the run's final weights of the sample: {c['saved_mismatches']} bytes "
+                  f"differ (bound 0)")
+            print(f"  {'PASS' if c['ok'] else 'FAIL'}")
+            if not c["ok"]:
+                failures.append("check")
+        elif cfg.check:
             t0 = time.perf_counter()
             c = replay_with_torch(cfg, folder, progress)
             saved_values = {k: np.asarray(reloaded.saved.tensor(expert_name(k[0], k[2], k[1]))) for k in c["final"]}
@@ -854,6 +1083,10 @@ def main(argv=None, cfg: Config | None = None) -> dict:
             print("(PyTorch in a fresh process; its load of the checkpoint is not counted in its wall time)")
         summary["ok"] = not failures
         summary["failures"] = failures
+        summary["peak_rss_end"] = peak_rss_bytes()  # with the save, the reload and the check
+        if cfg.summary_json:
+            with open(cfg.summary_json, "w") as f:
+                json.dump(summary, f, indent=1, default=str)
     return summary
 
 

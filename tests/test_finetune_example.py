@@ -114,3 +114,80 @@ def test_bad_flags_are_refused(capsys):
     with pytest.raises(SystemExit):
         ex.parse_args(["--budget-ratio", "0.5"])
     assert "--budget-ratio" in capsys.readouterr().err
+
+
+SAMPLED = TINY + ["--check-sample", "3"]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_sampled_check_passes_within_the_budgeted_run(tmp_path, capsys, dtype):
+    """--check-sample (the bigger-than-RAM mode): no replay; the sampled experts' gradients, AdamW steps and saved
+    values are checked from records taken within the budgeted run itself; the summary goes to --summary-json."""
+    ex = load_example()
+    out_json = tmp_path / "summary.json"
+    s = ex.main(SAMPLED + ["--dtype", dtype, "--dir", str(tmp_path), "--summary-json", str(out_json)])
+    out = capsys.readouterr().out
+    assert s["ok"] and s["reload_ok"], s["failures"]
+    c = s["check"]
+    assert c["ok"] and len(c["sample"]) == 3 and c["checked_steps"] == [0, 1, 2]
+    assert 0 < c["worst"]["expert weight gradients"] <= 1.0
+    assert c["mismatched_weights"] == 0 and c["saved_mismatches"] == 0
+    layers = {layer for layer, _ in c["sample"]}
+    assert c["counts"]["routed_tokens"] == 3 * len(layers) * 24 and c["counts"]["routing_mismatch"] == 0
+    assert "check of 3 sampled experts" in out and "PASS" in out and "FAIL" not in out
+    assert json.loads(out_json.read_text())["check"]["sample"] == c["sample"]
+
+
+def faulty_train(ex, monkeypatch, fault):
+    """Calls `fault(when, recorder, model, opt)` on the budgeted run's checked steps, just before the recorder
+    reads them: after backward (when == "backward") and after the optimizer step (when == "step")."""
+    real = ex.SampleRecorder.after_backward
+
+    def after_backward(self, model, opt, fwd, step):
+        fault("backward", self, model, opt)
+        return real(self, model, opt, fwd, step)
+
+    real_after = ex.SampleRecorder.after_step
+
+    def after_step(self, model, opt, step):
+        fault("step", self, model, opt)
+        return real_after(self, model, opt, step)
+
+    monkeypatch.setattr(ex.SampleRecorder, "after_backward", after_backward)
+    monkeypatch.setattr(ex.SampleRecorder, "after_step", after_step)
+
+
+def test_the_sampled_check_fails_when_a_sampled_expert_gradient_is_wrong(tmp_path, monkeypatch):
+    """One element of the first sampled expert's w2 gradient is zeroed after backward (Float32): the Float64
+    comparison fails, and nothing else does."""
+    ex = load_example()
+
+    def fault(when, rec, model, opt):
+        layer, e = rec.sample[0]
+        g = model.weights(layer, "w2").grad
+        if when == "backward" and g is not None and g.carrier.tile_state((0, 0, e)).location != "implicit":
+            g[(0, 0, e)] = 0.0
+
+    faulty_train(ex, monkeypatch, fault)
+    s = ex.main(SAMPLED + ["--dtype", "float32", "--dir", str(tmp_path)])
+    assert not s["ok"] and s["failures"] == ["check"]
+    assert s["check"]["worst"]["expert weight gradients"] > 1.0
+
+
+def test_the_sampled_check_fails_when_an_optimizer_step_is_wrong(tmp_path, monkeypatch):
+    """One weight of the last sampled expert's w1 is nudged by one unit in the last place after the optimizer step:
+    the bit-exact AdamW comparison catches it (the gradients stay within their bound)."""
+    ex = load_example()
+
+    def fault(when, rec, model, opt):
+        layer, e = rec.sample[-1]
+        if when == "step":
+            w = model.weights(layer, "w1")
+            v = np.array([w[(0, 0, e)]], dtype=np.float32)
+            w[(0, 0, e)] = float(np.nextafter(v, np.float32(np.inf))[0])
+
+    faulty_train(ex, monkeypatch, fault)
+    s = ex.main(SAMPLED + ["--dtype", "float32", "--dir", str(tmp_path)])
+    assert not s["ok"] and s["failures"] == ["check"]
+    assert s["check"]["mismatched_weights"] > 0
+    assert s["check"]["worst"]["expert weight gradients"] <= 1.0
