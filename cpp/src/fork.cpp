@@ -76,17 +76,21 @@ Table& carrier_table() {
   static auto* t = new Table();
   return *t;
 }
+Table& budget_table() {
+  static auto* t = new Table();
+  return *t;
+}
 size_t stripe_of(const void* object) noexcept {
   const auto p = reinterpret_cast<uintptr_t>(object);
   return static_cast<size_t>((p >> 4) ^ (p >> 10)) % kStripes;  // objects are at least 16-byte aligned
 }
 
 void lock_tables() {
-  for (Table* t : {&completion_table(), &carrier_table()})
+  for (Table* t : {&completion_table(), &carrier_table(), &budget_table()})
     for (Stripe& s : *t) s.m.lock();
 }
 void unlock_tables() {
-  for (Table* t : {&carrier_table(), &completion_table()})
+  for (Table* t : {&budget_table(), &carrier_table(), &completion_table()})
     for (Stripe& s : *t) s.m.unlock();
 }
 
@@ -119,6 +123,12 @@ std::mutex& carrier_state_lock(const void* object) noexcept {
   static const bool registered = small_locks_registered();
   (void)registered;
   return carrier_table()[stripe_of(object)].m;
+}
+
+std::mutex& budget_lock(const void* object) noexcept {
+  static const bool registered = small_locks_registered();
+  (void)registered;
+  return budget_table()[stripe_of(object)].m;
 }
 
 }  // namespace detail

@@ -382,6 +382,47 @@ TEST_F(TiledTest, AForkedChildForgetsRequestsInFlightAndRunsItsOwn) {
   EXPECT_EQ(snapshot(*te), values);
 }
 
+// A residency budget's lock is held across fork() like the other small locks: a thread that holds it when another
+// forks (an I/O thread admitting a tile, say) delays the fork instead of leaving the child a budget locked forever.
+// Here a thread holds the budget's lock until the forking thread is about to fork; the child then uses the budget.
+TEST_F(TiledTest, AForkedChildCanUseAResidencyBudgetLockedAtTheFork) {
+#if defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "ThreadSanitizer does not run threads in a child of a threaded fork()";
+#endif
+  Tiled te = make_tiled({4}, {4});
+  auto budget = std::make_shared<ResidencyBudget>(2 * tile_bytes(*te));
+  te->set_residency_budget(budget);
+  // The holder lets go once fork() has started (this test's prepare handler ran: handlers run in reverse order of
+  // registration, so before the engine's) and either fork() has returned in the parent (without the budget's
+  // lock among the engine's: the child was made with the lock held) or 200 ms passed (with it: fork() waits
+  // for the holder, so this wait only delays the fork).
+  static std::atomic<bool> armed{false}, preparing{false}, returned{false};
+  static const bool registered = (pthread_atfork([] { if (armed) preparing = true; },
+                                                 [] { if (armed) returned = true; }, nullptr), true);
+  (void)registered;
+  preparing = returned = false;
+  armed = true;
+  std::atomic<bool> locked{false};
+  std::thread holder([&] {
+    std::lock_guard lock(detail::budget_lock(budget.get()));
+    locked = true;
+    while (!preparing) std::this_thread::yield();
+    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(200);
+    while (!returned && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+  });
+  while (!locked) std::this_thread::yield();
+  const int code = run_in_forked_child([&] {
+    te->promote_async({0, 1})->value();
+    te->promote_async({2})->value();  // admission evicts the least recent tile
+    if (budget->stats().resident_tiles != 2 || budget->stats().evictions != 1) return 2;
+    return 0;
+  }, 20);
+  armed = false;
+  holder.join();
+  EXPECT_EQ(code, 0) << "the forked child failed check " << code << " (142: it hung)";
+  EXPECT_EQ(budget->stats().resident_tiles, 0);  // the parent's budget is untouched
+}
+
 TEST_F(TiledTest, AWaitedRequestHoldsNoReferenceToTheCarrier) {
   // A tiled gradient adds in place only when its holder owns the carrier alone; so once a residency request's
   // handle reports completion, the request's transfers must no longer hold the carrier. Each round waits and

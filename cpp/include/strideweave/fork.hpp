@@ -12,9 +12,9 @@
 //      ForkLevel::TileTables    every TiledEvictable's tile table (a thread
 //                               holding one may next set a completion or
 //                               take a cached mapping),
-//      ForkLevel::SmallLocks    the striped locks of completions and of
-//                               carriers' claim state (nothing is taken
-//                               under them),
+//      ForkLevel::SmallLocks    the striped locks of completions, of
+//                               carriers' claim state and of residency
+//                               budgets (nothing is taken under them),
 //      ForkLevel::Executors     the process pools' queues,
 //      ForkLevel::MappingCache  the mapping cache (native.cpp),
 //      ForkLevel::TestGate      the test-only I/O gate (io.cpp), which I/O
@@ -81,6 +81,8 @@ namespace detail {
 // guards. Only for critical sections that take no other lock of the same table.
 std::mutex& completion_lock(const void* object) noexcept;
 std::mutex& carrier_state_lock(const void* object) noexcept;
+// A residency budget's lock (its sections take no other lock; a tile table's lock may be held around them).
+std::mutex& budget_lock(const void* object) noexcept;
 }  // namespace detail
 
 }  // namespace sw

@@ -46,6 +46,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "strideweave/fork.hpp"
+
 namespace sw {
 
 class TiledEvictable;
@@ -104,7 +106,8 @@ class ResidencyBudget {
   void remove_locked(Key k) noexcept;
 
   const int64_t max_bytes_;
-  mutable std::mutex m_;
+  // A striped lock, held across fork() (Note [Fork safety]): a pool thread admitting a tile may hold it then.
+  std::mutex& m_ = detail::budget_lock(this);
   std::list<Key> lru_;  // least recent first
   std::unordered_map<Key, Entry, KeyHash> entries_;
   std::unordered_map<const TiledEvictable*, int64_t> members_;  // carrier -> its resident tiles here
