@@ -229,6 +229,15 @@ struct Cachestat {
 
 }  // namespace
 
+std::optional<bool> fully_cached(int fd, size_t bytes, int64_t offset) {
+  const uint64_t page = 4096, first = static_cast<uint64_t>(offset) / page * page;
+  const uint64_t last = (static_cast<uint64_t>(offset) + bytes + page - 1) / page * page;
+  CachestatRange range{first, last - first};
+  Cachestat stat{};
+  if (::syscall(kCachestat, fd, &range, &stat, 0) != 0) return std::nullopt;
+  return stat.nr_cache * page >= last - first;
+}
+
 bool mostly_uncached(int fd, size_t bytes, int64_t offset) {
   CachestatRange range{static_cast<uint64_t>(offset), static_cast<uint64_t>(bytes)};
   Cachestat stat{};

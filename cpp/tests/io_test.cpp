@@ -379,5 +379,30 @@ TEST(ColdReads, FaultsAndTheGateCountOneCallPerRead) {
   io::clear_faults();
 }
 
+// io::fully_cached (how a mapped promotion decides whether to ask the kernel to read its range ahead): false for a
+// range dropped from the page cache and for one partly read, true once every page of it is read; where the kernel
+// lacks cachestat(2) it says it cannot tell.
+TEST(ColdReads, FullyCachedTellsWhetherEveryPageOfARangeIsCached) {
+  TempPath tmp("sw-cold");
+  cold::write_cold(tmp.path(), 4 * cold::kTile);
+  const int fd = io::open_file(tmp.path(), O_RDONLY);
+  const size_t bytes = static_cast<size_t>(cold::kTile) * 4;  // 1 MiB at offset 1 MiB + 100 bytes
+  const int64_t offset = cold::kTile * 4 + 100;
+  const std::optional<bool> dropped = io::fully_cached(fd, bytes, offset);
+  if (!dropped) {
+    ::close(fd);
+    GTEST_SKIP() << "cachestat(2) is unavailable here";
+  }
+  EXPECT_FALSE(*dropped);
+  ::posix_fadvise(fd, 0, 0, POSIX_FADV_RANDOM);  // no read-ahead: a read caches what it reads
+  std::vector<std::byte> buf(bytes + 8192);
+  io::pread_full(fd, buf.data(), bytes / 4, offset, tmp.path());  // the first quarter of the range
+  EXPECT_EQ(io::fully_cached(fd, bytes, offset), std::optional<bool>(false));
+  io::pread_full(fd, buf.data(), bytes + 8192, offset - 4096, tmp.path());  // every page of the range
+  EXPECT_EQ(io::fully_cached(fd, bytes, offset), std::optional<bool>(true));
+  EXPECT_EQ(io::fully_cached(fd, 4096, 0), std::optional<bool>(false));  // never read after the drop
+  ::close(fd);
+}
+
 }  // namespace
 }  // namespace sw

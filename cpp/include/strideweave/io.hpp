@@ -16,6 +16,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 
 namespace sw::io {
@@ -53,6 +54,9 @@ inline constexpr size_t kDirectMin = size_t{1} << 20;
 // True when the page cache holds less than half of [offset, offset + bytes) (cachestat(2); false where the kernel
 // cannot say): such a read goes direct when it can.
 bool mostly_uncached(int fd, size_t bytes, int64_t offset);
+// Whether the page cache holds every page of the byte range (cachestat(2)); nullopt where the kernel lacks it
+// (before Linux 6.5) or refuses the call.
+std::optional<bool> fully_cached(int fd, size_t bytes, int64_t offset);
 void pread_full(int fd, void* buf, size_t bytes, int64_t offset, const std::string& what, int direct_fd = -1);
 void pwrite_full(int fd, const void* buf, size_t bytes, int64_t offset, const std::string& what);
 void fsync_file(int fd, const std::string& what);

@@ -21,6 +21,7 @@
 
 #include "strideweave/errors.hpp"
 #include "strideweave/fork.hpp"
+#include "strideweave/io.hpp"
 
 namespace sw {
 
@@ -617,15 +618,20 @@ std::shared_ptr<AlignedBuffer> AlignedBuffer::map_file(int fd, uint64_t offset, 
   // page at a time, and on a writable private mapping copy every page (measured: 3.3 ms for 16 tiles of 2 MiB
   // against 0.9 ms touched, and 1.4 ms read).
   // Pages not in the page cache would be read a fault's read-around window at a time; asked for at once, the
-  // kernel reads the whole range ahead, as one read would (a cached tile skips this: mincore says so cheaply).
+  // kernel reads the whole range ahead, as one read would. A cached tile skips this: cachestat(2) says so in one
+  // walk of the file's cache (by folio); where the kernel lacks it, mincore(2) (one lookup per page: measured,
+  // those lookups were about a sixth of a cached 16-tile promotion's time).
   {
     auto* lo = static_cast<std::byte*>(p) + (offset - start) / page * page;
     const size_t span = static_cast<size_t>(static_cast<std::byte*>(p) + (offset - start) + bytes - lo);
-    thread_local std::vector<unsigned char> in_core;
-    in_core.resize((span + page - 1) / page);
-    if (::mincore(lo, span, in_core.data()) != 0 ||
-        std::any_of(in_core.begin(), in_core.end(), [](unsigned char c) { return (c & 1) == 0; }))
-      ::madvise(lo, span, MADV_WILLNEED);
+    std::optional<bool> cached = io::fully_cached(fd, bytes, static_cast<int64_t>(offset));
+    if (!cached) {
+      thread_local std::vector<unsigned char> in_core;
+      in_core.resize((span + page - 1) / page);
+      cached = ::mincore(lo, span, in_core.data()) == 0 &&
+               std::all_of(in_core.begin(), in_core.end(), [](unsigned char c) { return (c & 1) != 0; });
+    }
+    if (!*cached) ::madvise(lo, span, MADV_WILLNEED);
   }
   const auto* first = static_cast<const volatile std::byte*>(p) + (offset - start);
   for (size_t at_byte = 0; at_byte < bytes; at_byte += static_cast<size_t>(page)) (void)first[at_byte];
