@@ -713,23 +713,36 @@ class TestHandles:
         h = sw.move_async(t, pc.destination())
         transfer = pc.take()
         entering, finished = threading.Event(), threading.Event()
+        seen = []  # what the other threads saw, for the failure message
 
         def interrupter():
             # Runs only if wait() lets other Python threads run.
             if entering.wait(DEADLINE_S):
+                frame = sys._current_frames().get(threading.main_thread().ident)
+                where = inspect.getframeinfo(frame) if frame else None
+                seen.append(f"interrupt_main at {time.monotonic() - start:.3f} s, the main thread in "
+                            f"{where.function if where else '?'} (line {where.lineno if where else '?'}), "
+                            f"handle done: {h.done}")
                 _thread.interrupt_main()
 
         def safety_net():
             # A wait that ignores the interrupt would otherwise never return.
             if not finished.wait(DEADLINE_S):
+                seen.append(f"the safety net completed the transfer at {time.monotonic() - start:.3f} s")
                 transfer.complete()
 
         threading.Thread(target=interrupter, daemon=True).start()
         threading.Thread(target=safety_net, daemon=True).start()
-        with pytest.raises(KeyboardInterrupt):
+        start = time.monotonic()
+        interrupted = False
+        try:
             entering.set()
             h.wait()
+        except KeyboardInterrupt:
+            interrupted = True
+        returned = time.monotonic() - start
         finished.set()
+        assert interrupted, f"wait() returned after {returned:.3f} s without KeyboardInterrupt; {seen}"
         # Interrupting the wait does not cancel the move.
         assert not transfer.done and not h.done and t.carrier.is_owned()
         transfer.complete()
