@@ -12,6 +12,7 @@ import errno
 import gc
 import inspect
 import os
+import signal
 import sys
 import tempfile
 import threading
@@ -742,6 +743,12 @@ class TestHandles:
             interrupted = True
         returned = time.monotonic() - start
         finished.set()
+        if not interrupted:  # can this thread handle signals at all? (signal.signal refuses where it cannot)
+            try:
+                signal.signal(signal.SIGINT, signal.getsignal(signal.SIGINT))
+                seen.append("the main thread can set signal handlers")
+            except ValueError as e:
+                seen.append(f"signal.signal refused here: {e}")
         assert interrupted, f"wait() returned after {returned:.3f} s without KeyboardInterrupt; {seen}"
         # Interrupting the wait does not cancel the move.
         assert not transfer.done and not h.done and t.carrier.is_owned()
