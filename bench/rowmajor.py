@@ -21,7 +21,11 @@ ratio row-major / column-major, timed interleaved by harness.compare):
   gradient tile, after the first step);
 * ``backward of 2 experts``: the same step with the two-expert projection (x: 64 x 2 in): the compact gradient
   is scattered into a fresh tiled gradient (row-major: one run per row and expert) and summed into ``full.grad``
-  tile by tile.
+  tile by tile;
+* ``project 2, tile-major`` and ``backward of 2, tile-major``: the row-major side projects with
+  ``tile_major=True`` (docs/guide.md, "Tile-major projections"): a compact (out, (in, 2)) tensor, one run per
+  expert, and its matmul runs block by block over the nested mode; the column-major side as above (tile-major
+  already, so ``tile_major`` changes nothing there).
 
 Usage: python bench/rowmajor.py [--quick] [--reps N] [--quiet]
 """
@@ -101,9 +105,16 @@ def main(argv=None) -> None:
 
         x2 = friendly.tensor(rng.standard_normal((TOKENS, 2 * IN), dtype=np.float32))
 
-        def step2(carrier, full):
-            w = carrier.project(full, pair).wait()
+        def step2(carrier, full, tile_major=False):
+            w = carrier.project(full, pair, tile_major=tile_major).wait()
             sw.matmul(x2, w).backward(g)
+
+        def project_tiles(carrier, full):
+            with sw.no_grad():
+                return carrier.project(full, pair, tile_major=True).wait()
+
+        got = rm.project(rfull, pair, tile_major=True).wait()
+        assert np.array_equal(np.asarray(got), np.concatenate([experts[e] for e in PAIR], axis=1)), "tile-major"
 
         timings = [
             ("project 2 experts (512x256 each)", lambda: project(rm, rfull), lambda: project(cm, cfull),
@@ -112,6 +123,10 @@ def main(argv=None) -> None:
             ("backward step: project 1, matmul, backward into full.grad", lambda: step(rm, rfull),
              lambda: step(cm, cfull), OUT * IN * 4),
             ("backward step of 2 experts (scattered, then summed tile by tile)", lambda: step2(rm, rfull),
+             lambda: step2(cm, cfull), 2 * OUT * IN * 4),
+            ("project 2 experts, tile_major=True", lambda: project_tiles(rm, rfull), lambda: project(cm, cfull),
+             2 * OUT * IN * 4),
+            ("backward step of 2 experts, tile_major=True", lambda: step2(rm, rfull, True),
              lambda: step2(cm, cfull), 2 * OUT * IN * 4),
         ]
         for name, ours, reference, nbytes in timings:

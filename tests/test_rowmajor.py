@@ -70,6 +70,16 @@ def test_projections_of_row_major_tiles_hold_the_experts_in_row_major_order(tmp_
         n = IN * len(chosen)
         assert r.layout == sw.Layout(sw.Shape(OUT, n), sw.Stride(n, 1))
         assert col.layout == sw.column_major(OUT, n)
+        # Tile-major (Note [Tile-major projections]): row-major within each tile, tile after tile; column-major
+        # tiles are whole columns already, and keep their layout.
+        rt = rc.project(rfull, TileSelection([[0], chosen]), tile_major=True).wait()
+        ct = cc.project(cfull, TileSelection([[0], chosen]), tile_major=True).wait()
+        assert np.array_equal(np.asarray(rt), want) and np.array_equal(np.asarray(ct), want)
+        if len(chosen) == 1:
+            assert rt.layout == r.layout
+        else:
+            assert rt.layout == sw.Layout(sw.Shape(OUT, [IN, len(chosen)]), sw.Stride(IN, [1, OUT * IN]))
+        assert ct.layout == col.layout
 
 
 def test_the_three_mode_form_projects_row_major_experts(tmp_path, experts):
@@ -184,3 +194,93 @@ def test_a_blocked_within_tile_order_projects_and_scatters_exactly(tmp_path, rng
         out = c.scatter(friendly.tensor(values), full, one, reduction="add").wait()
         back = np.asarray(out.carrier.project(out, one).wait())
     assert np.array_equal(back, want[0:4, 6:12] + values)
+
+
+def test_a_projection_of_several_row_major_tiles_holds_each_tile_in_one_run(tmp_path, experts):
+    """Tile-major: each selected expert's values lie together in its own (row-major) order, in selection order,
+    so the gather is one copy per tile; the nested mode is no NumPy view, so np.asarray copies and copy=False
+    refuses, naming the layout."""
+    rc, rfull = expert_weight(tmp_path, experts, True)
+    chosen = [3, 0, 2]
+    r = rc.project(rfull, TileSelection([[0], chosen]), tile_major=True).wait()
+    for k, e in enumerate(chosen):
+        tile = sw.Tensor(r.carrier, k * OUT * IN, sw.Layout(sw.Shape(OUT, IN), sw.Stride(IN, 1)))
+        assert np.array_equal(np.asarray(tile), experts[e])
+    assert np.array_equal(np.asarray(r), np.concatenate([experts[e] for e in chosen], axis=1))
+    before = r.carrier.version
+    with pytest.raises(ValueError, match=r"copy=False.*\(8,\(5,3\)\).*not a NumPy view"):
+        np.asarray(r, copy=False)
+    assert r.carrier.version == before
+    # A tile shared whole needs no copy, and is a view.
+    one = rc.project(rfull, TileSelection([[0], [2]]), tile_major=True).wait()
+    assert np.shares_memory(np.asarray(one, copy=False), np.asarray(one, copy=False))
+
+
+@pytest.mark.parametrize("tokens", [TOKENS, 70])
+def test_matmul_over_a_tile_major_projection_matches_float64(tmp_path, experts, rng, tokens):
+    """Products whose contraction (x2 @ w^T) or output (y @ w) runs over the nested (in, count) mode, block by
+    block (Note [Products over nested modes]): within the Float32 bound of a sum of n products of the Float64
+    product, whatever the order of the blocks' sums. `tokens` 70 takes BLAS, 3 the skinny kernels."""
+    rc, rfull = expert_weight(tmp_path, experts, True)
+    chosen = [1, 3]
+    with sw.no_grad():
+        w = rc.project(rfull, TileSelection([[0], chosen]), tile_major=True).wait()
+    w64 = np.concatenate([experts[e] for e in chosen], axis=1).astype(np.float64)  # (OUT, 2 IN)
+    xa = rng.standard_normal((tokens, 2 * IN)).astype(np.float32)
+    ya = rng.standard_normal((tokens, OUT)).astype(np.float32)
+    got = np.asarray(sw.matmul(friendly.tensor(xa), w))  # contraction over (in, 2)
+    want = xa.astype(np.float64) @ w64.T
+    assert np.all(np.abs(got - want) <= bound(2 * IN, np.abs(xa.astype(np.float64)) @ np.abs(w64).T))
+    wt = sw.permute(w, [1, 0])  # ((in, 2), OUT): the nested mode is the product's output mode
+    got = np.asarray(sw.matmul(friendly.tensor(ya), wt))
+    want = ya.astype(np.float64) @ w64
+    assert np.all(np.abs(got - want) <= bound(OUT, np.abs(ya.astype(np.float64)) @ np.abs(w64)))
+
+
+def test_backward_through_a_tile_major_projection_matches_float64(tmp_path, experts, rng):
+    """One step over two row-major experts side by side: the weight's gradient goes back into the two tiles, the
+    input's gradient (g @ w, the nested mode as output) into x, each within the bound of its sum."""
+    rc, rfull = expert_weight(tmp_path, experts, True)
+    chosen = [2, 0]
+    xa = rng.standard_normal((TOKENS, 2 * IN)).astype(np.float32)
+    ga = rng.standard_normal((TOKENS, OUT)).astype(np.float32)
+    x = friendly.tensor(xa)  # every Float32 tensor is differentiable
+    w = rc.project(rfull, TileSelection([[0], chosen]), tile_major=True).wait()
+    sw.matmul(x, w).backward(friendly.tensor(ga))
+    x64, g64 = xa.astype(np.float64), ga.astype(np.float64)
+    w64 = np.concatenate([experts[e] for e in chosen], axis=1).astype(np.float64)
+    got = np.asarray(rfull.grad)
+    for k, e in enumerate(chosen):
+        block = x64[:, k * IN:(k + 1) * IN]
+        want = g64.T @ block
+        b = bound(TOKENS, np.abs(g64).T @ np.abs(block))
+        assert np.all(np.abs(got[:, e * IN:(e + 1) * IN] - want) <= b), e
+    assert not np.any(got[:, IN:2 * IN]) and not np.any(got[:, 3 * IN:])
+    assert np.all(np.abs(np.asarray(x.grad) - g64 @ w64) <= bound(OUT, np.abs(g64) @ np.abs(w64)))
+    assert x.grad.layout.shape == x.layout.shape  # the input's own (flat) profile, not the nested mode's
+    # A second step adds into both gradients (the input's is a flat leaf, the product's mode nested).
+    w = rc.project(rfull, TileSelection([[0], chosen]), tile_major=True).wait()
+    sw.matmul(x, w).backward(friendly.tensor(ga))
+    assert np.all(np.abs(np.asarray(x.grad) - 2 * g64 @ w64) <= bound(2 * OUT, 2 * np.abs(g64) @ np.abs(w64)))
+
+
+@pytest.mark.parametrize("reduction", ["replace", "add"])
+def test_a_tile_major_compact_scatters_back_exactly(tmp_path, experts, rng, reduction):
+    """A projection's own (tile-major) compact tensor scattered into the tiles it came from, run by run."""
+    rc, rfull = expert_weight(tmp_path, experts, True)
+    sel = TileSelection([[0], [3, 1]])
+    with sw.no_grad():
+        compact = rc.project(rfull, sel, tile_major=True).wait()
+        out = rc.scatter(compact, rfull, sel, reduction=reduction).wait()
+        got = np.asarray(out.carrier.project(out, sel).wait())
+    want = np.concatenate([experts[3], experts[1]], axis=1) * (2 if reduction == "add" else 1)
+    assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("bad", [1, "yes", None])
+def test_tile_major_must_be_a_bool(tmp_path, experts, bad):
+    rc, rfull = expert_weight(tmp_path, experts, True)
+    before = rc.stats()
+    with pytest.raises(TypeError, match="tile_major"):
+        rc.project(rfull, TileSelection([[0], [1, 2]]), tile_major=bad)
+    assert rc.stats() == before

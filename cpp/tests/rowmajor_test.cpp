@@ -49,6 +49,20 @@ TEST_F(TiledTest, ARowMajorTensorMapsEveryTileThroughOneDensePermutation) {
   TileAccess col(*te, *expert_full(te, false));
   EXPECT_TRUE(col.canonical && col.dense_permutation);
   EXPECT_EQ(col.compact_strides(cshape), (std::vector<int64_t>{1, kOut}));
+  // A projection's layout (Note [Tile-major projections]): row-major tiles side by side are tile-major, a
+  // materialisation keeps the dense row-major order, column-major tiles stay column-major.
+  const std::vector<int64_t> two{1, 2};
+  EXPECT_EQ(a.compact_layout(cshape, two, true), Layout(Shape(IntTuple::tuple({kOut, IntTuple::tuple({kIn, 2})})),
+                                                        Stride(IntTuple::tuple({kIn, IntTuple::tuple({1, kOut * kIn})}))));
+  EXPECT_EQ(a.compact_layout(cshape, two, false), Layout(Shape::flat(cshape), Stride::flat({2 * kIn, 1})));
+  EXPECT_EQ(col.compact_layout(cshape, two, true), column_major(Shape::flat(cshape)));
+  // The three-mode form (out, in, E), one expert per tile: the tiles are already one run each, the layout flat.
+  Tiled three = make_tiled({1, 1, kE}, {kOut, kIn, 1});
+  TensorPtr t3 = make_tensor(three, 0, Layout(Shape::flat({kOut, kIn, kE}), Stride::flat({kIn, 1, kOut * kIn})));
+  TileAccess r(*three, *t3);
+  ASSERT_TRUE(r.dense_permutation);
+  const std::vector<int64_t> rshape{kOut, kIn, 2}, rcounts{1, 1, 2};
+  EXPECT_EQ(r.compact_layout(rshape, rcounts, true), Layout(Shape::flat(rshape), Stride::flat({kIn, 1, kOut * kIn})));
 }
 
 TEST_F(TiledTest, ABlockedWithinTileOrderIsUniformButNoPermutation) {
@@ -82,11 +96,16 @@ TEST_F(TiledTest, ProjectingRowMajorTilesKeepsTheirOrderAndSharesOneTile) {
   EXPECT_EQ(one->carrier->native_data(), TiledInternals::tile_buffer(*te, 2)->native_data());  // no copy
   TensorPtr two = project(te, full, {{{0}, {2, 0}}}, nullptr)->value();
   EXPECT_EQ(two->layout, Layout(Shape::flat({kOut, 2 * kIn}), Stride::flat({2 * kIn, 1})));
+  // Tile-major (Note [Tile-major projections]): (out, (in, 2)) : (in, (1, out x in)), each tile in one run.
+  TensorPtr tiles = project(te, full, {{{0}, {2, 0}}}, nullptr, /*tile_major=*/true)->value();
+  EXPECT_EQ(tiles->layout, Layout(Shape(IntTuple::tuple({kOut, IntTuple::tuple({kIn, 2})})),
+                                  Stride(IntTuple::tuple({kIn, IntTuple::tuple({1, kOut * kIn})}))));
   const int64_t chosen[2] = {2, 0};
   for (int64_t o = 0; o < kOut; ++o)
     for (int64_t q = 0; q < 2 * kIn; ++q) {
       const Value want = row_major_value(chosen[q / kIn], o, q % kIn);
       EXPECT_EQ(two->carrier->read_value(two->layout.index(Coord::tuple({o, q}))), want) << o << " " << q;
+      EXPECT_EQ(tiles->carrier->read_value((q / kIn) * kOut * kIn + o * kIn + q % kIn), want) << o << " " << q;
       if (q < kIn) EXPECT_EQ(one->carrier->read_value(one->layout.index(Coord::tuple({o, q}))), want);
     }
 }

@@ -161,6 +161,17 @@ void bind_tensor(nb::module_& m) {
       }, nb::arg("key").none(), nb::arg("value").none(),
          nb::sig("def __setitem__(self, key: " SW_PY_KEY ", value: " SW_PY_VALUE ") -> None"))
       .def("__array__", [](nb::handle self, nb::handle dtype, nb::handle copy) {
+        // NumPy's protocol: copy=False asks for a view or an error, never a silent copy.
+        if (!copy.is_none() && !nb::cast<bool>(copy)) {
+          const TensorImpl& t = nb::cast<const TensorImpl&>(self);
+          std::vector<size_t> shape;
+          std::vector<int64_t> strides;
+          if (!t.carrier->native_data() || !mode_strides(t.layout, shape, strides))
+            sw::raise<sw::ValueError>("np.asarray(copy=False): a tensor with layout ", t.layout.str(), " over ",
+                                      t.carrier->kind_name(),
+                                      " is not a NumPy view (a nested mode, or no memory of its own); "
+                                      "use np.asarray(t) for a copy");
+        }
         nb::object arr = to_numpy(self);
         if (!dtype.is_none()) arr = arr.attr("astype")(dtype);
         else if (!copy.is_none() && nb::cast<bool>(copy)) arr = arr.attr("copy")();

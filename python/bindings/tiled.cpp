@@ -572,7 +572,7 @@ void bind_tiled(nb::module_& m) {
          "Dirty tiles are discarded: when the secondary tier is a file you named, that emits a ResourceWarning "
          "with their count; flush() first to keep them.")
       .def("project", [](std::shared_ptr<TiledEvictable> c, nb::handle tensor, nb::handle selection,
-                         nb::handle destination) {
+                         nb::handle destination, bool tile_major) {
         sw::TensorPtr t = tensor_of(tensor, "project: tensor");
         sw::TileSelection sel = selection_of(selection, "project");
         sw::CarrierPtr dest;
@@ -582,11 +582,14 @@ void bind_tiled(nb::module_& m) {
                                      nb::cast<std::string>(destination.type().attr("__name__")));
           dest = nb::cast<sw::CarrierPtr>(destination);
         }
-        return tensor_handle<AwaitProjection>(sw::project(c, t, sel, dest));
+        return tensor_handle<AwaitProjection>(sw::project(c, t, sel, dest, tile_major));
       }, nb::arg("tensor").none(), nb::arg("selection").none(), nb::arg("destination").none() = nb::none(),
+         nb::kw_only(), nb::arg("tile_major") = false,
          nb::sig("def project(self, tensor: Tensor, selection: " TILED ".TileSelection, destination: Carrier | None "
-                 "= None) -> AwaitProjection"),
-         "Gathers the selected tiles of the full `tensor` into a compact dense tensor; returns an AwaitProjection.")
+                 "= None, *, tile_major: bool = False) -> AwaitProjection"),
+         "Gathers the selected tiles of the full `tensor` into a compact dense tensor; returns an AwaitProjection. "
+         "tile_major=True keeps each tile's values together where the tiles are not column-major (a nested mode "
+         "(tile extent, count)): one copy per tile.")
       .def("scatter", [](std::shared_ptr<TiledEvictable> c, nb::handle compact, nb::handle templ, nb::handle selection,
                          nb::handle reduction) {
         sw::TensorPtr ct = tensor_of(compact, "scatter: compact");

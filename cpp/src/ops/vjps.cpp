@@ -11,6 +11,7 @@
 #include "kernels.hpp"
 #include "strided.hpp"
 #include "strideweave/carriers/native.hpp"
+#include "strideweave/views.hpp"
 
 namespace sw::detail {
 
@@ -42,7 +43,13 @@ bool add_product_into(GradientSink& sink, const TensorImpl& lhs, const TensorImp
 bool row_major_2d(const TensorImpl& t) {
   if (t.layout.rank() != 2) return false;
   auto r = t.layout.mode_as_leaf(0), c = t.layout.mode_as_leaf(1);
-  return r && c && r->first > 1 && c->first > 1 && c->second == 1 && r->second == c->first;
+  if (r && c) return r->first > 1 && c->first > 1 && c->second == 1 && r->second == c->first;
+  // A tile-major projection of row-major tiles (Note [Tile-major projections] in cpp/src/tiled/tile_copies.hpp):
+  // rows of the first column block one after another, (out, (in, count)) : (in, (1, out x in)).
+  const FlatLayout& f = t.layout.flat();
+  const IntTuple& rows = t.layout.shape().tree()[0];
+  return r && !c && rows.is_leaf() && f.extents.size() == 3 && r->first > 1 && f.strides[1] == 1 &&
+         r->second == f.extents[1] && f.strides[2] == r->first * r->second;
 }
 
 // g where a > 0, else 0.
@@ -170,6 +177,10 @@ void vjp_matmul(const VjpArgs& a, std::span<TensorPtr> grads) {
     // adopts it whole, instead of transposing it element by element.
     if (row_major_2d(*a.inputs[i])) grads[i] = transpose(op(OpId::Matmul, rhs[i], lhs[i]));
     else grads[i] = op(OpId::Matmul, lhs[i], rhs[i]);
+    // The product's modes come from the other operand: a nested mode there (a tile-major projection's) gives the
+    // gradient that nesting. It takes the input's own profile (same extents, same order of elements: a view).
+    if (!(grads[i]->layout.shape() == a.inputs[i]->layout.shape()))
+      grads[i] = reshape(grads[i], a.inputs[i]->layout.shape());
   }
 }
 

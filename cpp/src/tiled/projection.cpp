@@ -90,14 +90,15 @@ std::vector<int64_t> compact_shape(const TiledEvictable& c, const TileSelection&
 }
 
 CompletionPtr<TensorPtr> project(const std::shared_ptr<TiledEvictable>& c, const TensorPtr& tensor,
-                                 const TileSelection& sel, const CarrierPtr& destination) {
-  return project_for(c, tensor, sel, destination, "projection");
+                                 const TileSelection& sel, const CarrierPtr& destination, bool tile_major) {
+  return project_for(c, tensor, sel, destination, "projection", tile_major);
 }
 
 // `purpose` is what the residency policy is told: "projection" for carrier.project,
 // "operation" for a direct operation's operands, "backward" inside backward.
 CompletionPtr<TensorPtr> project_for(const std::shared_ptr<TiledEvictable>& c, const TensorPtr& tensor,
-                                     const TileSelection& sel, const CarrierPtr& destination, const char* purpose) {
+                                     const TileSelection& sel, const CarrierPtr& destination, const char* purpose,
+                                     bool tile_major) {
   if (!tensor) raise<TypeError>("project: tensor must be a Tensor");
   if (tensor->carrier.get() != c.get())
     raise<TypeError>("project: the tensor is backed by ", tensor->carrier->kind_name(),
@@ -129,9 +130,11 @@ CompletionPtr<TensorPtr> project_for(const std::shared_ptr<TiledEvictable>& c, c
   // Note [Shared snapshots] (native.cpp): without a destination, one tile whose buffer already holds the compact
   // values in the compact tensor's order (a dense permutation: the buffer as is) is shared, not copied, once
   // readable.
-  // The compact tensor keeps the tiles' own order where it is a dense permutation (Note [Within-tile layouts]).
+  // The compact tensor keeps the tiles' own order where it is a dense permutation (Note [Within-tile layouts]),
+  // tile by tile where that order is not column-major (Note [Tile-major projections]).
   const TileAccess access(*c, *tensor);
-  std::vector<int64_t> dstride = access.compact_strides(cshape);
+  std::vector<int64_t> counts = counts_of(sel);
+  Layout clayout = access.compact_layout(cshape, counts, tile_major);
   const bool may_share = !dest && src.size() == 1 && access.dense_permutation && &proto.kind() == &cpu_kind();
   // The work's token ends it exactly once: in `finish`, or on an error path below.
   auto work = std::make_shared<WorkToken>(TiledInternals::begin_work(c, src, purpose));
@@ -160,8 +163,7 @@ CompletionPtr<TensorPtr> project_for(const std::shared_ptr<TiledEvictable>& c, c
   st->remaining.store(static_cast<int64_t>(src.size()));
   st->claim = std::move(claim);
   st->dest = dest;
-  std::vector<int64_t> counts = counts_of(sel);
-  auto finish = [c, tensor, sel, work, done, st, cshape, dstride, record]() {
+  auto finish = [c, tensor, sel, work, done, st, clayout, record]() {
     st->claim.end();
     // A failed deferred eviction fails the projection (Note [A failed deferred eviction reaches the work]).
     if (std::exception_ptr error = work->end(st->error)) {
@@ -171,7 +173,7 @@ CompletionPtr<TensorPtr> project_for(const std::shared_ptr<TiledEvictable>& c, c
     TensorPtr result;
     try {
       const CarrierPtr& dest = st->dest;
-      result = make_tensor(dest, 0, Layout(Shape::flat(cshape), Stride::flat(dstride)));
+      result = make_tensor(dest, 0, clayout);
       dest->bump_version();
       if (record) {
         auto node = std::make_shared<ProjectionNode>();
@@ -189,7 +191,7 @@ CompletionPtr<TensorPtr> project_for(const std::shared_ptr<TiledEvictable>& c, c
     }
     done->set_value(std::move(result));
   };
-  auto gather = [c, tensor, st, counts, dstride, finish, need](int64_t k, int64_t index) {
+  auto gather = [c, tensor, st, counts, clayout, finish, need](int64_t k, int64_t index) {
     try {
       if (!st->error && !st->dest) {  // may_share: the one tile is readable now
         CarrierPtr buffer = TiledInternals::tile_buffer(*c, index);
@@ -200,8 +202,9 @@ CompletionPtr<TensorPtr> project_for(const std::shared_ptr<TiledEvictable>& c, c
         }
       } else if (!st->error) {
         TileAccess access(*c, *tensor);
-        gather_tile(*c, access, index, TiledInternals::tile_buffer(*c, index), *st->dest,
-                    TileGeometry::compact_coord(k, counts), dstride);
+        std::optional<TileRegion> region = tile_region(c->geometry(), clayout, TileGeometry::compact_coord(k, counts));
+        SW_ASSERT(region, "a projection's compact layout ", clayout.str(), " has no tile regions");
+        gather_tile(*c, access, index, TiledInternals::tile_buffer(*c, index), *st->dest, *region);
       }
     } catch (...) {
       std::lock_guard lock(st->m);

@@ -128,6 +128,74 @@ std::vector<int64_t> TileAccess::compact_strides(std::span<const int64_t> cshape
   return out;
 }
 
+Layout TileAccess::compact_layout(std::span<const int64_t> cshape, std::span<const int64_t> counts,
+                                  bool tile_major) const {
+  const std::vector<int64_t>& tile = geometry.tile_shape();
+  bool column_order = true;  // the tiles' order is column-major (modes of tile extent 1 aside)
+  size_t previous = 0;
+  bool first = true;
+  for (size_t k : mode_order) {
+    if (tile[k] == 1) continue;
+    if (!first && k < previous) column_order = false;
+    previous = k;
+    first = false;
+  }
+  if (!tile_major || !dense_permutation || column_order) {
+    std::vector<int64_t> cs(cshape.begin(), cshape.end());
+    return Layout(Shape::flat(cs), Stride::flat(compact_strides(cshape)));
+  }
+  const std::vector<int64_t> within = compact_strides(tile);
+  const int64_t tile_size = geometry.tile_size();
+  std::vector<IntTuple> shape, stride;
+  int64_t between = tile_size;  // the stride between consecutive tiles along the axis (column-major tile order)
+  for (size_t k = 0; k < tile.size(); ++k) {
+    const int64_t t = tile[k], n = counts[k];
+    if (n == 1 || t == 1 || between == within[k] * t) {
+      shape.emplace_back(t * n);
+      stride.emplace_back(t == 1 ? (n == 1 ? int64_t{0} : between) : within[k]);
+    } else {
+      shape.push_back(IntTuple::tuple({IntTuple(t), IntTuple(n)}));
+      stride.push_back(IntTuple::tuple({IntTuple(within[k]), IntTuple(between)}));
+    }
+    between *= n;
+  }
+  return Layout(Shape(IntTuple::tuple(std::move(shape))), Stride(IntTuple::tuple(std::move(stride))));
+}
+
+std::optional<TileRegion> tile_region(const TileGeometry& g, const Layout& layout, const TileCoord& cc) {
+  const std::vector<int64_t>& tile = g.tile_shape();
+  if (layout.rank() != tile.size()) return std::nullopt;
+  TileRegion r;
+  r.strides.resize(tile.size(), 0);
+  const FlatLayout& flat = layout.flat();
+  size_t first = 0;
+  for (size_t k = 0; k < tile.size(); ++k) {
+    const IntTuple& mode = layout.shape().tree()[k];
+    const size_t count = mode.is_leaf() ? 1 : mode.leaf_count();
+    // The mode's leaves of extent > 1.
+    int64_t e[2] = {1, 1}, s[2] = {0, 0};
+    size_t n = 0;
+    for (size_t j = first; j < first + count; ++j) {
+      if (flat.extents[j] == 1) continue;
+      if (n == 2) return std::nullopt;
+      e[n] = flat.extents[j];
+      s[n] = flat.strides[j];
+      ++n;
+    }
+    first += count;
+    if (n <= 1) {  // one leaf: the tile is `tile extent` consecutive coordinates
+      r.strides[k] = s[0];
+      r.base += cc[k] * tile[k] * s[0];
+    } else if (e[0] == tile[k]) {  // (tile extent, count)
+      r.strides[k] = s[0];
+      r.base += cc[k] * s[1];
+    } else {
+      return std::nullopt;
+    }
+  }
+  return r;
+}
+
 bool TileAccess::buffer_order_is(const Layout& layout) const {
   if (!dense_permutation) return false;
   const std::vector<int64_t>& tile = geometry.tile_shape();
@@ -192,9 +260,10 @@ void for_each_run_pair(const TileAccess& a, std::span<const int64_t> rstride, F&
 }  // namespace
 
 void gather_tile(const TiledEvictable& c, const TileAccess& access, int64_t index, const CarrierPtr& buffer,
-                 Carrier& dest, const TileCoord& cc, std::span<const int64_t> dstride) {
+                 Carrier& dest, const TileRegion& region) {
   const TileGeometry& g = c.geometry();
-  const int64_t base = g.region_base(cc, dstride);
+  const int64_t base = region.base;
+  const std::vector<int64_t>& dstride = region.strides;
   const size_t w = slot_bytes(c.dtype());
   if (access.uniform) {
     std::byte* d = dest.mutable_native_data();
@@ -233,15 +302,16 @@ CarrierPtr scatter_tile(const TiledEvictable& c, const TileAccess& access, int64
   const bool float_add_native = c.dtype().id() == DTypeId::Float32 &&
                                 (!existing || existing->native_data() != nullptr);
   // The bulk copies move bytes: only between one dtype (a Float32 cotangent of a 16-bit tile converts slot by slot).
-  std::optional<std::vector<int64_t>> cs =
-      access.uniform && compact.dtype() == c.dtype() ? mode_strides(compact.layout) : std::nullopt;
-  if (cs && (!add || float_add_native)) {
+  std::optional<TileRegion> region =
+      access.uniform && compact.dtype() == c.dtype() ? tile_region(g, compact.layout, cc) : std::nullopt;
+  if (region && (!add || float_add_native)) {
     CarrierPtr buf = c.primary()->allocate_like(n, true, c.dtype(), /*empty=*/true);
-    const int64_t base = compact.offset + g.region_base(cc, *cs);
+    const int64_t base = compact.offset + region->base;
+    const std::vector<int64_t>& cs = region->strides;
     const size_t w = slot_bytes(c.dtype());
     const std::byte* s = compact.carrier->native_data();
     std::byte* d = buf->mutable_native_data();
-    for_each_run_pair(access, *cs, [&](int64_t bo, int64_t ro, int64_t len) {
+    for_each_run_pair(access, cs, [&](int64_t bo, int64_t ro, int64_t len) {
       if (s && d) std::memcpy(d + static_cast<size_t>(bo) * w, s + static_cast<size_t>(base + ro) * w,
                               static_cast<size_t>(len) * w);
       else copy_slots(*compact.carrier, base + ro, *buf, bo, len);

@@ -30,6 +30,24 @@ namespace sw {
 // (a row-major tile, one run per row; a one-tile projection, one run, or none when the tile is shared), a matmul
 // reads it through BLAS's transposition flags, and a gradient in that layout goes back into tiles run by run. A
 // tensor that is not uniform is read slot by slot (physical_within), as before.
+//
+// Note [Tile-major projections]: in column-major order a tile's values in the compact tensor are whole columns
+// apart, so the expert-last projections of the guide ("Why expert last") gather each tile with one copy. In any
+// other order the compact tensor, dense in that order over the whole selection, interleaves the tiles: two
+// row-major (out, in) experts side by side, (out, 2 in), are 2 x out runs of `in` values, 1 KiB each for
+// (512, 256) Float32 experts, against two runs of 512 KiB, and many small copies into an interleaved destination
+// cost more than a few large ones (a copy loop alone: 1.4x the time on one thread, 1.8x on two, on the AMD EPYC
+// of docs/performance.md). A projection asked to be tile-major (`tile_major`, compact_layout) keeps each selected
+// tile's values together, in the tile's own order, tiles in column-major order of the selection: a mode that
+// spans several tiles is the nested mode (tile extent, count) with strides (within-tile, between tiles), e.g.
+// (out, (in, 2)) : (in, (1, out x in)) for the two experts, gathered with one copy per tile. Where that is
+// already one dense mode (one tile on the axis, tiles stacked along the slowest within-tile mode, or column-major
+// tiles) the layout is the dense one, so only the interleaved cases change. It is not the default because a
+// nested mode changes what the result combines with: broadcasting matches hierarchical profiles, so it adds to
+// tensors of its own profile (a view reshapes others), it is no NumPy view (`np.asarray` copies it, `copy=False`
+// refuses) and DLPack exports it only as a copy. A matmul runs over the nested mode block by block (Note
+// [Products over nested modes] in cpp/src/ops/cpu_matmul.cpp), and gradients and scatters go back into the tiles
+// run by run like any compact tensor (tile_region).
 struct TileAccess {
   const TileGeometry& geometry;
   const TensorImpl& t;
@@ -50,9 +68,13 @@ struct TileAccess {
     return geometry.locate(t.offset + t.layout.flat().index(geometry.slot(index, w))).second;
   }
 
-  // The strides of a projection's compact tensor of shape `cshape`: dense in the buffer's mode order when the
-  // buffer is a dense permutation (column-major for a canonical tensor), column-major otherwise.
+  // The strides of a dense tensor of shape `cshape`: dense in the buffer's mode order when the buffer is a dense
+  // permutation (column-major for a canonical tensor), column-major otherwise.
   std::vector<int64_t> compact_strides(std::span<const int64_t> cshape) const;
+
+  // The layout of a projection's compact tensor of shape `cshape` over `counts` tiles per axis: compact_strides,
+  // or tile-major (`tile_major` and tiles that are not column-major: Note [Tile-major projections]).
+  Layout compact_layout(std::span<const int64_t> cshape, std::span<const int64_t> counts, bool tile_major) const;
 
   // Whether one tile's buffer holds a tensor of the tile's shape with `layout` at offset 0 in its own order: a
   // one-tile compact tensor in that layout is the buffer as is (shared by a projection, adopted by a gradient).
@@ -65,10 +87,20 @@ struct TileAccess {
 // Per top-level mode, the stride of a layout whose every mode is one leaf (Layout::mode_as_leaf), or none.
 std::optional<std::vector<int64_t>> mode_strides(const Layout& layout);
 
-// Copies source tile `index` (`buffer`, or an implicit zero when null) into its region of `dest`, a dense tensor at
-// offset 0 with per-mode strides `dstride` (TileAccess::compact_strides), compact tile coordinate `cc`.
+// Where compact tile `cc` lies in a tensor laid out by `layout` (relative to its offset): the offset of its first
+// value and, per slot axis, the stride of its within-tile coordinate. Each mode is one leaf (a tile's region is
+// `tile extent` consecutive coordinates) or the nested (tile extent, count) of a tile-major projection; none
+// otherwise.
+struct TileRegion {
+  int64_t base = 0;
+  std::vector<int64_t> strides;
+};
+std::optional<TileRegion> tile_region(const TileGeometry& g, const Layout& layout, const TileCoord& cc);
+
+// Copies source tile `index` (`buffer`, or an implicit zero when null) into `region` (tile_region) of `dest`, a
+// dense tensor at offset 0.
 void gather_tile(const TiledEvictable& c, const TileAccess& access, int64_t index, const CarrierPtr& buffer,
-                 Carrier& dest, const TileCoord& cc, std::span<const int64_t> dstride);
+                 Carrier& dest, const TileRegion& region);
 
 // The inverse: a fresh tile buffer for source tile `index` holding the region of `compact` at compact tile
 // coordinate `cc`, plus `existing` values for "add" (null means zero).
@@ -89,7 +121,9 @@ TensorPtr scatter_add_gradient(const std::shared_ptr<TiledEvictable>& c, const T
 
 // carrier.project with `purpose` told to the residency policy: "projection" for carrier.project, "operation" for a
 // direct operation's operands, "backward" inside backward (projection.cpp).
+// `tile_major`: Note [Tile-major projections].
 CompletionPtr<TensorPtr> project_for(const std::shared_ptr<TiledEvictable>& c, const TensorPtr& tensor,
-                                     const TileSelection& sel, const CarrierPtr& destination, const char* purpose);
+                                     const TileSelection& sel, const CarrierPtr& destination, const char* purpose,
+                                     bool tile_major = false);
 
 }  // namespace sw

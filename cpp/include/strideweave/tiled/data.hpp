@@ -30,11 +30,13 @@ std::vector<int64_t> bind_selection(const TiledEvictable& c, const TileSelection
 // The compact logical shape of a selection: per axis, count * tile extent.
 std::vector<int64_t> compact_shape(const TiledEvictable& c, const TileSelection& sel);
 
-// carrier.project(tensor, selection, destination); `destination` may be null.
-// Validation raises before work; the completion carries the compact tensor.
+// carrier.project(tensor, selection, destination, tile_major); `destination` may be null.
+// Validation raises before work; the completion carries the compact tensor: dense in the tiles' order, or with
+// `tile_major`, each tile's values together (Note [Tile-major projections] in cpp/src/tiled/tile_copies.hpp).
 // Blocks: calls the residency policy and takes the tile-table lock; the gathers run on the selection threads.
 CompletionPtr<TensorPtr> project(const std::shared_ptr<TiledEvictable>& carrier, const TensorPtr& tensor,
-                                 const TileSelection& selection, const CarrierPtr& destination);
+                                 const TileSelection& selection, const CarrierPtr& destination,
+                                 bool tile_major = false);
 
 // carrier.scatter(compact, template, selection, reduction).
 // Blocks: for "add", calls the residency policy and takes the tile-table lock; the copies run on the selection threads.
