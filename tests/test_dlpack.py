@@ -463,3 +463,20 @@ def test_float16_round_trips_with_numpy():
     assert t.dtype() is sw.DType.Float16
     b = np.from_dlpack(t)
     assert b.dtype == np.float16 and b.ctypes.data == a.ctypes.data and np.array_equal(a, b)
+
+
+def test_asarray_copy_false_gives_a_view_or_refuses():
+    """NumPy's protocol: copy=False is a view of the CPU memory, or ValueError where only a copy could be made
+    (no host memory of its own, or a nested mode no stride describes); nothing changes either way."""
+    a = np.arange(6, dtype=np.float32)
+    t = sw.from_dlpack(a)
+    view = np.asarray(t, copy=False)
+    assert np.shares_memory(view, a)
+    on_file = friendly.tensor([[0.0, 2.0, 4.0], [1.0, 3.0, 5.0]], carrier=sw.FileBacked)  # slots 0..5 in order
+    nested = sw.Tensor(t.carrier, 0, sw.Layout(sw.Shape(1, [2, 3]), sw.Stride(0, [3, 1])))  # no single stride
+    for tensor, kind in ((on_file, "FileBacked"), (nested, "CPU")):
+        before = tensor.carrier.version
+        with pytest.raises(ValueError, match=f"copy=False.*over {kind}.*not a NumPy view"):
+            np.asarray(tensor, copy=False)
+        assert tensor.carrier.version == before
+        assert np.array_equal(np.asarray(tensor).ravel(order="F"), [0, 3, 1, 4, 2, 5] if kind == "CPU" else range(6))
