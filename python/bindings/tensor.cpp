@@ -127,8 +127,10 @@ void fill_from_array(sw::Carrier& c, nb::ndarray<nb::c_contig, nb::device::cpu> 
 // collector's two passes; it must hold the carrier to do so, and then the carrier is reachable anyway).
 //
 // Cost: the type is garbage-collected, so each Tensor object is allocated with the collector's header and
-// counted towards its generation-0 threshold; the figures before and after are in docs/reliability.md
-// ("Lifetimes", the tensor-cycle row: bench/op_overhead.py --quick).
+// counted towards its generation-0 threshold. Measured before and after (docs/reliability.md, "Lifetimes", L6's
+// cost: bench/op_overhead.py --quick and sw.add with the collector running), the difference is inside the noise,
+// so every Tensor is tracked. (Tracking only tensors that can be in such a cycle would need a hook where nanobind
+// makes the object of an operation's result; it has none.)
 
 // The carrier pointer that `self` (a Tensor) solely owns, or nullptr. With the GIL held; allocates nothing.
 const sw::CarrierPtr* owned_carrier(PyObject* self) {
