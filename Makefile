@@ -5,6 +5,8 @@
 #                  checkpoint whose experts, gradients and Adam moments exceed the memory budget)
 #   make sanitize  C++ tests under ASan+UBSan and under TSan
 #   make bench     benchmarks (bench/*.py --quick; FULL=1 for full runs) -> bench/results/
+#   make soak      the main example trained for SOAK_SECONDS (default 600) while its RSS, open files and threads are
+#                  sampled every second; fails if any grows after warm-up -> build/soak/ (docs/reliability.md, "Soak")
 SHELL := /bin/bash
 .ONESHELL:
 .SHELLFLAGS := -eu -o pipefail -c
@@ -93,3 +95,12 @@ sanitize: deps
 
 clean:
 	rm -rf build
+
+# The soak (tools/soak.py; docs/reliability.md, "Soak"): examples/finetune_moe.py --seconds $(SOAK_SECONDS) in a child
+# process, sampled from /proc every second; samples, verdict and plot in build/soak/. matplotlib (the plot) comes
+# from requirements-bench.txt, as for make bench.
+SOAK_SECONDS ?= 600
+.PHONY: soak
+
+soak: install $(VENV)/.bench-stamp
+	$(VPY) tools/soak.py --seconds $(SOAK_SECONDS) --out build/soak

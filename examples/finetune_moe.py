@@ -99,7 +99,7 @@ sums of many signed terms, so M_F is often much larger than |F|); the worst rati
 ``--dtype float32`` it is about 1.5e-3 M_F, and tests/test_finetune_example.py shows the check failing when one
 element of one expert's gradient is lost.
 
-Flags: ``--layers --experts --hidden --intermediate --vocab --tokens --steps --lr --weight-decay --budget-ratio
+Flags: ``--layers --experts --hidden --intermediate --vocab --tokens --steps --seconds --lr --weight-decay --budget-ratio
 --dtype --dir --seed --check-every --check-sample N --no-check --no-prefetch --no-progress --plot FILE.png --compare
 --summary-json FILE``. ``make demo``
 runs the defaults: about a minute on a 2-core machine. ``--plot`` draws the resident bytes of each tier (weights,
@@ -112,6 +112,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import subprocess
@@ -149,6 +150,7 @@ class Config:
     vocab: int = 512
     tokens: int = 512
     steps: int = 24
+    seconds: float = 0.0  # > 0: train for that long instead of `steps` steps (then `steps` is the steps done)
     top_k: int = 2
     lr: float = 1e-3
     weight_decay: float = 0.01
@@ -172,6 +174,8 @@ class Config:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if self.check_sample < 0:
             raise ValueError("--check-sample must be >= 0")
+        if not self.seconds >= 0:
+            raise ValueError("--seconds must be >= 0")
         if self.top_k >= self.experts:
             raise ValueError("--top-k must be smaller than --experts")
         if self.budget_ratio < 1:
@@ -206,6 +210,9 @@ def parse_args(argv=None) -> Config:
                         ("tokens", "tokens per step"), ("steps", "optimizer steps"), ("top_k", "experts per token")):
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name),
                        help=f"{help_} (default %(default)s)")
+    p.add_argument("--seconds", type=float, default=d.seconds,
+                   help="train for this many seconds instead of --steps steps: the first step that starts after "
+                        "them is the last one (0: off; default %(default)s)")
     p.add_argument("--lr", type=float, default=d.lr, help="AdamW learning rate (default %(default)s)")
     p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay (default %(default)s)")
     p.add_argument("--budget-ratio", type=float, default=d.budget_ratio,
@@ -443,13 +450,18 @@ def train(cfg: Config, folder: str, progress=None, recorder=None) -> dict:
     succ = successor(cfg)
     grads = {"read": 0, "written": 0}
     per_step = []
-    steps = range(cfg.steps)
+    if cfg.seconds:
+        cfg.steps = sys.maxsize  # until the time is up; then the steps done
+    steps = itertools.count() if cfg.seconds else range(cfg.steps)
     if progress is not None:
         steps = progress(steps)
     start = time.perf_counter()
+    train_start_unix = time.time()
     next_idx = model.route_first_layer(batch_tokens(cfg, 0)) if cfg.prefetch else None
     for step in steps:
         t0 = time.perf_counter()
+        if cfg.seconds and t0 - start >= cfg.seconds:
+            cfg.steps = step + 1  # this step is the last (and so checked)
         tokens = batch_tokens(cfg, step)
         recording = recorder is not None and recorder.checks(step)
         fwd = model.forward(tokens, record=recording)
@@ -475,6 +487,9 @@ def train(cfg: Config, folder: str, progress=None, recorder=None) -> dict:
                          "after_step": after_step, "grad_read_in_backward": traffic["read"]})
         if progress is not None and hasattr(steps, "set_postfix"):
             steps.set_postfix(loss=f"{loss:.3f}")
+        if step + 1 >= cfg.steps:
+            break
+    train_end_unix = time.time()
     wall = time.perf_counter() - start - (recorder.total_seconds if recorder is not None else 0.0)
     moe = [b.stats() for b in model.blocks]
     weights_read = sum(p.carrier.stats()["bytes_promoted"] for p in model.params)
@@ -490,6 +505,7 @@ def train(cfg: Config, folder: str, progress=None, recorder=None) -> dict:
         "moments_read": o["state"]["bytes_promoted"], "moments_written": o["state"]["bytes_evicted"],
         "budget_peak": budget.stats()["peak_bytes"], "budget_evictions": budget.stats()["evictions"],
         "peak_rss": peak_rss_bytes(), "first_loss": per_step[0]["loss"], "last_loss": per_step[-1]["loss"],
+        "steps": cfg.steps, "train_start_unix": train_start_unix, "train_end_unix": train_end_unix,
     }
 
 

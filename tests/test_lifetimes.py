@@ -675,19 +675,28 @@ def collected(ref, path=None):
     return ref() is None and (path is None or not is_open(path))
 
 
-def test_policy_cycle_frees_tiles_and_file(arena):
-    """In process, counted: the cycle's resident tiles return to the arena and its file is removed."""
+def policy_cycle_is_collected(arena, link, edge, what):
+    """A carrier with two resident tiles whose policy refers back to it (`link(policy, carrier, full)`); the edge
+    through C++ (`edge(policy, carrier, full)`: (object, referent)) is reported; dropped, the cycle is collected:
+    its resident tiles return to the arena and its file is removed."""
     policy = CyclePolicy()
     c, full, values = tiled(arena, policy=policy)
-    policy.carrier = c
+    link(policy, c, full)
     c.promote(TileSet([(1,), (3,)]))
     assert [c[i] for i in range(TILE, 2 * TILE, 61)] == values[TILE : 2 * TILE : 61]
     assert arena.in_use == 2 * 4096
     path, ref = c.secondary.filename, weakref.ref(policy)
-    assert policy in gc.get_referents(c)  # the edge through C++ is reported
-    del c, full, policy
-    eventually(lambda: collected(ref, path), "the cycle collected")
+    owner, referent = edge(policy, c, full)
+    assert referent in gc.get_referents(owner)  # the edge through C++ is reported
+    del c, full, policy, owner, referent
+    eventually(lambda: collected(ref, path), what)
     assert arena.in_use == 0
+
+
+def test_policy_cycle_frees_tiles_and_file(arena):
+    """In process, counted: the cycle's resident tiles return to the arena and its file is removed."""
+    policy_cycle_is_collected(arena, lambda policy, c, full: setattr(policy, "carrier", c),
+                              lambda policy, c, full: (c, policy), "the cycle collected")
 
 
 def test_policy_shared_through_allocate_like_keeps_the_cycle_until_the_sharers_are_gone(tmp_path):
@@ -730,6 +739,62 @@ def test_policy_cycle_through_a_carrier_made_in_cpp():
     ref = weakref.ref(policy)
     del g, policy
     eventually(lambda: collected(ref), "the cycle collected")
+
+
+def test_policy_holding_a_tensor_of_its_carrier_is_collected(arena):
+    """Regression (docs/reliability.md, "Lifetimes"): a policy that holds a Tensor of its own carrier makes the
+    cycle carrier -> policy -> tensor -> carrier, whose last edge passes through C++; the tensor reports it
+    (Note [Tensor reference cycles] in python/bindings/tensor.cpp), so the cycle, its tiles and its file are freed."""
+    # full is Tensor(c, 0, ...): the policy refers back to its carrier through a tensor.
+    policy_cycle_is_collected(arena, lambda policy, c, full: setattr(policy, "full", full),
+                              lambda policy, c, full: (full, c), "the cycle through a tensor collected")
+
+
+def test_policy_holding_a_view_of_its_carrier_is_collected():
+    """The same with tensors made in C++ (a view's wrapper owns its TensorImpl) and with a carrier made in C++
+    (allocate_like: the tensor is then the carrier's only owner and reports the carrier's policy)."""
+    policy = CyclePolicy()
+    c = TiledEvictable(sw.CPU(0), sw.FileBacked(), (2,), (4,), residency_policy=policy)
+    path = c.secondary.filename
+    with sw.no_grad():  # (with grad the view's autograd node would hold the first tensor: two owners of c)
+        policy.view = Tensor(c, 0, sw.column_major(8)).narrow(0, 0, 8)  # made in C++, of c (its only view: itself)
+    ref = weakref.ref(policy)
+    assert c in gc.get_referents(policy.view)
+    del c, policy
+    eventually(lambda: collected(ref, path), "the cycle through a view collected")
+
+    policy = CyclePolicy()
+    first = TiledEvictable(sw.CPU(0), sw.FileBacked(), (2,), (4,), residency_policy=policy)
+    g = first.allocate_like(first.size())
+    del first  # g alone holds the policy now
+    policy.full = Tensor(g, 0, sw.column_major(8))
+    assert policy not in gc.get_referents(policy.full)  # g's wrapper shares g's carrier: not reported
+    path, ref = g.secondary.filename, weakref.ref(policy)
+    del g  # the tensor is the carrier's only owner
+    assert policy in gc.get_referents(ref().full)
+    del policy
+    eventually(lambda: collected(ref, path), "the cycle through a carrier made in C++ collected")
+
+
+def test_tensor_cycle_is_kept_while_the_carrier_is_used_elsewhere():
+    """Never a wrong collection: while another tensor of the carrier lives outside the cycle, the carrier is
+    reachable and nothing is collected or cleared (the policy keeps planning); once it goes, the cycle is."""
+    policy = CyclePolicy()
+    staged = sw.friendly.tensor([float(i) for i in range(8)])
+    c = TiledEvictable(sw.CPU(0), sw.move(staged, sw.FileBacked()).carrier, (2,), (4,), residency_policy=policy)
+    policy.full = Tensor(c, 0, sw.column_major(8))
+    outside = Tensor(c, 0, sw.column_major(8))
+    assert c not in gc.get_referents(policy.full) and c not in gc.get_referents(outside)  # shared: not reported
+    path, ref = c.secondary.filename, weakref.ref(policy)
+    del c, policy, staged
+    for _ in range(3):
+        gc.collect()
+    assert ref() is not None and is_open(path)
+    compact = outside.carrier.project(outside, TileSelection([[1]])).wait()  # the policy is asked, and is whole
+    assert [compact[i] for i in range(4)] == [4.0, 5.0, 6.0, 7.0]
+    assert ref().calls == 1 and ref().full.carrier[5] == 5.0
+    del outside, compact
+    eventually(lambda: collected(ref, path), "the cycle collected once the other tensor is gone")
 
 
 def test_policy_plans_run_while_garbage_is_collected(arena):

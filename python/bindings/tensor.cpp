@@ -4,8 +4,10 @@
 #include <nanobind/stl/string.h>
 
 #include <cstring>
+#include <memory>
 
 #include "common.hpp"
+#include "cycles.hpp"
 #include "typing.hpp"
 #include "extension.hpp"
 #include "strideweave/carriers/native.hpp"
@@ -103,10 +105,65 @@ void fill_from_array(sw::Carrier& c, nb::ndarray<nb::c_contig, nb::device::cpu> 
   c.write_slots(0, n, a.data());
 }
 
+// Note [Tensor reference cycles]. A tensor refers to its carrier through C++ (TensorImpl::carrier), so a
+// residency policy that holds a tensor of its own carrier makes a cycle the garbage collector cannot see:
+// carrier -> policy (reported by the carrier: Note [Policy reference cycles] in tiled.cpp) -> tensor (the
+// policy's attributes) -> carrier. Tensor has tp_traverse / tp_clear slots (tensor_traverse / tensor_clear below)
+// that report the last edge. As for the policy edge, a visit must stand for a reference the visiting object owns,
+// once, so the edge is reported only when the tensor's object solely owns it:
+//  * it owns its TensorImpl: it constructed it (Tensor(...)), or it wraps one made in C++ (an operation's
+//    result, a view) whose only shared_ptr is the wrapper's own; and
+//  * its TensorImpl's carrier pointer is the only shared_ptr to the carrier (use_count 1). Then either the carrier
+//    lives in a Python object (made by TiledEvictable(...) or another carrier constructor: nanobind's shared_ptr
+//    to it owns ONE reference to that object, whatever the number of copies, and the copy is the only one), and
+//    that object is visited; or the carrier was made in C++ (allocate_like, a move, an operation's result) and
+//    the tensor owns it: its policy object is visited when the carrier alone holds it (sole_policy_object).
+// Otherwise nothing is visited and a cycle through the edge is kept: a leak, never a wrong collection. Two tensors
+// of the same carrier inside one cycle share the carrier's reference and so keep that cycle (a policy holding
+// one tensor of its carrier is collected; one holding two is not). tp_clear drops a C++ carrier's policy object
+// (as the carrier's own tp_clear does) and never the carrier pointer, which library threads read without the
+// GIL: a carrier living in a Python object is in the cycle itself, and its tp_clear or the policy's breaks it.
+// The same window as the policy edge's remains (a library thread copying the carrier pointer between the
+// collector's two passes; it must hold the carrier to do so, and then the carrier is reachable anyway).
+//
+// Cost: the type is garbage-collected, so each Tensor object is allocated with the collector's header and
+// counted towards its generation-0 threshold. Measured before and after (docs/reliability.md, "Lifetimes", L6's
+// cost: bench/op_overhead.py --quick and sw.add with the collector running), the difference is inside the noise,
+// so every Tensor is tracked. (Tracking only tensors that can be in such a cycle would need a hook where nanobind
+// makes the object of an operation's result; it has none.)
+
+// The carrier pointer that `self` (a Tensor) solely owns, or nullptr. With the GIL held; allocates nothing.
+const sw::CarrierPtr* owned_carrier(PyObject* self) {
+  if (!nb::inst_ready(self)) return nullptr;
+  auto* t = nb::inst_ptr<TensorImpl>(self);
+  const bool constructed_here = nb::inst_state(self).second;  // destroys its TensorImpl: owns it
+  if (!constructed_here && t->weak_from_this().use_count() != 1) return nullptr;
+  if (!t->carrier || t->carrier.use_count() != 1) return nullptr;
+  return &t->carrier;
+}
+
+int tensor_traverse(PyObject* self, visitproc visit, void* arg) {
+  Py_VISIT(Py_TYPE(self));  // instances of heap types own a reference to their type
+  if (const sw::CarrierPtr* c = owned_carrier(self)) {
+    if (auto* owner = std::get_deleter<nb::detail::py_deleter>(*c)) Py_VISIT(owner->o);  // the carrier's object
+    else Py_VISIT(sole_policy_object(**c));  // a carrier made in C++, solely ours: its policy (or nothing)
+  }
+  return 0;
+}
+
+int tensor_clear(PyObject* self) {
+  if (const sw::CarrierPtr* c = owned_carrier(self); c && !std::get_deleter<nb::detail::py_deleter>(*c))
+    clear_sole_policy(**c);
+  return 0;
+}
+
+PyType_Slot tensor_slots[] = {{Py_tp_traverse, (void*)tensor_traverse}, {Py_tp_clear, (void*)tensor_clear}, {0, nullptr}};
+
 }  // namespace
 
 void bind_tensor(nb::module_& m) {
-  nb::class_<TensorImpl>(m, "Tensor", "Tensor(carrier, offset, layout): a view of a carrier placed by a layout.")
+  nb::class_<TensorImpl>(m, "Tensor", nb::type_slots(tensor_slots),
+                         "Tensor(carrier, offset, layout): a view of a carrier placed by a layout.")
       .def("__init__", [](TensorImpl* self, nb::handle carrier, nb::handle offset, nb::handle layout) {
         if (!nb::isinstance<sw::Carrier>(carrier))
           sw::raise<sw::TypeError>("Tensor carrier must be a Carrier instance, got ", nb::type_name(carrier.type()).c_str());

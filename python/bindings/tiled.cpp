@@ -6,6 +6,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "common.hpp"
+#include "cycles.hpp"
 #include "completion_py.hpp"
 #include "extension.hpp"
 #include "strideweave/errors.hpp"
@@ -290,6 +291,15 @@ class PyPolicy final : public sw::ResidencyPolicy {
   GilObject policy_;
 };
 
+// The PyPolicy that carrier `c` alone holds (a TiledEvictable whose policy no other carrier shares), or nullptr.
+PyPolicy* sole_py_policy(const sw::Carrier& carrier) {
+  auto* c = dynamic_cast<const TiledEvictable*>(&carrier);
+  if (c == nullptr) return nullptr;
+  const std::shared_ptr<sw::ResidencyPolicy>& p = c->policy();
+  if (!p || p.use_count() != 1) return nullptr;
+  return dynamic_cast<PyPolicy*>(p.get());
+}
+
 // The PyPolicy whose object reference `self` (a ready TiledEvictable) solely owns, or nullptr:
 // Note [Policy reference cycles]. Called by the collector with the GIL held; allocates nothing.
 PyPolicy* owned_policy(PyObject* self) {
@@ -297,9 +307,7 @@ PyPolicy* owned_policy(PyObject* self) {
   auto* c = nb::inst_ptr<TiledEvictable>(self);
   const bool constructed_here = nb::inst_state(self).second;  // destroys its carrier: owns it
   if (!constructed_here && c->weak_from_this().use_count() != 1) return nullptr;
-  const std::shared_ptr<sw::ResidencyPolicy>& p = c->policy();
-  if (!p || p.use_count() != 1) return nullptr;
-  return dynamic_cast<PyPolicy*>(p.get());
+  return sole_py_policy(*c);
 }
 
 int tiled_traverse(PyObject* self, visitproc visit, void* arg) {
@@ -391,6 +399,16 @@ nb::object residency_handle(sw::CompletionPtr<std::monostate> c) {
 }
 
 }  // namespace
+
+// cycles.hpp: the policy object of a carrier that a Tensor solely owns (Note [Tensor reference cycles]).
+PyObject* sole_policy_object(const sw::Carrier& carrier) {
+  PyPolicy* p = sole_py_policy(carrier);
+  return p ? p->object().ptr() : nullptr;
+}
+
+void clear_sole_policy(const sw::Carrier& carrier) {
+  if (PyPolicy* p = sole_py_policy(carrier)) p->clear();
+}
 
 void bind_tiled(nb::module_& m) {
   sw::install_tiled_backend();
