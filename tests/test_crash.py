@@ -15,6 +15,9 @@ kill moment), then checks the files against a reference run's per-step tile hash
   ``safetensors`` package, and equals the state at the last reported save (or at the next save, when the kill fell
   between its rename and the report).
 
+A last pair of tests tears a tile deterministically (an eviction stopped after its first run, then the process
+ends): plain, the file keeps the torn tile; crash-safe, the next open repairs it.
+
 ``SW_CRASH_KILLS`` sets the crash-safe run's kills (default 50); ``SW_CRASH_SEED`` the seed (printed either way).
 
 Run: ``.venv/bin/python -m pytest -q -s tests/test_crash.py``.
@@ -39,7 +42,7 @@ import strideweave as sw
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHILD = os.path.join(HERE, "crash_child.py")
-E, T = 8, 1 << 18  # 8 tiles of 1 MiB per tensor
+E, T = 8, 1 << 17  # 8 tiles of 512 KiB per tensor
 STEPS, FLUSH_EVERY, SAVE_EVERY, BUDGET_TILES = 8, 2, 3, 6
 ARGS = ["--experts", str(E), "--tile", str(T), "--steps", str(STEPS), "--flush-every", str(FLUSH_EVERY),
         "--save-every", str(SAVE_EVERY), "--budget-tiles", str(BUDGET_TILES)]
@@ -245,7 +248,60 @@ def test_crash_safe_tiers_survive_kills(world, tmp_path):
 def test_plain_tiers_under_kills_never_go_back_but_may_tear(world, tmp_path):
     """Plain tiers: a tile is never older than its last flush, but one rewritten since may be torn (not asserted:
     whether a kill lands inside a write is timing). Saves are complete either way."""
-    seed, kills = seed_of(), int(os.environ.get("SW_CRASH_PLAIN_KILLS", "10"))
+    seed, kills = seed_of(), int(os.environ.get("SW_CRASH_PLAIN_KILLS", "6"))
     print(f"\nplain kills: seed {seed}, {kills} runs")
     totals = kill_runs(world, tmp_path, False, kills, seed)
     print(f"plain: {totals}")
+
+
+# A tile of 4 file runs (grid (2, 1), tile (R, 4) over a column-major (2R, 4) file: each column of a tile is one
+# run), made dirty in every run, whose eviction stops after its first run is written in place (EIO on the next
+# pwrite: deterministic, where a kill mid-eviction is timing), after which the process ends as a killed one does.
+TEAR = """
+import errno, os, sys
+import strideweave as sw
+from strideweave.carriers.tiled_evictable import TiledEvictable, TileSet
+R = {r}
+crash_safe = sys.argv[2] == "safe"
+f = sw.FileBacked(sys.argv[1], crash_safe=crash_safe)
+c = TiledEvictable(sw.CPU(0), f, (2, 1), (R, 4))
+c.promote(TileSet([(0, 0)]))
+for col in range(4):
+    for row in range(R):
+        c[col * 2 * R + row] = 1000.0 + col
+# Plain: the first run's pwrite passes, the second fails. Crash-safe: the record (header, 4 runs) and the first run
+# in place pass, the second run in place fails.
+sw._core._io_inject("pwrite", errno.EIO, count=1, after=6 if crash_safe else 1)
+try:
+    c.evict(TileSet([(0, 0)]))
+except RuntimeError as e:
+    print("evict failed:", e)
+os._exit(0)  # as a kill: nothing is closed, flushed or released
+"""
+R = 2048
+
+
+@pytest.mark.parametrize("mode", ["plain", "safe"])
+def test_an_eviction_stopped_after_its_first_run_tears_a_plain_tile_and_not_a_crash_safe_one(tmp_path, mode):
+    """Plain: the file keeps a torn tile (first run new, the rest old) and nothing can repair it. Crash-safe: the
+    file is torn the same way until it is opened again, which replays the tile whole from the journal."""
+    path = str(tmp_path / "tear.f32")
+    old = np.arange(2 * R * 4, dtype=np.float32)
+    old.tofile(path)
+    out = subprocess.run([sys.executable, "-c", TEAR.format(r=R), path, mode], check=True, capture_output=True,
+                         text=True).stdout
+    assert "evict failed" in out and "EIO" in out, out
+    on_disk = np.fromfile(path, np.float32).reshape(4, 2 * R)  # column-major (2R, 4): row c is column c
+    new = np.array([1000.0 + col for col in range(4)], np.float32)
+    assert np.all(on_disk[0, :R] == new[0])  # the first run reached the file
+    assert np.array_equal(on_disk[1:, :R], old.reshape(4, 2 * R)[1:, :R])  # the others did not: torn
+    if mode == "plain":
+        assert not os.path.exists(path + ".swjournal")  # nothing to repair it from
+        return
+    f = sw.FileBacked(path, crash_safe=True)  # the next open replays the journal
+    assert f.journal_stats()["replayed"] == 1
+    f.release()
+    on_disk = np.fromfile(path, np.float32).reshape(4, 2 * R)
+    for col in range(4):
+        assert np.all(on_disk[col, :R] == new[col]), col  # the whole tile, new
+    assert np.array_equal(on_disk[:, R:], old.reshape(4, 2 * R)[:, R:])  # the other tile untouched
