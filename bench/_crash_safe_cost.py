@@ -1,6 +1,6 @@
 """What a crash-safe tier costs: eviction throughput of dirty tiles, plain FileBacked vs FileBacked(crash_safe=True).
 
-Not part of bench/run_all.py (the leading "_"). A measurement for docs/reliability.md, "Crash-safe tiers":
+Not part of bench/run_all.py (the leading "_"). A measurement for docs/reliability.md, "Crash-safe tiers and atomic saves":
 
     .venv/bin/python bench/_crash_safe_cost.py [--dir DIR] [--repeats N]
 

@@ -10,7 +10,7 @@ kill moment), then checks the files against a reference run's per-step tile hash
   checkpoint and of the gradient file then holds a value it had after some step at or after the last completed
   flush (or the starting value before any flush): no tile is torn, and nothing flushed is lost;
 * plain tiers: a tile rewritten after the last flush may be torn (it matches no step); the test counts those and
-  checks every other tile as above (docs/reliability.md, "Crash-safe tiers", says what to do);
+  checks every other tile as above (docs/reliability.md, "Crash-safe tiers and atomic saves", says what to do);
 * ``sw.safetensors.save`` (atomic): the saved file is always complete, loads with ``sw.safetensors.open`` and the
   ``safetensors`` package, and equals the state at the last reported save (or at the next save, when the kill fell
   between its rename and the report).

@@ -3,6 +3,7 @@
 // abandoned as a killed process leaves it), then the file is reopened.
 #include <gtest/gtest.h>
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -10,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "strideweave/carriers/checkpoint.hpp"
 #include "strideweave/carriers/journal.hpp"
 #include "strideweave/carriers/storage.hpp"
 #include "strideweave/errors.hpp"
@@ -203,6 +205,85 @@ TEST(Journal, GrowingPastItsLimitSyncsTheFileAndEmptiesIt) {
   for (int k = 0; k < 4; ++k) write_unit(j, k, static_cast<char>('b' + k));
   EXPECT_GE(j.stats().resets, 1);
   EXPECT_TRUE(all_of(t.bytes(), 'e'));
+}
+
+TEST(Journal, AForeignFileWhereTheJournalBelongsIsRefusedAndKept) {
+  Target t('a');
+  const std::string jpath = Journal::path_for(t.path());
+  const std::string foreign(100, 'x');
+  int fd = ::open(jpath.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  ASSERT_EQ(::pwrite(fd, foreign.data(), foreign.size(), 0), static_cast<ssize_t>(foreign.size()));
+  ::close(fd);
+  try {
+    Journal j(t.path(), t.fd, "test");
+    FAIL() << "a foreign file was taken for a journal";
+  } catch (const RuntimeError& e) {
+    EXPECT_NE(std::string(e.what()).find("is not a StrideWeave journal"), std::string::npos) << e.what();
+  }
+  std::string back(200, '\0');
+  fd = ::open(jpath.c_str(), O_RDONLY | O_CLOEXEC);
+  back.resize(static_cast<size_t>(::pread(fd, back.data(), back.size(), 0)));
+  ::close(fd);
+  EXPECT_EQ(back, foreign);  // left as it was
+  EXPECT_TRUE(all_of(t.bytes(), 'a'));
+}
+
+TEST(Journal, ARecordPastTheEndOfATruncatedFileIsAnError) {
+  Target t('a');
+  {
+    Journal j(t.path(), t.fd, "test");
+    crashed_unit(j, 4, 'b', Journal::Crash::AfterRecord);
+  }
+  ASSERT_EQ(::ftruncate(t.fd, kBytes), 0);  // the second piece's range is gone
+  try {
+    Journal again(t.path(), t.fd, "test");
+    FAIL() << "a record past the end was replayed";
+  } catch (const RuntimeError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("tile 4"), std::string::npos) << m;
+    EXPECT_NE(m.find("truncated since"), std::string::npos) << m;
+  }
+  struct stat st;
+  ASSERT_EQ(::fstat(t.fd, &st), 0);
+  EXPECT_EQ(st.st_size, static_cast<off_t>(kBytes));  // not re-extended
+}
+
+TEST(JournalCheckpoint, AReadOnlyCheckpointFileRefusesWhatACrashLeftAndAWritableOneRepairsIt) {
+  Target t('a');
+  {
+    Journal j(t.path(), t.fd, "checkpoint");
+    crashed_unit(j, 0, 'b', Journal::Crash::MidInPlace);
+  }
+  try {
+    CheckpointFile ro(t.path(), false);
+    FAIL() << "a read-only checkpoint file accepted a pending journal";
+  } catch (const RuntimeError& e) {
+    EXPECT_NE(std::string(e.what()).find("open the file writable once"), std::string::npos) << e.what();
+  }
+  { CheckpointFile rw(t.path(), true); }
+  EXPECT_TRUE(all_of(t.bytes(), 'b'));
+  EXPECT_FALSE(file_exists(Journal::path_for(t.path())));
+}
+
+TEST(JournalCheckpoint, OnlyAnInPlaceTierOverAWritableFileCanBeCrashSafe) {
+  Target t('a');
+  auto ro = std::make_shared<CheckpointFile>(t.path(), false);
+  CheckpointCarrier overlay({{ro, 0, 16}}, DType::Float32(), CheckpointCarrier::Writes::Overlay);
+  try {
+    overlay.make_crash_safe();
+    FAIL();
+  } catch (const ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("needs a checkpoint tier that writes in place"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(overlay.crash_safe());
+  try {
+    ro->enable_journal();
+    FAIL();
+  } catch (const ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("opened read-only"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(ro->journal(), nullptr);
+  EXPECT_FALSE(file_exists(Journal::path_for(t.path())));
 }
 
 TEST(JournalFileBacked, AReadOnlyOpenRefusesWhatACrashLeftAndAWritableOneRepairsIt) {

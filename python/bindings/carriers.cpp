@@ -246,7 +246,7 @@ void bind_carriers(nb::module_& m) {
          nb::arg("crash_safe") = false)
       .def_prop_ro("crash_safe", [](const sw::FileBackedCarrier& c) { return c.crash_safe(); },
                    "Whether every write goes through the file's journal (FileBacked(path, crash_safe=True)): a crash "
-                   "never leaves a torn tile (docs/reliability.md, \"Crash-safe tiers\").")
+                   "never leaves a torn tile (docs/reliability.md, \"Crash-safe tiers and atomic saves\").")
       .def("journal_stats", [](const sw::FileBackedCarrier& c) { return journal_stats_dict(c.journal_stats()); },
            "The crash-safe journal's counters: records, bytes, syncs, resets, replayed, replayed_bytes (all 0 when "
            "not crash-safe).")

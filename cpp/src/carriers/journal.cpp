@@ -38,7 +38,7 @@ namespace sw {
 // inode: a journal left beside a file that was replaced since (a save renames a new file over the name) is stale
 // and is emptied, not replayed. Each record is fsynced before the file is written, so the promise holds for
 // power loss too (on a device that honours flushes), not only for a killed process. The cost is a second write of
-// every byte and one fsync per unit (docs/reliability.md, "Crash-safe tiers", has the figures).
+// every byte and one fsync per unit (docs/reliability.md, "Crash-safe tiers and atomic saves", has the figures).
 
 namespace {
 
@@ -231,13 +231,14 @@ void Journal::replay() {
       uint64_t sum = 0;
       for (const PieceEntry& p : table) sum += p.bytes;
       if (sum != r.data_bytes) break;
-      const std::byte* src = data.data();
-      for (const PieceEntry& p : table) {
-        if (p.offset < 0 || p.offset + static_cast<int64_t>(p.bytes) > static_cast<int64_t>(static_cast<uint64_t>(
-                                                                             ::lseek(target_fd_, 0, SEEK_END))))
+      const int64_t target_size = ::lseek(target_fd_, 0, SEEK_END);
+      for (const PieceEntry& p : table)  // every piece checked before any is written
+        if (p.offset < 0 || p.offset + static_cast<int64_t>(p.bytes) > target_size)
           raise<RuntimeError>("the crash-safe journal ", path_, " holds tile ", r.tile, " at bytes [", p.offset, ", ",
                               p.offset + static_cast<int64_t>(p.bytes), ") but ", what_, " file ", target_,
                               " is shorter: it was truncated since; restore it from a saved copy");
+      const std::byte* src = data.data();
+      for (const PieceEntry& p : table) {
         io::pwrite_full(target_fd_, src, p.bytes, p.offset, target_);
         src += p.bytes;
       }

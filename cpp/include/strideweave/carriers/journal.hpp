@@ -1,5 +1,5 @@
 // strideweave/carriers/journal.hpp — crash-safe writes of in-place tiers
-// (Note [A crash-safe tier] in journal.cpp; docs/reliability.md, "Crash-safe tiers").
+// (Note [A crash-safe tier] in journal.cpp; docs/reliability.md, "Crash-safe tiers and atomic saves").
 //
 // Journal        the write-ahead journal of one file written in place
 //                (FileBacked, a checkpoint tier with mutable=True): each unit
