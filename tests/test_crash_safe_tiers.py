@@ -207,3 +207,26 @@ def test_a_checkpoint_tier_in_place_can_be_crash_safe(tmp_path):
     back = sw.safetensors.open(path)
     for i in range(3):
         assert np.array_equal(np.asarray(back.tensor(f"w.{i}")), w[i])
+
+
+def test_a_forked_child_neither_writes_nor_removes_its_parents_journal(tmp_path):
+    sc = Scene(tmp_path)
+    sc.c.evict(ALL)  # records in the journal, not yet flushed
+    size = os.path.getsize(sc.journal)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            try:
+                sc.file.flush()
+            except RuntimeError as e:
+                code = 0 if "a forked child cannot write or flush" in str(e) and sc.journal in str(e) else 2
+            sc.c.release()
+            sc.file.release()  # closing the tier in the child leaves the parent's journal alone
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert os.path.getsize(sc.journal) == size  # not emptied, not removed
+    sc.file.flush()  # the parent's own flush still works
+    assert os.path.getsize(sc.journal) == 32

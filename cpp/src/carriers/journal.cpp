@@ -37,7 +37,9 @@ namespace sw {
 // and opening fails naming the journal, the file and the tile. The journal's header holds the file's device and
 // inode: a journal left beside a file that was replaced since (a save renames a new file over the name) is stale
 // and is emptied, not replayed. Each record is fsynced before the file is written, so the promise holds for
-// power loss too (on a device that honours flushes), not only for a killed process. The cost is a second write of
+// power loss too (on a device that honours flushes), not only for a killed process. The journal belongs to
+// the process that opened it (it holds the flock): a forked child that shares the tier cannot write or flush it
+// (RuntimeError) and closing the tier there leaves the parent's journal as it is. The cost is a second write of
 // every byte and one fsync per unit (docs/reliability.md, "Crash-safe tiers and atomic saves", has the figures).
 
 namespace {
@@ -136,7 +138,7 @@ uint32_t crc32c(const void* data, size_t bytes, uint32_t crc) {
 std::string Journal::path_for(const std::string& target) { return target + ".swjournal"; }
 
 Journal::Journal(const std::string& target, int target_fd, const char* what)
-    : target_(target), path_(path_for(target)), what_(what), target_fd_(target_fd) {
+    : target_(target), path_(path_for(target)), what_(what), target_fd_(target_fd), pid_(::getpid()) {
   struct stat st;
   if (::fstat(target_fd_, &st) < 0) raise<RuntimeError>("fstat of ", target_, " failed: ", std::strerror(errno));
   dev_ = static_cast<uint64_t>(st.st_dev);
@@ -165,7 +167,7 @@ Journal::Journal(const std::string& target, int target_fd, const char* what)
 
 Journal::~Journal() {
   if (fd_ < 0) return;
-  if (!abandoned_) {
+  if (!abandoned_ && ::getpid() == pid_) {  // a forked child leaves its parent's journal alone
     bool synced = end_ <= kFileHeader;
     if (!synced) synced = ::fsync(target_fd_) == 0;
     if (synced) ::unlink(path_.c_str());  // else it stays, and the next opener replays it
@@ -268,9 +270,17 @@ void Journal::simulated_crash() {
   throw std::runtime_error("simulated crash");
 }
 
+void Journal::check_owner() const {
+  if (::getpid() != pid_)
+    raise<RuntimeError>("the crash-safe journal ", path_, " of ", what_, " file ", target_,
+                        " belongs to the process that opened it (pid ", pid_, "); a forked child cannot write or "
+                        "flush that tier: open the file again in the child");
+}
+
 void Journal::write(int64_t tile, const std::vector<JournalPiece>& pieces) {
   std::lock_guard lock(mutex_);
   if (fd_ < 0) raise<RuntimeError>("the crash-safe journal of ", target_, " is closed");
+  check_owner();
   if (end_ > limit_) {  // bounded: the file is synced, so its records are needed no longer
     io::fsync_file(target_fd_, target_);
     reset_locked();
@@ -321,6 +331,7 @@ void Journal::write(int64_t tile, const std::vector<JournalPiece>& pieces) {
 
 void Journal::sync_target() {
   std::lock_guard lock(mutex_);
+  check_owner();
   io::fsync_file(target_fd_, target_);
   if (fd_ >= 0 && end_ > kFileHeader) reset_locked();
 }

@@ -74,7 +74,8 @@ class Journal {
   Journal(const Journal&) = delete;
   Journal& operator=(const Journal&) = delete;
 
-  // One unit: the record is appended and fsynced, then each piece written in place. A failure before the record is
+  // One unit: the record is appended and fsynced, then each piece written in place. RuntimeError in a process
+  // forked from the one that opened the journal (it would interleave its records with the parent's). A failure before the record is
   // durable leaves the file untouched (the record is cut off again); after it, the file may hold part of the unit
   // and the record repairs it when the file is next opened. Either way RuntimeError (io.hpp's message).
   void write(int64_t tile, const std::vector<JournalPiece>& pieces);
@@ -101,10 +102,12 @@ class Journal {
   void write_header();
   void cut_back() noexcept;
   [[noreturn]] void simulated_crash();
+  void check_owner() const;  // RuntimeError in a forked child
 
   std::string target_, path_;
   const char* what_;
   int target_fd_;
+  int pid_;  // the process that opened it: a forked child neither writes, syncs nor removes it
   int fd_ = -1;
   uint64_t dev_ = 0, ino_ = 0;
   int64_t end_ = 0;     // where the next record goes
