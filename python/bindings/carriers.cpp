@@ -68,6 +68,19 @@ nb::object py_carrier(const sw::Carrier& c) {
   return nb::cast(sp);
 }
 
+namespace {
+nb::typed<nb::dict, nb::str, int> journal_stats_dict(const sw::JournalStats& s) {
+  nb::dict d;
+  d["records"] = s.records;
+  d["bytes"] = s.bytes;
+  d["syncs"] = s.syncs;
+  d["resets"] = s.resets;
+  d["replayed"] = s.replayed;
+  d["replayed_bytes"] = s.replayed_bytes;
+  return nb::borrow<nb::typed<nb::dict, nb::str, int>>(d);
+}
+}  // namespace
+
 void bind_carriers(nb::module_& m) {
   using sw::Carrier;
 
@@ -223,12 +236,20 @@ void bind_carriers(nb::module_& m) {
                                              "FileBacked(filename=None, *, mutable=True, dtype=DType.Float32): slots in a "
                                              "file. A mutable one opens or creates `filename`; mutable=False opens an "
                                              "existing file and creates none; no filename makes an anonymous file.")
-      .def("__init__", [](sw::FileBackedCarrier* self, typing::Arg<typing::StrPath> filename, bool is_mutable, typing::Arg<sw::DType> dtype) {
+      .def("__init__", [](sw::FileBackedCarrier* self, typing::Arg<typing::StrPath> filename, bool is_mutable, typing::Arg<sw::DType> dtype,
+                          bool crash_safe) {
         const sw::DType& dt = dtype_or(dtype, sw::DType::Float32());
         std::string path = filename.is_none() ? std::string() : path_of(filename);
         if (!filename.is_none() && path.empty()) sw::raise<sw::ValueError>("FileBacked filename must not be empty");
-        new (self) sw::FileBackedCarrier(path, dt, is_mutable);
-      }, nb::arg("filename") = nb::none(), nb::kw_only(), nb::arg("mutable") = true, nb::arg("dtype") = nb::none())
+        new (self) sw::FileBackedCarrier(path, dt, is_mutable, crash_safe);
+      }, nb::arg("filename") = nb::none(), nb::kw_only(), nb::arg("mutable") = true, nb::arg("dtype") = nb::none(),
+         nb::arg("crash_safe") = false)
+      .def_prop_ro("crash_safe", [](const sw::FileBackedCarrier& c) { return c.crash_safe(); },
+                   "Whether every write goes through the file's journal (FileBacked(path, crash_safe=True)): a crash "
+                   "never leaves a torn tile (docs/reliability.md, \"Crash-safe tiers and atomic saves\").")
+      .def("journal_stats", [](const sw::FileBackedCarrier& c) { return journal_stats_dict(c.journal_stats()); },
+           "The crash-safe journal's counters: records, bytes, syncs, resets, replayed, replayed_bytes (all 0 when "
+           "not crash-safe).")
       .def_prop_ro("filename", [](const sw::FileBackedCarrier& c) { return c.filename(); },
                    "The file's name. An anonymous file (FileBacked() without a name) never has a name in the "
                    "directory (removed as it is created, so nothing is left behind however the process ends); its "

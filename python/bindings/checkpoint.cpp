@@ -44,6 +44,8 @@ void bind_checkpoint(nb::module_& m) {
       .def_prop_ro("writes", [](const CheckpointCarrier& c) {
         return c.writes() == Writes::InPlace ? "in_place" : "overlay";
       }, "'overlay' (writes go to a scratch copy; the files are never written) or 'in_place'.")
+      .def_prop_ro("crash_safe", &CheckpointCarrier::crash_safe,
+                   "Whether in-place writes go through each file's journal (tiled(..., mutable=True, crash_safe=True)).")
       .def_prop_ro("range_count", [](const CheckpointCarrier& c) { return c.ranges().size(); },
                    "The number of byte ranges (tiles of a tiled checkpoint tensor).")
       .def_prop_ro("overlaid_ranges", &CheckpointCarrier::overlaid_ranges,
@@ -82,7 +84,11 @@ void bind_checkpoint(nb::module_& m) {
       }, nb::arg("name"), nb::sig("def tensor(self, name: str) -> Tensor"),
          "The tensor over its byte range, of its own shape with row-major strides; no copy. Writes go to a scratch "
          "overlay, never to the file.")
-      .def("tiled", [](Checkpoint& c, nb::handle names, nb::handle primary, nb::handle policy, bool is_mutable) {
+      .def("tiled", [](Checkpoint& c, nb::handle names, nb::handle primary, nb::handle policy, bool is_mutable,
+                       bool crash_safe) {
+        if (crash_safe && !is_mutable)
+          sw::raise<sw::ValueError>("tiled(crash_safe=True) needs mutable=True: a read-only tier writes a scratch "
+                                    "overlay, never the checkpoint's files");
         // Note [A checkpoint's tiled tensor] (strideweave/checkpoint/safetensors.hpp). The TiledEvictable is built
         // by its Python class, which wraps the residency policy; the tier and the geometry come from the core.
         const Writes w = is_mutable ? Writes::InPlace : Writes::Overlay;
@@ -108,6 +114,10 @@ void bind_checkpoint(nb::module_& m) {
           }
           shape = c.info(list[0]).shape;
         }
+        if (crash_safe) {
+          GilRelease nogil;
+          tier->make_crash_safe();  // opens each file's journal (Note [A crash-safe tier] in carriers/journal.cpp)
+        }
         const sw::safetensors::TiledView v = sw::safetensors::tiled_view(shape, static_cast<int64_t>(tier->ranges().size()));
         if (!primary.is_none() && !nb::isinstance<sw::Carrier>(primary))
           sw::raise<sw::TypeError>("tiled: primary must be a Carrier or None");
@@ -118,10 +128,10 @@ void bind_checkpoint(nb::module_& m) {
                                                             ints_tuple(v.tile), nb::arg("residency_policy") = policy);
         return sw::make_tensor(nb::cast<sw::CarrierPtr>(carrier), 0, v.layout);
       }, nb::arg("names"), nb::arg("primary") = nb::none(), nb::arg("residency_policy") = nb::none(),
-         nb::arg("mutable") = false,
+         nb::arg("mutable") = false, nb::arg("crash_safe") = false,
          nb::sig("def tiled(self, names: str | collections.abc.Sequence[str], primary: Carrier | None = None, "
                  "residency_policy: strideweave.carriers.tiled_evictable.ResidencyPolicy | None = None, "
-                 "mutable: bool = False) -> Tensor"),
+                 "mutable: bool = False, crash_safe: bool = False) -> Tensor"),
          "Same-shape, same-dtype tensors (or the first-axis slabs of one tensor, given its name alone) as the tiles "
          "of one full tensor of shape (*shape, tiles) over a TiledEvictable; each tile's bytes where they lie.")
       .def("__repr__", [](const Checkpoint& c) {

@@ -41,10 +41,26 @@ CheckpointFile::CheckpointFile(const std::string& path, bool writable) : path_(p
     raise<ValueError>("checkpoint file ", path_, " is not a regular file");
   }
   size_ = static_cast<uint64_t>(st.st_size);
+  // Note [A crash-safe tier] (journal.cpp): a writable open replays what a crash left; a read-only one refuses.
+  try {
+    if (!writable) Journal::check_none_pending(path_, "checkpoint");
+    else if (::access(Journal::path_for(path_).c_str(), F_OK) == 0) Journal replay(path_, fd_, "checkpoint");
+  } catch (...) {
+    ::close(fd_);
+    throw;
+  }
 }
 
 CheckpointFile::~CheckpointFile() {
+  journal_.reset();  // syncs the file and removes the journal
   if (fd_ >= 0) ::close(fd_);
+}
+
+Journal& CheckpointFile::enable_journal() {
+  std::lock_guard lock(journal_mutex_);
+  if (!writable_) raise<ValueError>("checkpoint file ", path_, " was opened read-only; it has no crash-safe writes");
+  if (!journal_) journal_ = std::make_unique<Journal>(path_, fd_, "checkpoint");
+  return *journal_;
 }
 
 void CheckpointFile::check_intact(uint64_t need_bytes, const char* action) const {
@@ -207,7 +223,8 @@ void CheckpointCarrier::write_slots(int64_t start, int64_t count, const void* in
     const int64_t off = within * static_cast<int64_t>(itemsize_);
     const Range& g = ranges_[r];
     if (writes_ == Writes::InPlace) {
-      io::pwrite_full(g.file->fd(), src, bytes, static_cast<int64_t>(g.offset) + off, g.file->path());
+      if (Journal* j = g.file->journal()) j->write(-1, {{static_cast<int64_t>(g.offset) + off, bytes, src}});
+      else io::pwrite_full(g.file->fd(), src, bytes, static_cast<int64_t>(g.offset) + off, g.file->path());
     } else {
       const int64_t at = overlay_for(r, /*whole=*/n == g.slots);
       io::pwrite_full(overlay_fd_, src, bytes, at + off, overlay_name_);
@@ -229,7 +246,40 @@ void CheckpointCarrier::check_storage_intact(const char* action) const {
 void CheckpointCarrier::flush() {
   check_live("flush");
   if (writes_ != Writes::InPlace) return;
-  for (const auto& [file, need] : files_) io::fsync_file(file->fd(), file->path());
+  for (const auto& [file, need] : files_) {
+    if (Journal* j = file->journal()) j->sync_target();  // fsync, then its records are needed no longer
+    else io::fsync_file(file->fd(), file->path());
+  }
+}
+
+void CheckpointCarrier::make_crash_safe() {
+  if (writes_ != Writes::InPlace)
+    raise<ValueError>("crash_safe=True needs a checkpoint tier that writes in place (mutable=True); an overlay tier "
+                      "never writes its files");
+  for (const auto& [file, need] : files_) file->enable_journal();
+  crash_safe_ = true;
+}
+
+// One record per file the tile lands in: a tile within one file (every tile but one stacked from tensors of
+// several shards) is one unit.
+void CheckpointCarrier::write_unit(int64_t tile, const std::vector<SlotPiece>& pieces) {
+  if (!crash_safe_) {
+    for (const SlotPiece& p : pieces) write_slots(p.start, p.count, p.data);
+    return;
+  }
+  std::vector<std::pair<CheckpointFile*, std::vector<JournalPiece>>> by_file;
+  for (const SlotPiece& p : pieces) {
+    const auto* src = static_cast<const std::byte*>(p.data);
+    for_pieces(p.start, p.count, [&](size_t r, int64_t within, int64_t n) {
+      const Range& g = ranges_[r];
+      auto f = std::find_if(by_file.begin(), by_file.end(), [&](const auto& e) { return e.first == g.file.get(); });
+      if (f == by_file.end()) f = by_file.insert(by_file.end(), {g.file.get(), {}});
+      const size_t bytes = static_cast<size_t>(n) * itemsize_;
+      f->second.push_back({static_cast<int64_t>(g.offset) + within * static_cast<int64_t>(itemsize_), bytes, src});
+      src += bytes;
+    });
+  }
+  for (auto& [file, list] : by_file) file->journal()->write(tile, list);
 }
 
 CarrierPtr CheckpointCarrier::allocate_like(int64_t slots, bool is_mutable, const DType& d, bool empty) const {

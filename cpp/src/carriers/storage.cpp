@@ -135,9 +135,13 @@ using detail::temp_dir;
 
 // ---------------------------------------------------------------- FileBacked
 
-FileBackedCarrier::FileBackedCarrier(const std::string& filename, const DType& dtype, bool is_mutable)
+FileBackedCarrier::FileBackedCarrier(const std::string& filename, const DType& dtype, bool is_mutable, bool crash_safe)
     : Carrier(&file_backed_kind(), dtype, is_mutable) {
   if (!file_dtype(dtype)) raise<TypeError>("FileBacked stores Float32 and Int32 (and BFloat16, Float16), not ", dtype.name());
+  if (crash_safe && filename.empty())
+    raise<ValueError>("FileBacked(crash_safe=True) needs a filename: an anonymous file does not outlive a crash");
+  if (crash_safe && !is_mutable)
+    raise<ValueError>("FileBacked(", filename, ", mutable=False, crash_safe=True): a read-only file is never written");
   if (filename.empty()) {
     anonymous_ = true;
     fd_ = open_anonymous(temp_dir(), path_);  // Note [Anonymous files leave no name]
@@ -168,11 +172,23 @@ FileBackedCarrier::FileBackedCarrier(const std::string& filename, const DType& d
     io::raise_failure(io::Op::Open, path_, EISDIR);
   }
   slots_ = static_cast<int64_t>(st.st_size) / static_cast<int64_t>(slot_bytes(dtype));
+  // Note [A crash-safe tier] (journal.cpp): a writable open replays what a crash left; a plain one then removes
+  // the journal, a crash-safe one keeps it for its own writes. A read-only open cannot repair and refuses.
+  if (anonymous_) return;
+  try {
+    if (!is_mutable) Journal::check_none_pending(path_, "FileBacked");
+    else if (crash_safe) journal_ = std::make_unique<Journal>(path_, fd_, "FileBacked");
+    else if (::access(Journal::path_for(path_).c_str(), F_OK) == 0) Journal replay(path_, fd_, "FileBacked");
+  } catch (...) {
+    close_file();
+    throw;
+  }
 }
 
 FileBackedCarrier::~FileBackedCarrier() { close_file(); }
 
 void FileBackedCarrier::close_file() noexcept {
+  journal_.reset();  // syncs the file and removes the journal (Note [A crash-safe tier] in journal.cpp)
   // An anonymous file has no name (Note [Anonymous files leave no name]): closing it frees its storage.
   if (fd_ >= 0) ::close(fd_);
   fd_ = -1;
@@ -210,8 +226,26 @@ bool FileBackedCarrier::read_waits_on_device(int64_t start, int64_t count) const
 
 void FileBackedCarrier::write_slots(int64_t start, int64_t count, const void* in) {
   const size_t w = slot_bytes(dtype());
+  if (journal_) {
+    journal_->write(-1, {{start * static_cast<int64_t>(w), static_cast<size_t>(count) * w, in}});
+    return;
+  }
   io::pwrite_full(fd_, in, static_cast<size_t>(count) * w, start * static_cast<int64_t>(w), path_);
 }
+
+void FileBackedCarrier::write_unit(int64_t tile, const std::vector<SlotPiece>& pieces) {
+  if (!journal_) {
+    for (const SlotPiece& p : pieces) write_slots(p.start, p.count, p.data);
+    return;
+  }
+  const int64_t w = static_cast<int64_t>(slot_bytes(dtype()));
+  std::vector<JournalPiece> bytes;
+  bytes.reserve(pieces.size());
+  for (const SlotPiece& p : pieces) bytes.push_back({p.start * w, static_cast<size_t>(p.count * w), p.data});
+  journal_->write(tile, bytes);
+}
+
+JournalStats FileBackedCarrier::journal_stats() const { return journal_ ? journal_->stats() : JournalStats{}; }
 
 bool FileBackedCarrier::supports_storage_dtype(const DType& dtype) const { return file_dtype(dtype); }
 
@@ -542,7 +576,8 @@ void EvictableCarrier::do_release() {
 // fsync makes it survive a crash. Kept apart from the I/O paths above: only an explicit flush pays for it.
 void FileBackedCarrier::flush() {
   check_live("flush");
-  io::fsync_file(fd_, path_);
+  if (journal_) journal_->sync_target();  // fsync, then the journal's records are needed no longer
+  else io::fsync_file(fd_, path_);
 }
 
 void BlockDevice::sync() { io::fsync_file(fd_, path_); }

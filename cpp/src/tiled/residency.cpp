@@ -219,8 +219,7 @@ void TiledEvictable::start_request(const std::shared_ptr<Request>& r, bool inlin
                 copy_slots(*me->secondary_, run.offset, *staged, run.ordinal, run.length);
           }
         } else if (needs_write) {
-          for (const Run& run : me->geometry_.footprint_runs(index))
-            copy_slots(*buffer, run.ordinal, *me->secondary_, run.offset, run.length);
+          me->write_tile(*buffer, index);
           r->wrote[k] = 1;
         }
       } catch (...) {
@@ -246,6 +245,27 @@ void TiledEvictable::start_request(const std::shared_ptr<Request>& r, bool inlin
         job = nullptr;  // each tile's captures go as soon as it is written
       }
     });
+}
+
+// A crash-safe secondary tier takes a tile's runs as one unit, so that a crash never leaves it torn (Note [A
+// crash-safe tier] in carriers/journal.cpp); any other is written run by run.
+void TiledEvictable::write_tile(const Carrier& buffer, int64_t index) {
+  auto* unit = dynamic_cast<AtomicSlotWrites*>(secondary_.get());
+  if (!unit || !unit->crash_safe() || buffer.dtype() != secondary_->dtype()) {
+    for (const Run& run : geometry_.footprint_runs(index)) copy_slots(buffer, run.ordinal, *secondary_, run.offset, run.length);
+    return;
+  }
+  const size_t w = slot_bytes(dtype());
+  const std::byte* data = buffer.native_data();
+  AlignedBuffer bounce(data ? 0 : static_cast<size_t>(tile_size()) * w, false);
+  if (!data) {
+    buffer.read_slots(0, tile_size(), bounce.data());
+    data = bounce.data();
+  }
+  std::vector<SlotPiece> pieces;
+  for (const Run& run : geometry_.footprint_runs(index))
+    pieces.push_back({run.offset, run.length, data + static_cast<size_t>(run.ordinal) * w});
+  unit->write_unit(index, pieces);
 }
 
 void TiledEvictable::finish_tile(const std::shared_ptr<Request>& r, size_t k, CarrierPtr buffer, std::exception_ptr error) {

@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "strideweave/carrier.hpp"
+#include "strideweave/carriers/journal.hpp"
 
 namespace sw {
 
@@ -66,16 +67,23 @@ class CheckpointFile {
   // Bytes read from this file through checkpoint carriers since it was opened (tests, stats).
   uint64_t bytes_read() const noexcept { return bytes_read_.load(std::memory_order_relaxed); }
   void count_read(uint64_t bytes) const noexcept { bytes_read_.fetch_add(bytes, std::memory_order_relaxed); }
+  // Crash-safe in-place writes (Note [A crash-safe tier] in journal.cpp): opens the file's journal once; from then
+  // on every in-place write to the file goes through it. RuntimeError for a read-only file or a journal in use.
+  Journal& enable_journal();
+  // The journal, or nullptr when no crash-safe tier was made over the file.
+  Journal* journal() const noexcept { return journal_.get(); }
 
  private:
   std::string path_, absolute_;
   bool writable_;
   int fd_ = -1;
+  std::mutex journal_mutex_;
+  std::unique_ptr<Journal> journal_;
   uint64_t size_ = 0;
   mutable std::atomic<uint64_t> bytes_read_{0};
 };
 
-class CheckpointCarrier final : public Carrier {
+class CheckpointCarrier final : public Carrier, public AtomicSlotWrites {
  public:
   enum class Writes { Overlay, InPlace };
   // One byte range of a file: `slots` slots of the carrier's dtype at byte `offset`.
@@ -103,6 +111,12 @@ class CheckpointCarrier final : public Carrier {
   CarrierPtr allocate_like(int64_t slots, bool is_mutable, const DType& dtype, bool empty) const override;
 
   Writes writes() const noexcept { return writes_; }
+  // Writes::InPlace only: journal every write to the files (crash_safe=True; Note [A crash-safe tier] in
+  // journal.cpp). ValueError for an overlay tier (it never writes its files).
+  void make_crash_safe();
+  bool crash_safe() const noexcept override { return crash_safe_; }
+  // Crash-safe: the pieces as one record per file they land in. Otherwise one write_slots per piece.
+  void write_unit(int64_t tile, const std::vector<SlotPiece>& pieces) override;
   const std::vector<Range>& ranges() const noexcept { return ranges_; }
   // Ranges whose values now live in the overlay (Writes::Overlay).
   int64_t overlaid_ranges() const;
@@ -124,6 +138,7 @@ class CheckpointCarrier final : public Carrier {
   int64_t total_ = 0;
   size_t itemsize_;
   Writes writes_;
+  bool crash_safe_ = false;
   // Overlay: byte offset of each range in the scratch file, -1 while it lives in the checkpoint.
   std::unique_ptr<std::atomic<int64_t>[]> overlay_at_;
   mutable std::mutex overlay_mutex_;  // guards overlay_fd_/overlay_end_ and first writes

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "strideweave/carrier.hpp"
+#include "strideweave/carriers/journal.hpp"
 
 namespace sw {
 
@@ -33,11 +34,13 @@ const CarrierKind& file_backed_kind();
 const CarrierKind& block_device_carrier_kind();
 const CarrierKind& evictable_kind();
 
-class FileBackedCarrier final : public Carrier {
+class FileBackedCarrier final : public Carrier, public AtomicSlotWrites {
  public:
   // Opens (or, when mutable, creates) `filename`; an empty name makes an anonymous temporary file.
-  // ValueError for a name with an embedded NUL byte.
-  FileBackedCarrier(const std::string& filename, const DType& dtype, bool is_mutable);
+  // ValueError for a name with an embedded NUL byte. crash_safe: every write goes through the file's journal
+  // (Note [A crash-safe tier] in journal.cpp); ValueError for an anonymous or read-only one. A writable open
+  // replays a journal a crash left; a read-only one refuses it (RuntimeError).
+  FileBackedCarrier(const std::string& filename, const DType& dtype, bool is_mutable, bool crash_safe = false);
   ~FileBackedCarrier() override;
 
   int64_t size() const override { return is_released() ? 0 : slots_; }
@@ -53,8 +56,15 @@ class FileBackedCarrier final : public Carrier {
   // (Note [Files changed under a carrier] in storage.cpp). An anonymous one: nothing to check.
   void check_storage_intact(const char* action) const override;
 
-  // fsync of the file: every completed write is durable. RuntimeError when released.
+  // fsync of the file: every completed write is durable (crash-safe: then the journal is emptied). RuntimeError
+  // when released.
   void flush() override;
+
+  bool crash_safe() const noexcept override { return journal_ != nullptr; }
+  // Crash-safe: the pieces as one journal record (one unit). Otherwise one write_slots per piece.
+  void write_unit(int64_t tile, const std::vector<SlotPiece>& pieces) override;
+  // The journal's counters (all zero when not crash-safe).
+  JournalStats journal_stats() const;
 
   // The name given; for an anonymous file, which has none, what the kernel calls the open file
   // ("/tmp/#1234 (deleted)", as /proc/<pid>/fd and lsof show it): a description, never a path to open.
@@ -76,6 +86,7 @@ class FileBackedCarrier final : public Carrier {
   bool anonymous_ = false;
   int fd_ = -1;
   int64_t slots_ = 0;
+  std::unique_ptr<Journal> journal_;  // crash-safe only
   // The same file opened with O_DIRECT for cold tile reads (Note [Cold reads bypass the page cache] in io.cpp),
   // on the first large read; -1 where the file system refuses O_DIRECT.
   mutable std::once_flag direct_once_;

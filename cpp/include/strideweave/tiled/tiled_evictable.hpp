@@ -251,6 +251,8 @@ class TiledEvictable final : public DependentCarrier {
   // "tiles (0,), (1,)" (at most eight named), with `adjective` before "tile(s)", for messages.
   std::string tile_list(const std::vector<int64_t>& tiles, const char* adjective) const;
   void finish_tile(const std::shared_ptr<Request>& r, size_t k, CarrierPtr buffer, std::exception_ptr error);
+  // Writes tile `index` from its buffer to the secondary tier: one unit where the tier is crash-safe.
+  void write_tile(const Carrier& buffer, int64_t index);
   // After every transfer of `r`: a flush makes the secondary durable, then commit.
   void complete(const std::shared_ptr<Request>& r);
   void commit(const std::shared_ptr<Request>& r);
