@@ -216,25 +216,30 @@ def test_a_projection_of_several_row_major_tiles_holds_each_tile_in_one_run(tmp_
     assert np.shares_memory(np.asarray(one, copy=False), np.asarray(one, copy=False))
 
 
-@pytest.mark.parametrize("tokens", [TOKENS, 70])
-def test_matmul_over_a_tile_major_projection_matches_float64(tmp_path, experts, rng, tokens):
+@pytest.mark.parametrize("tokens", [4, 70])
+def test_matmul_over_a_tile_major_projection_matches_float64(tmp_path, rng, tokens):
     """Products whose contraction (x2 @ w^T) or output (y @ w) runs over the nested (in, count) mode, block by
     block (Note [Products over nested modes]): within the Float32 bound of a sum of n products of the Float64
-    product, whatever the order of the blocks' sums. `tokens` 70 takes BLAS, 3 the skinny kernels."""
-    rc, rfull = expert_weight(tmp_path, experts, True)
-    chosen = [1, 3]
+    product, whatever the order of the blocks' sums. Experts of 256 x 256: 4 tokens take the skinny kernels
+    block by block (where the CPU has AVX-512), 70 one split of the product whose parts sum the blocks."""
+    out, inp, e = 256, 256, 3
+    big = rng.standard_normal((e, out, inp)).astype(np.float32)
+    path = write(tmp_path, "big.f32", big, True)
+    rc = TiledEvictable(sw.CPU(0), sw.FileBacked(path), (1, e), (out, inp))
+    rfull = sw.Tensor(rc, 0, sw.Layout(sw.Shape(out, [inp, e]), sw.Stride(inp, [1, out * inp])))
+    chosen = [2, 0]
     with sw.no_grad():
         w = rc.project(rfull, TileSelection([[0], chosen]), tile_major=True).wait()
-    w64 = np.concatenate([experts[e] for e in chosen], axis=1).astype(np.float64)  # (OUT, 2 IN)
-    xa = rng.standard_normal((tokens, 2 * IN)).astype(np.float32)
-    ya = rng.standard_normal((tokens, OUT)).astype(np.float32)
+    w64 = np.concatenate([big[k] for k in chosen], axis=1).astype(np.float64)  # (out, 2 in)
+    xa = rng.standard_normal((tokens, 2 * inp)).astype(np.float32)
+    ya = rng.standard_normal((tokens, out)).astype(np.float32)
     got = np.asarray(sw.matmul(friendly.tensor(xa), w))  # contraction over (in, 2)
     want = xa.astype(np.float64) @ w64.T
-    assert np.all(np.abs(got - want) <= bound(2 * IN, np.abs(xa.astype(np.float64)) @ np.abs(w64).T))
-    wt = sw.permute(w, [1, 0])  # ((in, 2), OUT): the nested mode is the product's output mode
+    assert np.all(np.abs(got - want) <= bound(2 * inp, np.abs(xa.astype(np.float64)) @ np.abs(w64).T))
+    wt = sw.permute(w, [1, 0])  # ((in, 2), out): the nested mode is the product's output mode
     got = np.asarray(sw.matmul(friendly.tensor(ya), wt))
     want = ya.astype(np.float64) @ w64
-    assert np.all(np.abs(got - want) <= bound(OUT, np.abs(ya.astype(np.float64)) @ np.abs(w64)))
+    assert np.all(np.abs(got - want) <= bound(out, np.abs(ya.astype(np.float64)) @ np.abs(w64)))
 
 
 def test_backward_through_a_tile_major_projection_matches_float64(tmp_path, experts, rng):

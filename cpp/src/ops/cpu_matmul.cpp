@@ -7,6 +7,7 @@
 #include <limits>
 #include <mutex>
 #include <optional>
+#include <span>
 
 #include "half.hpp"
 #include "kernels.hpp"
@@ -86,27 +87,43 @@ void blas_single_threaded() {
   std::call_once(once, [] { openblas_set_num_threads(1); });
 }
 
+// C = sum over blocks i of op(A_i) op(B_i), each block an inner dimension of k (one block: one product), plus
+// beta C. The threads split C once; each part runs the blocks one after another (beta 1 after the first).
 template <class T, class Gemm>
-void gemm_split(Gemm gemm, bool a_trans, bool b_no_trans, int64_t m, int64_t n, int64_t k, const T* A, int lda,
-                const T* B, int ldb, T* C, T beta = T(0)) {
+void gemm_split_blocks(Gemm gemm, bool a_trans, bool b_no_trans, int64_t m, int64_t n, int64_t k,
+                       std::span<const T* const> As, int lda, std::span<const T* const> Bs, int ldb, T* C, T beta) {
   blas_single_threaded();
   const auto ta = a_trans ? CblasTrans : CblasNoTrans;
   const auto tb = b_no_trans ? CblasNoTrans : CblasTrans;
   constexpr int64_t kFlopsPerPart = int64_t{1} << 23;
-  const int64_t parts = std::min<int64_t>(compute_threads(), std::max<int64_t>(1, 2 * m * n * k / kFlopsPerPart));
+  const int64_t blocks = static_cast<int64_t>(As.size());
+  const int64_t parts =
+      std::min<int64_t>(compute_threads(), std::max<int64_t>(1, 2 * m * n * k * blocks / kFlopsPerPart));
   const bool by_columns = n >= m;
   const int64_t extent = by_columns ? n : m;
   parallel_for(extent, std::max<int64_t>(1, extent / std::max<int64_t>(parts, 1)), [&](int64_t b, int64_t e) {
-    if (by_columns) {  // C[:, b:e] = op(A) op(B)[:, b:e]; op(B) column j is B row j (Trans) or column j (NoTrans)
-      const T* Bb = b_no_trans ? B + b * ldb : B + b;
-      gemm(CblasColMajor, ta, tb, static_cast<int>(m), static_cast<int>(e - b), static_cast<int>(k), T(1), A, lda, Bb,
-           ldb, beta, C + b * m, static_cast<int>(m));
-    } else {  // C[b:e, :] = op(A)[b:e, :] op(B)
-      const T* Ab = a_trans ? A + b * lda : A + b;
-      gemm(CblasColMajor, ta, tb, static_cast<int>(e - b), static_cast<int>(n), static_cast<int>(k), T(1), Ab, lda, B,
-           ldb, beta, C + b, static_cast<int>(m));
+    for (size_t i = 0; i < As.size(); ++i) {
+      const T* A = As[i];
+      const T* B = Bs[i];
+      const T bi = i == 0 ? beta : T(1);
+      if (by_columns) {  // C[:, b:e] = op(A) op(B)[:, b:e]; op(B) column j is B row j (Trans) or column j (NoTrans)
+        const T* Bb = b_no_trans ? B + b * ldb : B + b;
+        gemm(CblasColMajor, ta, tb, static_cast<int>(m), static_cast<int>(e - b), static_cast<int>(k), T(1), A, lda,
+             Bb, ldb, bi, C + b * m, static_cast<int>(m));
+      } else {  // C[b:e, :] = op(A)[b:e, :] op(B)
+        const T* Ab = a_trans ? A + b * lda : A + b;
+        gemm(CblasColMajor, ta, tb, static_cast<int>(e - b), static_cast<int>(n), static_cast<int>(k), T(1), Ab, lda,
+             B, ldb, bi, C + b, static_cast<int>(m));
+      }
     }
   });
+}
+
+template <class T, class Gemm>
+void gemm_split(Gemm gemm, bool a_trans, bool b_no_trans, int64_t m, int64_t n, int64_t k, const T* A, int lda,
+                const T* B, int ldb, T* C, T beta = T(0)) {
+  gemm_split_blocks<T>(gemm, a_trans, b_no_trans, m, n, k, std::span<const T* const>(&A, 1), lda,
+                       std::span<const T* const>(&B, 1), ldb, C, beta);
 }
 
 // C (m x n) = A B^T (or C += ...): the skinny kernels where they apply, split BLAS calls for the rest.
@@ -173,7 +190,9 @@ std::optional<ModeBlocks> blocks_of(const std::vector<std::pair<int64_t, int64_t
 // block: a nested contraction mode (k) is a sum of products over its blocks, accumulated into C (beta 1 after the
 // first), the other operand's contraction mode cut into the same blocks; a nested rhs mode (n) is column blocks
 // of C, which C's column-major order keeps contiguous. Each block is a BLAS view (or a skinny kernel) of the
-// operands as they lie. The rounding is that of a product whose sum runs block after block: still a sum of k
+// operands as they lie; blocks too large for the skinny kernels share one split of C over the threads, each part
+// summing its contraction blocks (one parallel region, not one per block: the nested product then runs at the
+// flat one's speed). The rounding is that of a product whose sum runs block after block: still a sum of k
 // products accumulated in Float32, the bound of a k-term sum.
 bool sgemm_blocks(const TensorImpl& lhs, const TensorImpl& rhs, int64_t m, int64_t n, int64_t k, float* C,
                   bool accumulate) {
@@ -205,6 +224,24 @@ bool sgemm_blocks(const TensorImpl& lhs, const TensorImpl& rhs, int64_t m, int64
         return false;
       blocks.push_back(b);
     }
+  // The blocks of one column block alike (one BLAS view pattern, shifted) and too large for the skinny kernels:
+  // one split of C over the threads, each part summing the contraction blocks.
+  bool alike = true;
+  for (const Block& b : blocks)
+    alike &= b.ta == blocks[0].ta && b.tb == blocks[0].tb && b.lda == blocks[0].lda && b.ldb == blocks[0].ldb;
+  const Block& first = blocks[0];
+  if (alike && !*detail::skinny_sgemm_path(m, nb->inner, kl->inner, first.tb ? first.ldb : 1, first.tb ? 1 : first.ldb)) {
+    std::vector<const float*> as(static_cast<size_t>(kl->count)), bs(static_cast<size_t>(kl->count));
+    for (int64_t j = 0; j < nb->count; ++j) {
+      for (int64_t p = 0; p < kl->count; ++p) {
+        as[static_cast<size_t>(p)] = blocks[static_cast<size_t>(j * kl->count + p)].A;
+        bs[static_cast<size_t>(p)] = blocks[static_cast<size_t>(j * kl->count + p)].B;
+      }
+      gemm_split_blocks<float>(cblas_sgemm, first.ta, first.tb, m, nb->inner, kl->inner, as, first.lda, bs, first.ldb,
+                               C + j * nb->inner * m, accumulate ? 1.0f : 0.0f);
+    }
+    return true;
+  }
   size_t i = 0;
   for (int64_t j = 0; j < nb->count; ++j)
     for (int64_t p = 0; p < kl->count; ++p, ++i) {
