@@ -3,6 +3,7 @@
 // views; each result is checked against a naive model, not only for crashes (docs/reliability.md,
 // "Coverage-guided fuzzing").
 #include <algorithm>
+#include <functional>
 #include <set>
 #include <vector>
 
@@ -169,8 +170,9 @@ void compose_views(const Layout& l, Input& in) {
         const int64_t mode = in.extent(4), start = in.extent(6), length = in.extent(6);
         if (!fuzz::attempt("narrow", {ErrorKind::Value, ErrorKind::Index}, [&] { v = narrow(t, mode, start, length); }))
           continue;
-        FUZZ_CHECK(mode >= 0 && mode < rank && start >= 0 && length >= 1 && start + length <= m.ext[mode], "narrow ",
-                   mode, " ", start, " ", length, " accepted");
+        FUZZ_CHECK(mode >= 0 && mode < rank && start >= 0 && length >= 1 && length <= m.ext[mode] &&
+                       start <= m.ext[mode] - length,
+                   "narrow ", mode, " ", start, " ", length, " accepted");
         auto ext = m.ext;
         ext[mode] = length;
         expect = remap(m, ext, [&](auto c) { c[mode] += start; return c; });
@@ -204,7 +206,7 @@ void compose_views(const Layout& l, Input& in) {
         std::vector<TensorPtr> pieces;
         if (!fuzz::attempt("chunk", {ErrorKind::Value, ErrorKind::Index}, [&] { pieces = chunk(t, n, mode); }))
           continue;
-        const int64_t e = m.ext[mode], step_len = (e + n - 1) / n;
+        const int64_t e = m.ext[mode], step_len = e / n + (e % n != 0);
         FUZZ_CHECK(static_cast<int64_t>(pieces.size()) == (e + step_len - 1) / step_len, "chunk count ", pieces.size());
         const int64_t k = in.below(pieces.size());
         v = pieces[k];
