@@ -136,3 +136,19 @@ def test_regression_negative_physical_size(answer):
         Tensor(c, 0, sw.column_major(1))
     del c.answer
     assert c.size() == 3 and c.slots == [0.0, 2.0, 0.0] and c.version == 1 and not c.is_owned()
+
+
+@pytest.mark.parametrize("header", [b'{"a": 1E400}', b'{"__metadata__": {"k": -11.1111111111E11111111}}',
+                                    b'{"w": {"dtype": "F32", "shape": [1e999], "data_offsets": [0, 4]}}'])
+def test_regression_header_number_beyond_double(tmp_path, header):
+    """safetensors_fuzz: a number beyond double in a header escaped as nlohmann::json's out_of_range, which
+    Python saw as RuntimeError('[json.exception.out_of_range.406] ...'); it is the ValueError of any malformed
+    header, naming the file, and the file is left as it was."""
+    import struct
+
+    path = tmp_path / "bad.safetensors"
+    data = struct.pack("<Q", len(header)) + header + bytes(4)
+    path.write_bytes(data)
+    with pytest.raises(ValueError, match="bad.safetensors: the header is not well-formed JSON"):
+        sw.safetensors.open(path)
+    assert path.read_bytes() == data

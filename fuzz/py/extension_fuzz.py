@@ -359,7 +359,9 @@ def one_input(data: bytes) -> None:
 
 def main() -> None:
     _instrument_this_module()
-    atheris.Setup(sys.argv, one_input)
+    # libFuzzer reruns argv[0] (joined with its flags, through the shell) for -merge=1 and -fork: name this script
+    # with the interpreter running it, so the virtual environment's Python is the one rerun.
+    atheris.Setup([f"{sys.executable} {os.path.abspath(__file__)}"] + sys.argv[1:], one_input)
     atheris.Fuzz()
 
 
