@@ -1,6 +1,7 @@
-"""Writes the hand-made seeds of fuzz/corpus/<target>/ (seed-*); the rest of each corpus is what `make fuzz-corpus`
-kept from runs (inputs that added coverage, minimized with libFuzzer's -merge=1). Rerun after changing how a target
-decodes its input: python fuzz/make_seeds.py."""
+"""Writes hand-made seeds into fuzz/corpus/<target>/ (seed-*): well-formed safetensors files, headers and indexes,
+small layout, tile and provider scripts. `make fuzz` grows each corpus from them, and `make fuzz-corpus` keeps the
+fewest inputs that reach every edge reached (libFuzzer -merge=1), seeds included only where they add one. Rerun
+after changing how a target decodes its input (python fuzz/make_seeds.py), then make fuzz and make fuzz-corpus."""
 
 from __future__ import annotations
 
