@@ -7,6 +7,8 @@
 #   make bench     benchmarks (bench/*.py --quick; FULL=1 for full runs) -> bench/results/
 #   make soak      the main example trained for SOAK_SECONDS (default 600) while its RSS, open files and threads are
 #                  sampled every second; fails if any grows after warm-up -> build/soak/ (docs/reliability.md, "Soak")
+#   make fuzz      coverage-guided fuzzing of every entry point (FUZZ_SECONDS per target, default 45) ->
+#                  build/fuzz/report.md; make fuzz-corpus keeps what it found in fuzz/corpus/
 SHELL := /bin/bash
 .ONESHELL:
 .SHELLFLAGS := -eu -o pipefail -c
@@ -104,3 +106,62 @@ SOAK_SECONDS ?= 600
 
 soak: install $(VENV)/.bench-stamp
 	$(VPY) tools/soak.py --seconds $(SOAK_SECONDS) --out build/soak
+# ---------------------------------------------------------------- coverage-guided fuzzing (docs/reliability.md)
+# make fuzz: one fuzz target per entry point, run one after another for FUZZ_SECONDS each (default 45 s: about
+# 3 minutes of fuzzing for the four targets, plus the first build): libFuzzer (clang-16, ASan+UBSan) on the C++
+# targets fuzz/*_fuzz.cpp, atheris on the Python ones fuzz/py/*_fuzz.py. Each starts from its committed seed
+# corpus fuzz/corpus/<target>/ and grows build/fuzz/corpus/<target>/; a crashing input lands in
+# build/fuzz/artifacts/. Prints the table of executions, coverage and crashes and writes it to build/fuzz/report.md;
+# fails when any target found a crash. make fuzz-corpus merges what a run found into the committed corpus
+# (libFuzzer -merge=1 -use_counters=0: the fewest inputs that reach every edge reached, a few hundred in all).
+FUZZ_APT_PACKAGES := clang-16 libclang-rt-16-dev
+FUZZ_SECONDS ?= 45
+FUZZ_CPP_TARGETS := layout_fuzz tiles_fuzz safetensors_fuzz
+FUZZ_PY_TARGETS := extension_fuzz
+FUZZ_FLAGS := -timeout=20 -rss_limit_mb=4096 -max_len=8192 -print_final_stats=1
+
+.PHONY: fuzz fuzz-build fuzz-corpus
+
+# The same recipe as build/.apt-stamp, over the fuzzing packages (clang-16 and its libFuzzer runtime).
+build/.fuzz-apt-stamp: build/.apt-stamp
+	$(MAKE) --no-print-directory -B build/.apt-stamp APT_PACKAGES="$(FUZZ_APT_PACKAGES)"
+	touch $@
+
+$(VENV)/.fuzz-stamp: requirements-fuzz.txt $(VENV)/.stamp
+	$(VPY) -m pip install -q -r requirements-fuzz.txt
+	touch $@
+
+fuzz-build: deps build/.fuzz-apt-stamp
+	CC=clang-16 CXX=clang++-16 $(CMAKE) -S . -B build/fuzz -G Ninja -DCMAKE_MAKE_PROGRAM=$(abspath $(VENV)/bin/ninja) \
+	  -DSW_BUILD_PYTHON=OFF -DSW_BUILD_TESTS=OFF -DSW_INSTALL_CPP=OFF -DSW_BUILD_FUZZ=ON -DCMAKE_BUILD_TYPE=Fuzz \
+	  -DCMAKE_CXX_SCAN_FOR_MODULES=OFF
+	$(CMAKE) --build build/fuzz -j $(JOBS) --target $(FUZZ_CPP_TARGETS)
+
+fuzz: fuzz-build install $(VENV)/.fuzz-stamp
+	mkdir -p build/fuzz/artifacts
+	status=0
+	for t in $(FUZZ_CPP_TARGETS) $(FUZZ_PY_TARGETS); do
+	  mkdir -p build/fuzz/corpus/$$t fuzz/corpus/$$t
+	  case " $(FUZZ_PY_TARGETS) " in *" $$t "*) run="$(VPY) fuzz/py/$$t.py" ;; *) run="build/fuzz/$$t" ;; esac
+	  echo "== $$t: $(FUZZ_SECONDS) s"
+	  start=$$(date +%s.%N)
+	  rc=0
+	  ASAN_OPTIONS=detect_leaks=1:allocator_may_return_null=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	    $$run $(FUZZ_FLAGS) -max_total_time=$(FUZZ_SECONDS) -artifact_prefix=build/fuzz/artifacts/$$t- \
+	    build/fuzz/corpus/$$t fuzz/corpus/$$t > build/fuzz/$$t.log 2>&1 || rc=$$?
+	  echo "$$rc $$start $$(date +%s.%N)" > build/fuzz/$$t.rc
+	  [ $$rc = 0 ] || { status=1; tail -40 build/fuzz/$$t.log; }
+	done
+	$(VPY) fuzz/report.py build/fuzz $(FUZZ_CPP_TARGETS) $(FUZZ_PY_TARGETS)
+	exit $$status
+
+fuzz-corpus: fuzz-build $(VENV)/.fuzz-stamp
+	for t in $(FUZZ_CPP_TARGETS) $(FUZZ_PY_TARGETS); do
+	  case " $(FUZZ_PY_TARGETS) " in *" $$t "*) run="$(VPY) fuzz/py/$$t.py" ;; *) run="build/fuzz/$$t" ;; esac
+	  mkdir -p build/fuzz/corpus/$$t fuzz/corpus/$$t build/fuzz/merged/$$t
+	  rm -f build/fuzz/merged/$$t/*
+	  $$run -merge=1 -use_counters=0 -max_len=8192 build/fuzz/merged/$$t fuzz/corpus/$$t build/fuzz/corpus/$$t \
+	    > build/fuzz/$$t.merge.log 2>&1
+	  rm -f fuzz/corpus/$$t/* && cp build/fuzz/merged/$$t/* fuzz/corpus/$$t/
+	  echo "$$t: $$(ls fuzz/corpus/$$t | wc -l) inputs"
+	done

@@ -103,3 +103,52 @@ def test_regression_deeply_nested_coordinate():
         with pytest.raises(ValueError, match="deeper than 64"):
             call()
     gc.collect()
+
+
+# ================================================================ regression cases found by `make fuzz` (fuzz/)
+
+
+def _sized_kind(answer):
+    """A fresh user kind whose provider's physical_size answers `answer` once a test sets it."""
+    from strideweave.carriers.extension import CarrierDefinition, StorageProvider, register_carrier_definition
+
+    cls = type(f"Sized{id(answer)}", (sw.Carrier,), {})
+    register_carrier_definition(cls, CarrierDefinition(StorageProvider(
+        supports_dtype=lambda c, d: True,
+        physical_size=lambda c: c.__dict__.get("answer", len(c.__dict__.get("slots", ()))),
+        allocate=lambda c, n: setattr(c, "slots", [0.0] * n),
+        release=lambda c: setattr(c, "slots", []),
+        read=lambda c, i: c.slots[i],
+        write=lambda c, i, v: c.slots.__setitem__(i, v))))
+    return cls
+
+
+@pytest.mark.parametrize("answer", [-1, -(2**62)])
+def test_regression_negative_physical_size(answer):
+    """extension_fuzz: a provider's physical_size answering -1 made the carrier's size() -1 (and Tensor(...)
+    then failed inside sw.column_major); it is a ValueError naming the callback, and nothing changes."""
+    c = _sized_kind(answer)(3, dtype=sw.DType.Float32)
+    c[1] = 2.0
+    c.answer = answer
+    with pytest.raises(ValueError, match=f"StorageProvider.physical_size must return a size >= 0, got {answer}"):
+        c.size()
+    with pytest.raises(ValueError, match="physical_size"):
+        Tensor(c, 0, sw.column_major(1))
+    del c.answer
+    assert c.size() == 3 and c.slots == [0.0, 2.0, 0.0] and c.version == 1 and not c.is_owned()
+
+
+@pytest.mark.parametrize("header", [b'{"a": 1E400}', b'{"__metadata__": {"k": -11.1111111111E11111111}}',
+                                    b'{"w": {"dtype": "F32", "shape": [1e999], "data_offsets": [0, 4]}}'])
+def test_regression_header_number_beyond_double(tmp_path, header):
+    """safetensors_fuzz: a number beyond double in a header escaped as nlohmann::json's out_of_range, which
+    Python saw as RuntimeError('[json.exception.out_of_range.406] ...'); it is the ValueError of any malformed
+    header, naming the file, and the file is left as it was."""
+    import struct
+
+    path = tmp_path / "bad.safetensors"
+    data = struct.pack("<Q", len(header)) + header + bytes(4)
+    path.write_bytes(data)
+    with pytest.raises(ValueError, match="bad.safetensors: the header is not well-formed JSON"):
+        sw.safetensors.open(path)
+    assert path.read_bytes() == data

@@ -47,7 +47,9 @@ class PyStorageProvider final : public sw::StorageProvider {
     return call_into_python([&] {
       nb::object r = storage_.obj.attr("physical_size")(self_of(c));
       if (!is_index(r)) sw::raise<sw::TypeError>("StorageProvider.physical_size must return an int");
-      return index_value(r, "physical_size");
+      const int64_t n = index_value(r, "physical_size");
+      if (n < 0) sw::raise<sw::ValueError>("StorageProvider.physical_size must return a size >= 0, got ", n);
+      return n;
     });
   }
   void allocate(sw::Carrier& c, int64_t slots) override {

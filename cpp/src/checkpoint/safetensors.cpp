@@ -61,7 +61,7 @@ json parse_json(std::string_view text, const std::string& where) {
   };
   try {
     return json::parse(text.begin(), text.end(), callback);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, and out_of_range for a number beyond double ("1E400")
     raise<ValueError>(where, ": the header is not well-formed JSON (", e.what(), ")");
   }
 }

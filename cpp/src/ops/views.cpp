@@ -347,9 +347,12 @@ TensorPtr narrow(const TensorPtr& t, int64_t mode, int64_t start, int64_t length
   const size_t k = checked_mode("narrow", *t, mode);
   const int64_t extent = t->layout.shape().extents()[k];
   if (length < 1) raise<ValueError>("narrow: length must be >= 1, got ", length);
-  if (start < 0 || start >= extent || length > extent - start)
-    raise<IndexError>("narrow: ordinals [", start, ", ", start + length, ") are out of range for mode ", k,
+  if (start < 0 || start >= extent || length > extent - start) {
+    int64_t end;  // start + length for the message, saturated: a hostile length must not overflow
+    if (__builtin_add_overflow(start, length, &end)) end = INT64_MAX;
+    raise<IndexError>("narrow: ordinals [", start, ", ", end, ") are out of range for mode ", k,
                       " of extent ", extent, " (shape ", t->layout.shape().str(), ")");
+  }
   return narrow_as("narrow", t, k, start, length);
 }
 
@@ -358,7 +361,7 @@ std::vector<TensorPtr> chunk(const TensorPtr& t, int64_t n, int64_t mode) {
   const size_t k = checked_mode("chunk", *t, mode);
   if (n < 1) raise<ValueError>("chunk: the number of chunks must be >= 1, got ", n);
   const int64_t extent = t->layout.shape().extents()[k];
-  const int64_t size = (extent + n - 1) / n;
+  const int64_t size = extent / n + (extent % n != 0);  // ceil(extent / n), with no overflow for a huge n
   // Every piece's layout first: an inexpressible piece raises before any view exists.
   for (int64_t s = 0; s < extent; s += size) narrow_layout("chunk", *t, k, s, std::min(size, extent - s));
   std::vector<TensorPtr> out;
@@ -418,6 +421,7 @@ TensorPtr reshape(const TensorPtr& t, const Shape& shape) {
 
 Shape infer_reshape_extents(const std::vector<int64_t>& extents, int64_t size) {
   int64_t known = 1;
+  bool overflow = false;  // the other extents' product beyond int64: it can divide no size
   std::optional<size_t> free;
   for (size_t i = 0; i < extents.size(); ++i) {
     if (extents[i] == -1) {
@@ -426,11 +430,14 @@ Shape infer_reshape_extents(const std::vector<int64_t>& extents, int64_t size) {
     } else if (extents[i] < 1) {
       raise<ValueError>("reshape: extents must be >= 1 (or one -1), got ", extents_str(extents));
     } else {
-      known *= extents[i];
+      overflow = overflow || __builtin_mul_overflow(known, extents[i], &known);
     }
   }
   std::vector<int64_t> e = extents;
   if (free) {
+    if (overflow)
+      raise<ValueError>("reshape: shape ", extents_str(extents), " cannot hold ", size,
+                        " elements (the other extents' product exceeds int64)");
     if (size % known != 0)
       raise<ValueError>("reshape: shape ", extents_str(extents), " cannot hold ", size,
                         " elements (the other extents' product ", known, " does not divide it)");

@@ -10,6 +10,7 @@
 #include "strideweave/carriers/storage.hpp"
 #include "strideweave/errors.hpp"
 #include "strideweave/grad_mode.hpp"
+#include "strideweave/tiled/tile_set.hpp"
 #include "tile_copies.hpp"
 
 namespace sw {
@@ -82,6 +83,7 @@ struct ProjectionNode final : Node {
 }  // namespace
 
 std::vector<int64_t> bind_selection(const TiledEvictable& c, const TileSelection& sel) {
+  check_selection_axes(sel.per_axis);  // an empty or repeated axis never completes a projection
   return c.geometry().select(sel.per_axis);
 }
 
