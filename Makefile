@@ -106,6 +106,7 @@ SOAK_SECONDS ?= 600
 
 soak: install $(VENV)/.bench-stamp
 	$(VPY) tools/soak.py --seconds $(SOAK_SECONDS) --out build/soak
+
 # ---------------------------------------------------------------- coverage-guided fuzzing (docs/reliability.md)
 # make fuzz: one fuzz target per entry point, run one after another for FUZZ_SECONDS each (default 45 s: about
 # 3 minutes of fuzzing for the four targets, plus the first build): libFuzzer (clang-16, ASan+UBSan) on the C++

@@ -83,5 +83,20 @@ TEST(FuzzRegressions, AProjectionOfAnEmptyOrRepeatedAxisIsRefusedBeforeWork) {
   EXPECT_EQ(done->value()->size(), 2);
 }
 
+// tiles_fuzz: promote_async / evict_async took tile indices unchecked (the bindings check theirs): one outside the
+// grid read past the tile table (ASan: heap-buffer-overflow in prepare_eviction).
+TEST(FuzzRegressions, AResidencyRequestForATileOutsideTheGridIsAnIndexError) {
+  auto secondary = std::make_shared<CPUCarrier>(8, DType::Float32(), true, false);
+  auto te = std::make_shared<TiledEvictable>(std::make_shared<CPUCarrier>(0, DType::Float32(), true, false), secondary,
+                                             std::vector<int64_t>{4}, std::vector<int64_t>{2}, nullptr);
+  EXPECT_SW_THROW(IndexError, "evict: tile index 5 is outside the grid of 4 tiles", te->evict_async({5}));
+  EXPECT_SW_THROW(IndexError, "promote: tile index -1 is outside the grid of 4 tiles", te->promote_async({1, -1}));
+  EXPECT_FALSE(te->has_incomplete_work());
+  EXPECT_EQ(te->tile_state({1}).location, TileLocation::Secondary);
+  EXPECT_EQ(te->stats().promotions, 0);
+  te->promote_async({1})->wait();
+  EXPECT_EQ(te->tile_state({1}).location, TileLocation::Primary);
+}
+
 }  // namespace
 }  // namespace sw

@@ -14,6 +14,16 @@ namespace sw {
 
 // ---------------------------------------------------------------- residency requests
 
+namespace {
+// The C++ residency requests take tile indices (the bindings and bind_selection check theirs first): one outside
+// the grid is refused before anything is read or changed.
+void check_tile_indices(const std::vector<int64_t>& tiles, const TileGeometry& g, const char* what) {
+  for (int64_t i : tiles)
+    if (i < 0 || i >= g.tile_count())
+      raise<IndexError>(what, ": tile index ", i, " is outside the grid of ", g.tile_count(), " tiles");
+}
+}  // namespace
+
 void TiledEvictable::ensure_secondary_storage() {
   if (secondary_->size() == 0) secondary_->grow(geometry_.size(), false);
 }
@@ -24,6 +34,7 @@ CompletionPtr<std::monostate> TiledEvictable::promote_async(const std::vector<in
 
 CompletionPtr<std::monostate> TiledEvictable::promote_tiles(const std::vector<int64_t>& tiles, bool inline_) {
   check_live("promote tiles");
+  check_tile_indices(tiles, geometry_, "promote");
   admit(tiles, "promotion");  // under a budget: room first (Note [One residency budget])
   auto r = std::make_shared<Request>();
   r->promote = true;
@@ -62,6 +73,7 @@ CompletionPtr<std::monostate> TiledEvictable::evict_async(const std::vector<int6
 
 CompletionPtr<std::monostate> TiledEvictable::evict_tiles(const std::vector<int64_t>& tiles, bool inline_) {
   check_live("evict tiles");
+  check_tile_indices(tiles, geometry_, "evict");
   auto r = std::make_shared<Request>();
   r->promote = false;
   {
