@@ -102,9 +102,11 @@ clean:
 # (build/sanitize-address: the core library's objects are shared, only the bindings are added) and installed into
 # its own prefix (build/sanitize-py/site), so the .venv's package stays as `make install` left it; pytest runs
 # with the .venv's interpreter, that prefix first on PYTHONPATH and the ASan runtime preloaded (an uninstrumented
-# python3 must load it first). PYTHONMALLOC=malloc sends every Python object through malloc, so ASan sees overruns
-# of extension objects and LeakSanitizer sees what a Python object holds; tests/lsan.supp says why each suppressed
-# leak is not the engine's. SW_SANITIZED=1 lets tests/conftest.py skip the few tests that measure what a sanitizer
+# python3 must load it first), with libstdc++ (loaded later, its __cxa_throw is one ASan cannot intercept: every
+# C++ exception would stop the run). Reports go to build/sanitize-py/reports, one file per process (pytest captures
+# stderr, and children the tests start report too); any report fails the target. PYTHONMALLOC=malloc sends every
+# Python object through malloc, so ASan sees overruns of extension objects and LeakSanitizer sees what a Python
+# object holds; tests/lsan.supp says why each suppressed leak is not the engine's. SW_SANITIZED=1 lets tests/conftest.py skip the few tests that measure what a sanitizer
 # changes (its list says why). SAN_TESTS narrows the run, e.g. `make sanitize-py SAN_TESTS="-x tests/test_tensor.py"`.
 SAN_PY := build/sanitize-py
 SAN_TESTS ?= tests
@@ -115,11 +117,18 @@ sanitize-py: deps
 	PATH=$(abspath $(VENV)/bin):$$PATH CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) $(VPY) -m pip install -q --no-build-isolation \
 	  --no-deps --target $(SAN_PY)/site -C build-dir=$(abspath build/sanitize-address) -C cmake.build-type=RelWithDebInfo \
 	  -C cmake.define.SW_SANITIZE=address .
-	start=$$(date +%s)
-	LD_PRELOAD=$$(gcc -print-file-name=libasan.so) PYTHONMALLOC=malloc SW_SANITIZED=1 \
-	  PYTHONPATH=$(abspath $(SAN_PY)/site) \
-	  ASAN_OPTIONS=detect_leaks=1:halt_on_error=1 \
+	rm -rf $(SAN_PY)/reports && mkdir -p $(SAN_PY)/reports
+	start=$$(date +%s) status=0
+	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libstdc++.so)" \
+	  PYTHONMALLOC=malloc SW_SANITIZED=1 PYTHONPATH=$(abspath $(SAN_PY)/site) \
+	  ASAN_OPTIONS=detect_leaks=1:halt_on_error=1:log_path=$(abspath $(SAN_PY))/reports/asan \
 	  LSAN_OPTIONS=suppressions=$(abspath tests/lsan.supp):print_suppressions=0 \
-	  UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
-	  $(VPY) -m pytest -q -p no:cacheprovider $(SAN_TESTS)
+	  UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1:log_path=$(abspath $(SAN_PY))/reports/ubsan \
+	  $(VPY) -m pytest -q -p no:cacheprovider $(SAN_TESTS) || status=$$?
 	echo "sanitize-py: pytest under ASan+UBSan+LSan took $$(( $$(date +%s) - start )) s"
+	if compgen -G "$(SAN_PY)/reports/*" >/dev/null; then
+	  cat $(SAN_PY)/reports/*
+	  echo "sanitize-py: the sanitizer reports above are in $(SAN_PY)/reports (one file per process)"
+	  exit 1
+	fi
+	exit $$status
