@@ -106,7 +106,9 @@ clean:
 # C++ exception would stop the run). Reports go to build/sanitize-py/reports, one file per process (pytest captures
 # stderr, and children the tests start report too); any report fails the target. PYTHONMALLOC=malloc sends every
 # Python object through malloc, so ASan sees overruns of extension objects and LeakSanitizer sees what a Python
-# object holds; tests/lsan.supp says why each suppressed leak is not the engine's. SW_SANITIZED=1 lets tests/conftest.py skip the few tests that measure what a sanitizer
+# object holds; tests/lsan.supp says why each suppressed leak is not the engine's. allocator_may_return_null=1: an
+# allocation too large for ASan's allocator fails as it does without it (std::bad_alloc, the engine's MemoryError)
+# instead of stopping the process. SW_SANITIZED=1 lets tests/conftest.py skip the few tests that measure what a sanitizer
 # changes (its list says why). SAN_TESTS narrows the run, e.g. `make sanitize-py SAN_TESTS="-x tests/test_tensor.py"`.
 SAN_PY := build/sanitize-py
 SAN_TESTS ?= tests
@@ -121,7 +123,7 @@ sanitize-py: deps
 	start=$$(date +%s) status=0
 	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libstdc++.so)" \
 	  PYTHONMALLOC=malloc SW_SANITIZED=1 PYTHONPATH=$(abspath $(SAN_PY)/site) \
-	  ASAN_OPTIONS=detect_leaks=1:halt_on_error=1:log_path=$(abspath $(SAN_PY))/reports/asan \
+	  ASAN_OPTIONS=detect_leaks=1:halt_on_error=1:allocator_may_return_null=1:log_path=$(abspath $(SAN_PY))/reports/asan \
 	  LSAN_OPTIONS=suppressions=$(abspath tests/lsan.supp):print_suppressions=0 \
 	  UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1:log_path=$(abspath $(SAN_PY))/reports/ubsan \
 	  $(VPY) -m pytest -q -p no:cacheprovider $(SAN_TESTS) || status=$$?
