@@ -3,7 +3,9 @@
 #                  the type check of the stubs
 #   make demo      the main example: examples/finetune_moe.py (fine-tunes the MoE layers of a Mixtral-format bf16
 #                  checkpoint whose experts, gradients and Adam moments exceed the memory budget)
-#   make sanitize  C++ tests under ASan+UBSan and under TSan
+#   make sanitize  C++ tests under ASan+UBSan and under TSan, then the Python suite under ASan+UBSan+LSan
+#                  (sanitize-py: the extension built with SW_SANITIZE=address into build/sanitize-py, never the
+#                  .venv's package, and pytest run with the ASan runtime preloaded; docs/reliability.md)
 #   make bench     benchmarks (bench/*.py --quick; FULL=1 for full runs) -> bench/results/
 #   make soak      the main example trained for SOAK_SECONDS (default 600) while its RSS, open files and threads are
 #                  sampled every second; fails if any grows after warm-up -> build/soak/ (docs/reliability.md, "Soak")
@@ -94,6 +96,7 @@ sanitize: deps
 	  ASAN_OPTIONS=halt_on_error=1:detect_leaks=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
 	  TSAN_OPTIONS=halt_on_error=1:suppressions=$(abspath cpp/tests/tsan.supp) $(VENV)/bin/ctest --test-dir build/sanitize-$$kind --output-on-failure -j $(JOBS)
 	done
+	$(MAKE) sanitize-py
 
 clean:
 	rm -rf build
@@ -166,3 +169,40 @@ fuzz-corpus: fuzz-build $(VENV)/.fuzz-stamp
 	  rm -f fuzz/corpus/$$t/* && cp build/fuzz/merged/$$t/* fuzz/corpus/$$t/
 	  echo "$$t: $$(ls fuzz/corpus/$$t | wc -l) inputs"
 	done
+# The Python suite under AddressSanitizer + UndefinedBehaviorSanitizer + LeakSanitizer (part of `make sanitize`;
+# docs/reliability.md). The extension is built with SW_SANITIZE=address in the C++ ASan build's directory
+# (build/sanitize-address: the core library's objects are shared, only the bindings are added) and installed into
+# its own prefix (build/sanitize-py/site), so the .venv's package stays as `make install` left it; pytest runs
+# with the .venv's interpreter, that prefix first on PYTHONPATH and the ASan runtime preloaded (an uninstrumented
+# python3 must load it first), with libstdc++ (loaded later, its __cxa_throw is one ASan cannot intercept: every
+# C++ exception would stop the run). Reports go to build/sanitize-py/reports, one file per process (pytest captures
+# stderr, and children the tests start report too); any report fails the target. PYTHONMALLOC=malloc sends every
+# Python object through malloc, so ASan sees overruns of extension objects and LeakSanitizer sees what a Python
+# object holds; tests/lsan.supp says why each suppressed leak is not the engine's. allocator_may_return_null=1: an
+# allocation too large for ASan's allocator fails as it does without it (std::bad_alloc, the engine's MemoryError)
+# instead of stopping the process. SW_SANITIZED=1 lets tests/conftest.py skip the few tests that measure what a sanitizer
+# changes (its list says why). SAN_TESTS narrows the run, e.g. `make sanitize-py SAN_TESTS="-x tests/test_tensor.py"`.
+SAN_PY := build/sanitize-py
+SAN_TESTS ?= tests
+
+.PHONY: sanitize-py
+sanitize-py: deps
+	rm -rf $(SAN_PY)/site
+	PATH=$(abspath $(VENV)/bin):$$PATH CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) $(VPY) -m pip install -q --no-build-isolation \
+	  --no-deps --target $(SAN_PY)/site -C build-dir=$(abspath build/sanitize-address) -C cmake.build-type=RelWithDebInfo \
+	  -C cmake.define.SW_SANITIZE=address .
+	rm -rf $(SAN_PY)/reports && mkdir -p $(SAN_PY)/reports
+	start=$$(date +%s) status=0
+	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libstdc++.so)" \
+	  PYTHONMALLOC=malloc SW_SANITIZED=1 PYTHONPATH=$(abspath $(SAN_PY)/site) \
+	  ASAN_OPTIONS=detect_leaks=1:halt_on_error=1:allocator_may_return_null=1:log_path=$(abspath $(SAN_PY))/reports/asan \
+	  LSAN_OPTIONS=suppressions=$(abspath tests/lsan.supp):print_suppressions=0 \
+	  UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1:log_path=$(abspath $(SAN_PY))/reports/ubsan \
+	  $(VPY) -m pytest -q -p no:cacheprovider $(SAN_TESTS) || status=$$?
+	echo "sanitize-py: pytest under ASan+UBSan+LSan took $$(( $$(date +%s) - start )) s"
+	if compgen -G "$(SAN_PY)/reports/*" >/dev/null; then
+	  cat $(SAN_PY)/reports/*
+	  echo "sanitize-py: the sanitizer reports above are in $(SAN_PY)/reports (one file per process)"
+	  exit 1
+	fi
+	exit $$status

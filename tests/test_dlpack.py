@@ -414,6 +414,7 @@ def test_capsule_refusals_leave_the_capsule_unconsumed():
     assert not good.unconsumed() and t.layout == Layout(Shape(2, 3), Stride(1, 2)) and address(t) == a.ctypes.data
     with pytest.raises(BufferError, match="this DLPack capsule was already consumed"):
         sw.from_dlpack(good.capsule)
+    del t  # the consumer lets go first: DLPack's structs must outlive it, and good's die with good
     other = Crafted(a, name=b"not_a_tensor")
     with pytest.raises(TypeError, match="a capsule named 'not_a_tensor' is not a DLPack capsule"):
         sw.from_dlpack(other.capsule)
