@@ -169,6 +169,7 @@ fuzz-corpus: fuzz-build $(VENV)/.fuzz-stamp
 	  rm -f fuzz/corpus/$$t/* && cp build/fuzz/merged/$$t/* fuzz/corpus/$$t/
 	  echo "$$t: $$(ls fuzz/corpus/$$t | wc -l) inputs"
 	done
+
 # The Python suite under AddressSanitizer + UndefinedBehaviorSanitizer + LeakSanitizer (part of `make sanitize`;
 # docs/reliability.md). The extension is built with SW_SANITIZE=address in the C++ ASan build's directory
 # (build/sanitize-address: the core library's objects are shared, only the bindings are added) and installed into
