@@ -4,7 +4,9 @@
 // projections and residency requests then run on a small carrier and are checked against a naive gather
 // (docs/reliability.md, "Coverage-guided fuzzing").
 #include <algorithm>
+#include <chrono>
 #include <set>
+#include <thread>
 #include <vector>
 
 #include "fuzz_input.hpp"
@@ -201,6 +203,12 @@ void run_carrier(const TileGeometry& g, const TileAxes& per_axis, Input& in) {
           }
         }
       }
+    }
+    // A policy's planned promotions (a prefetch) run on after a projection whose own tiles were resident: the
+    // work does not wait for them. Each must still end, and soon.
+    if (policy) {
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+      while (te->has_incomplete_work() && std::chrono::steady_clock::now() < until) std::this_thread::yield();
     }
     FUZZ_CHECK(!te->has_incomplete_work(), "work left running");
   }
