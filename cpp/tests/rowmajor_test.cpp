@@ -110,6 +110,41 @@ TEST_F(TiledTest, ProjectingRowMajorTilesKeepsTheirOrderAndSharesOneTile) {
     }
 }
 
+// Note [Copying runs]: runs of 1 KiB and more (here 300 Float32 values: one KiB block and a 176-byte tail) are
+// copied by the AVX-512 block kernel where the machine has it, by memcpy on the portable path. Both paths gather
+// the same values into an interleaved compact tensor, and scatter them back into the same tile buffers.
+TEST_F(TiledTest, LongRowRunsCopyTheSameOnBothKernelPaths) {
+  GradModeGuard no_grad(false);
+  constexpr int64_t out = 5, in = 300, experts = 3;
+  for (bool portable : {false, true}) {
+    SCOPED_TRACE(portable ? "portable" : run_copy_path());
+    const bool was = force_portable_run_copies(portable);
+    Tiled te = make_tiled({1, experts}, {out, in});
+    TensorPtr full = make_tensor(te, 0, Layout(Shape(IntTuple::tuple({out, IntTuple::tuple({in, experts})})),
+                                               Stride(IntTuple::tuple({in, IntTuple::tuple({1, out * in})}))));
+    te->promote_async(all_tiles(*te))->value();
+    TensorPtr two = project(te, full, {{{0}, {2, 0}}}, nullptr)->value();
+    ASSERT_EQ(two->layout, Layout(Shape::flat({out, 2 * in}), Stride::flat({2 * in, 1})));
+    const int64_t chosen[2] = {2, 0};
+    int64_t wrong = 0;
+    for (int64_t o = 0; o < out; ++o)
+      for (int64_t q = 0; q < 2 * in; ++q)
+        wrong += !(two->carrier->read_value(o * 2 * in + q) ==
+                   value_for(F32(), o * in + q % in + out * in * chosen[q / in]));
+    EXPECT_EQ(wrong, 0);
+    // Back into fresh tiles: each selected tile's buffer holds its expert's values in row-major order.
+    TensorPtr back = scatter(te, two, full, {{{0}, {2, 0}}}, /*add=*/false)->value();
+    auto& bt = static_cast<TiledEvictable&>(*back->carrier);
+    for (int64_t e : chosen) {
+      CarrierPtr buf = TiledInternals::tile_buffer(bt, bt.tile_index({0, e}));
+      ASSERT_TRUE(buf);
+      for (int64_t k = 0; k < out * in; ++k) wrong += !(buf->read_value(k) == value_for(F32(), k + out * in * e));
+    }
+    EXPECT_EQ(wrong, 0);
+    force_portable_run_copies(was);
+  }
+}
+
 // y = x w^T for a one-expert projection w, backward(g) twice: the first gradient is adopted as the tile, the
 // second added into the resident row-major tile through a transposed sink. Both equal g^T x (times the count of
 // steps), within the Float32 bound of a sum of n products: n u / (1 - n u) times the sum of magnitudes.

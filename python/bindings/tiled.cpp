@@ -630,6 +630,10 @@ void bind_tiled(nb::module_& m) {
   m.attr("_TILED_MAX_TILES") = TiledEvictable::kMaxTiles;
 
   // The request values' C++ half (strideweave.carriers.tiled_evictable): each call crosses into C++ once.
+  m.def("_run_copy_path", [] { return std::string(sw::run_copy_path()); },
+        "The kernel that copies tiles' runs: 'avx512f' or 'portable' (internal: tests and benchmarks).");
+  m.def("_force_portable_run_copies", [](bool portable) { return sw::force_portable_run_copies(portable); },
+        nb::arg("portable"), "Makes every tile run copy a memcpy; returns the previous setting (internal).");
   m.def("_tile_set_coordinates", &tile_set_coordinates, nb::arg("coordinates").none(),
         nb::sig("def _tile_set_coordinates(coordinates: collections.abc.Iterable[" INTS "]) -> " COORDS),
         "TileSet's coordinates: checked (TypeError / ValueError with TileSet's messages) and in canonical order.");

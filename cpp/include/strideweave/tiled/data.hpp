@@ -38,6 +38,12 @@ CompletionPtr<TensorPtr> project(const std::shared_ptr<TiledEvictable>& carrier,
                                  const TileSelection& selection, const CarrierPtr& destination,
                                  bool tile_major = false);
 
+// The kernel that copies a tile's runs in gathers and scatters (Note [Copying runs] in
+// cpp/src/tiled/tile_copies.cpp): "avx512f" (chosen at run time) or "portable". force_portable_run_copies makes
+// every run a memcpy (tests check both paths; benchmarks compare them) and returns the previous setting.
+const char* run_copy_path() noexcept;
+bool force_portable_run_copies(bool portable) noexcept;
+
 // carrier.scatter(compact, template, selection, reduction).
 // Blocks: for "add", calls the residency policy and takes the tile-table lock; the copies run on the selection threads.
 CompletionPtr<TensorPtr> scatter(const std::shared_ptr<TiledEvictable>& carrier, const TensorPtr& compact,
