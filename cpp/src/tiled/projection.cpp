@@ -134,10 +134,11 @@ CompletionPtr<TensorPtr> project_for(const std::shared_ptr<TiledEvictable>& c, c
   // readable.
   // The compact tensor keeps the tiles' own order where it is a dense permutation (Note [Within-tile layouts]),
   // tile by tile where that order is not column-major (Note [Tile-major projections]).
-  const TileAccess access(*c, *tensor);
+  // Derived once: the gathers below share it (`c` and `tensor`, which it refers to, live as long as they do).
+  auto access = std::make_shared<const TileAccess>(*c, *tensor);
   std::vector<int64_t> counts = counts_of(sel);
-  Layout clayout = access.compact_layout(cshape, counts, tile_major);
-  const bool may_share = !dest && src.size() == 1 && access.dense_permutation && &proto.kind() == &cpu_kind();
+  Layout clayout = access->compact_layout(cshape, counts, tile_major);
+  const bool may_share = !dest && src.size() == 1 && access->dense_permutation && &proto.kind() == &cpu_kind();
   // The work's token ends it exactly once: in `finish`, or on an error path below.
   auto work = std::make_shared<WorkToken>(TiledInternals::begin_work(c, src, purpose));
   Carrier::Claim claim;
@@ -193,7 +194,7 @@ CompletionPtr<TensorPtr> project_for(const std::shared_ptr<TiledEvictable>& c, c
     }
     done->set_value(std::move(result));
   };
-  auto gather = [c, tensor, st, counts, clayout, finish, need](int64_t k, int64_t index) {
+  auto gather = [c, tensor, access, st, counts, clayout, finish, need](int64_t k, int64_t index) {
     try {
       if (!st->error && !st->dest) {  // may_share: the one tile is readable now
         CarrierPtr buffer = TiledInternals::tile_buffer(*c, index);
@@ -203,10 +204,9 @@ CompletionPtr<TensorPtr> project_for(const std::shared_ptr<TiledEvictable>& c, c
           if (buffer) copy_slots(*buffer, 0, *st->dest, 0, need);
         }
       } else if (!st->error) {
-        TileAccess access(*c, *tensor);
         std::optional<TileRegion> region = tile_region(c->geometry(), clayout, TileGeometry::compact_coord(k, counts));
         SW_ASSERT(region, "a projection's compact layout ", clayout.str(), " has no tile regions");
-        gather_tile(*c, access, index, TiledInternals::tile_buffer(*c, index), *st->dest, *region);
+        gather_tile(*c, *access, index, TiledInternals::tile_buffer(*c, index), *st->dest, *region);
       }
     } catch (...) {
       std::lock_guard lock(st->m);
