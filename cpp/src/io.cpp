@@ -1,6 +1,7 @@
 #include "strideweave/io.hpp"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -27,7 +28,7 @@ struct Fault {
   std::atomic<int> skip{0};
   std::atomic<int64_t> calls{0};
 };
-std::array<Fault, 4> g_faults;
+std::array<Fault, kOpCount> g_faults;
 std::atomic<bool> g_armed{false};
 
 const char* op_name(Op op) {
@@ -36,6 +37,9 @@ const char* op_name(Op op) {
     case Op::Pread: return "pread";
     case Op::Pwrite: return "pwrite";
     case Op::Fsync: return "fsync";
+    case Op::Ftruncate: return "ftruncate";
+    case Op::Flock: return "flock";
+    case Op::Fstat: return "fstat";
   }
   return "?";
 }
@@ -81,8 +85,8 @@ int injected(Op op) {
 struct Gate {
   std::mutex m;
   std::condition_variable cv;
-  std::array<bool, 4> held{};
-  std::array<int64_t, 4> waiting{};
+  std::array<bool, kOpCount> held{};
+  std::array<int64_t, kOpCount> waiting{};
 };
 Gate& gate() {
   static Gate* g = [] {
@@ -314,6 +318,30 @@ void fsync_file(int fd, const std::string& what) {
   pass_gate(Op::Fsync);
   if (int e = injected(Op::Fsync)) fail(Op::Fsync, what, e);
   if (::fsync(fd) < 0) fail(Op::Fsync, what, errno);
+}
+
+void ftruncate_file(int fd, int64_t length, const std::string& what) {
+  pass_gate(Op::Ftruncate);
+  if (int e = injected(Op::Ftruncate)) fail(Op::Ftruncate, what, e);
+  int r;
+  do r = ::ftruncate(fd, length);
+  while (r < 0 && errno == EINTR);
+  if (r < 0) fail(Op::Ftruncate, what, errno);
+}
+
+void fstat_file(int fd, struct ::stat& st, const std::string& what) {
+  pass_gate(Op::Fstat);
+  if (int e = injected(Op::Fstat)) fail(Op::Fstat, what, e);
+  if (::fstat(fd, &st) < 0) fail(Op::Fstat, what, errno);
+}
+
+int try_flock(int fd, int operation) {
+  pass_gate(Op::Flock);
+  if (int e = injected(Op::Flock)) return -e;
+  int r;
+  do r = ::flock(fd, operation);
+  while (r < 0 && errno == EINTR);
+  return r < 0 ? -errno : 0;
 }
 
 }  // namespace sw::io

@@ -198,6 +198,104 @@ TEST(Journal, AFailedRecordWriteOrSyncLeavesTheFileUntouched) {
   }
 }
 
+// The message of a RuntimeError raised by `f`, or "" (with a test failure) when it raised none.
+template <class F>
+std::string runtime_error_of(F&& f) {
+  try {
+    f();
+  } catch (const RuntimeError& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "no RuntimeError";
+  return "";
+}
+
+bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+// Opening: the target's fstat, the journal's lock, then the journal's own fstat (replay). A failure of any of them
+// opens nothing: the file is untouched, the journal (with the record a crash left) stays for the next opener, and
+// nothing holds its lock.
+TEST(Journal, AFailedStatOrLockOpensNothingAndKeepsTheJournal) {
+  struct Case {
+    io::Op op;
+    int after, error;
+    const char* words;
+  };
+  const Case cases[] = {{io::Op::Fstat, 0, EIO, "fstat of "}, {io::Op::Flock, 0, ENOLCK, "flock of "},
+                        {io::Op::Fstat, 1, EIO, "fstat of "}};
+  for (const Case& c : cases) {
+    Target t('a');
+    {
+      Journal j(t.path(), t.fd, "test");
+      write_unit(j, 1, 'b');
+      crashed_unit(j, 1, 'c', Journal::Crash::MidInPlace);  // a record to replay, the file torn
+    }
+    const std::vector<char> torn = t.bytes();
+    io::inject(c.op, c.error, 1, c.after);
+    const std::string what = runtime_error_of([&] { Journal again(t.path(), t.fd, "test"); });
+    io::clear_faults();
+    EXPECT_TRUE(contains(what, c.words)) << what;
+    EXPECT_TRUE(contains(what, c.after == 0 && c.op == io::Op::Fstat ? t.path() : Journal::path_for(t.path())))
+        << what;
+    EXPECT_TRUE(contains(what, std::strerror(c.error))) << what;
+    EXPECT_EQ(t.bytes(), torn);  // nothing replayed
+    Journal again(t.path(), t.fd, "test");  // the lock is free and the record still there
+    EXPECT_EQ(again.stats().replayed, 2);
+    EXPECT_TRUE(all_of(t.bytes(), 'c'));
+  }
+}
+
+// Emptying the journal once the file is synced (sync_target, or a journal past its limit before the next record)
+// truncates it; when that fails the records stay, still valid, and the journal goes on.
+TEST(Journal, AFailedTruncateKeepsTheRecordsAndTheJournalGoesOn) {
+  for (bool at_limit : {false, true}) {
+    Target t('a');
+    Journal j(t.path(), t.fd, "test");
+    write_unit(j, 0, 'b');
+    const JournalStats before = j.stats();
+    io::inject(io::Op::Ftruncate, EIO, 1, 0);
+    std::string what;
+    if (at_limit) {
+      j.set_limit(0);
+      what = runtime_error_of([&] { write_unit(j, 1, 'c'); });
+    } else {
+      what = runtime_error_of([&] { j.sync_target(); });
+    }
+    io::clear_faults();
+    EXPECT_TRUE(contains(what, "ftruncate of the crash-safe journal " + j.path())) << what;
+    EXPECT_TRUE(contains(what, "(EIO)")) << what;
+    const JournalStats after = j.stats();
+    EXPECT_EQ(after.resets, before.resets);
+    EXPECT_EQ(after.records, before.records);
+    EXPECT_EQ(after.bytes, before.bytes);
+    EXPECT_TRUE(all_of(t.bytes(), 'b'));  // the unit that failed to start wrote nothing
+    j.set_limit(int64_t{1} << 40);
+    write_unit(j, 1, 'd');
+    EXPECT_TRUE(all_of(t.bytes(), 'd'));
+    j.sync_target();
+    EXPECT_EQ(j.stats().resets, before.resets + 1);
+  }
+}
+
+// Reopening replays a crash's records into the file, then empties the journal; when that truncate fails the
+// open fails, the file holds the replayed (whole) unit, and the records stay for the next opener.
+TEST(Journal, AFailedTruncateAfterReplayKeepsTheRecordsForTheNextOpen) {
+  Target t('a');
+  {
+    Journal j(t.path(), t.fd, "test");
+    write_unit(j, 1, 'b');
+    crashed_unit(j, 1, 'c', Journal::Crash::MidInPlace);
+  }
+  io::inject(io::Op::Ftruncate, EIO, 1, 0);
+  const std::string what = runtime_error_of([&] { Journal again(t.path(), t.fd, "test"); });
+  io::clear_faults();
+  EXPECT_TRUE(contains(what, "ftruncate of the crash-safe journal " + Journal::path_for(t.path()))) << what;
+  EXPECT_TRUE(all_of(t.bytes(), 'c'));  // replayed: whole
+  Journal again(t.path(), t.fd, "test");
+  EXPECT_EQ(again.stats().replayed, 2);  // the records were still there
+  EXPECT_TRUE(all_of(t.bytes(), 'c'));
+}
+
 TEST(Journal, GrowingPastItsLimitSyncsTheFileAndEmptiesIt) {
   Target t('a');
   Journal j(t.path(), t.fd, "test");

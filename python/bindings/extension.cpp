@@ -269,7 +269,10 @@ void bind_extension(nb::module_& m) {
     else if (op == "pread") o = sw::io::Op::Pread;
     else if (op == "pwrite") o = sw::io::Op::Pwrite;
     else if (op == "fsync") o = sw::io::Op::Fsync;
-    else sw::raise<sw::ValueError>("unknown I/O operation ", op, " (open, pread, pwrite, fsync)");
+    else if (op == "ftruncate") o = sw::io::Op::Ftruncate;
+    else if (op == "flock") o = sw::io::Op::Flock;
+    else if (op == "fstat") o = sw::io::Op::Fstat;
+    else sw::raise<sw::ValueError>("unknown I/O operation ", op, " (open, pread, pwrite, fsync, ftruncate, flock, fstat)");
     sw::io::inject(o, error, count, after);
   }, nb::arg("op"), nb::arg("error"), nb::arg("count") = 1, nb::arg("after") = 0);
   m.def("_io_clear", &sw::io::clear_faults);
@@ -280,7 +283,10 @@ void bind_extension(nb::module_& m) {
     if (op == "pread") return sw::io::Op::Pread;
     if (op == "pwrite") return sw::io::Op::Pwrite;
     if (op == "fsync") return sw::io::Op::Fsync;
-    sw::raise<sw::ValueError>("unknown I/O operation ", op, " (open, pread, pwrite, fsync)");
+    if (op == "ftruncate") return sw::io::Op::Ftruncate;
+    if (op == "flock") return sw::io::Op::Flock;
+    if (op == "fstat") return sw::io::Op::Fstat;
+    sw::raise<sw::ValueError>("unknown I/O operation ", op, " (open, pread, pwrite, fsync, ftruncate, flock, fstat)");
   };
   m.def("_io_hold", [op_of](const std::string& op) { sw::io::hold(op_of(op)); }, nb::arg("op"));
   m.def("_io_unhold", [] {

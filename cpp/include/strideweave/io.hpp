@@ -1,8 +1,8 @@
 // strideweave/io.hpp — the system-call sites of file-backed storage, with
 // test-only fault injection.
 //
-// Every open/pread/pwrite/fsync of FileBacked and BlockDevice goes through
-// these wrappers. Tests arm a fault with `io::inject(op, errno, count, after)`:
+// Every open/pread/pwrite/fsync of FileBacked and BlockDevice, and the
+// ftruncate/flock/fstat of the crash-safe journal, goes through these wrappers. Tests arm a fault with `io::inject(op, errno, count, after)`:
 // the next `count` calls of `op` (after skipping `after` calls) fail with that
 // errno instead of reaching the kernel. Failures raise RuntimeError naming the
 // operation, the file and strerror ("pwrite of /tmp/x failed: No space left on
@@ -12,6 +12,7 @@
 // Thread-safety: the fault table is atomic; wrappers are safe from any thread.
 #pragma once
 
+#include <sys/stat.h>
 #include <sys/types.h>
 
 #include <cstddef>
@@ -21,7 +22,8 @@
 
 namespace sw::io {
 
-enum class Op { Open = 0, Pread = 1, Pwrite = 2, Fsync = 3 };
+enum class Op { Open = 0, Pread = 1, Pwrite = 2, Fsync = 3, Ftruncate = 4, Flock = 5, Fstat = 6 };
+inline constexpr size_t kOpCount = 7;
 
 // Arms a fault: after `after` more successful calls of `op`, the next `count`
 // calls fail with `error`. count < 0 fails every call until cleared.
@@ -60,5 +62,11 @@ std::optional<bool> fully_cached(int fd, size_t bytes, int64_t offset);
 void pread_full(int fd, void* buf, size_t bytes, int64_t offset, const std::string& what, int direct_fd = -1);
 void pwrite_full(int fd, const void* buf, size_t bytes, int64_t offset, const std::string& what);
 void fsync_file(int fd, const std::string& what);
+// ftruncate(2) and fstat(2), raising RuntimeError as above ("ftruncate of <what> failed: ...").
+void ftruncate_file(int fd, int64_t length, const std::string& what);
+void fstat_file(int fd, struct ::stat& st, const std::string& what);
+// flock(2) with `operation` (LOCK_EX | LOCK_NB, ...): 0, or -errno (an injected one too) for the caller to word,
+// as EWOULDBLOCK means another holder rather than a failure.
+int try_flock(int fd, int operation);
 
 }  // namespace sw::io

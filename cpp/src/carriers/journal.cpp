@@ -140,20 +140,19 @@ std::string Journal::path_for(const std::string& target) { return target + ".swj
 Journal::Journal(const std::string& target, int target_fd, const char* what)
     : target_(target), path_(path_for(target)), what_(what), target_fd_(target_fd), pid_(::getpid()) {
   struct stat st;
-  if (::fstat(target_fd_, &st) < 0) raise<RuntimeError>("fstat of ", target_, " failed: ", std::strerror(errno));
+  io::fstat_file(target_fd_, st, target_);
   dev_ = static_cast<uint64_t>(st.st_dev);
   ino_ = static_cast<uint64_t>(st.st_ino);
   const bool existed = ::access(path_.c_str(), F_OK) == 0;
   fd_ = io::open_file(path_, O_RDWR | O_CREAT, 0644);
-  if (::flock(fd_, LOCK_EX | LOCK_NB) < 0) {
-    const int e = errno;
+  if (const int e = -io::try_flock(fd_, LOCK_EX | LOCK_NB)) {
     ::close(fd_);
     fd_ = -1;
     if (e == EWOULDBLOCK)
       raise<RuntimeError>("the crash-safe journal ", path_, " of ", what_, " file ", target_,
                           " is in use by another crash-safe tier over that file (in this or another process); one "
                           "writer at a time");
-    raise<RuntimeError>("flock of ", path_, " failed: ", std::strerror(e));
+    io::raise_failure(io::Op::Flock, path_, e);
   }
   try {
     if (!existed) fsync_directory_of(path_);
@@ -182,15 +181,14 @@ void Journal::write_header() {
 }
 
 void Journal::reset_locked() {
-  if (::ftruncate(fd_, kFileHeader) < 0)
-    raise<RuntimeError>("ftruncate of the crash-safe journal ", path_, " failed: ", std::strerror(errno));
+  io::ftruncate_file(fd_, kFileHeader, "the crash-safe journal " + path_);
   end_ = kFileHeader;
   stats_.resets++;
 }
 
 void Journal::replay() {
   struct stat st;
-  if (::fstat(fd_, &st) < 0) raise<RuntimeError>("fstat of ", path_, " failed: ", std::strerror(errno));
+  io::fstat_file(fd_, st, path_);
   const int64_t size = st.st_size;
   std::array<uint64_t, 4> h{};
   const bool has_header = size >= kFileHeader && read_at(fd_, h.data(), sizeof h, 0);
@@ -253,8 +251,7 @@ void Journal::replay() {
   }
   // Empty, with this file's header (a stale journal of a replaced file is emptied unread).
   if (!same_file || size > kFileHeader) {
-    if (::ftruncate(fd_, 0) < 0)
-      raise<RuntimeError>("ftruncate of the crash-safe journal ", path_, " failed: ", std::strerror(errno));
+    io::ftruncate_file(fd_, 0, "the crash-safe journal " + path_);
     write_header();
     io::fsync_file(fd_, path_);
   }
