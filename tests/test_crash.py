@@ -3,8 +3,8 @@
 The child offloads its weights (a safetensors checkpoint written in place), gradients (a named FileBacked file) and
 AdamW moments (the optimizer's scratch files) under one small ResidencyBudget, so dirty tiles are evicted all the
 time; it flushes and saves at known steps and reports each on a pipe after it returned. The parent kills it after a
-random delay following a random "step began" line (the one timing-based element: every assertion must hold at any
-kill moment), then checks the files against a reference run's per-step tile hashes:
+random fraction of a step's measured duration following a random "step began" line (the one timing-based
+element: every assertion must hold at any kill moment), then checks the files against a reference run's per-step tile hashes:
 
 * crash-safe tiers (``crash_safe=True``): reopening the files repairs them from their journals; every tile of the
   checkpoint and of the gradient file then holds a value it had after some step at or after the last completed
@@ -105,20 +105,25 @@ class Zygote:
         self.p.stdout.close()
 
 
-def run_and_kill(zygote: Zygote, folder, crash_safe: bool, rng) -> dict:
-    """Runs the job in a fork of the zygote, kills it with SIGKILL at a random moment, returns what it reported."""
+def run_and_kill(zygote: Zygote, folder, crash_safe: bool, rng, step_s: float) -> dict:
+    """Runs the job in a fork of the zygote, kills it with SIGKILL at a random moment, returns what it reported.
+
+    The moment: a random fraction of one step's duration after a random "step began" line. The duration is
+    `step_s`, what the previous run measured (a step takes what this machine makes it take, so a fixed delay
+    would outlast the job on a fast one and let it finish); the run's own measure comes back as "step_s"."""
     target = int(rng.integers(0, STEPS))
-    delay = float(rng.uniform(0.0, 0.2))
+    fraction = float(rng.uniform(0.0, 1.0))
     cmd = ["RUN", str(folder), *ARGS] + (["--crash-safe"] if crash_safe else [])
     zygote.tell(" ".join(cmd))
     deadline = time.monotonic() + 120
     kind, pid = zygote.line(deadline).split()
     assert kind == "P"
     events = {"B": [], "F": [], "S": [], "D": False}
+    began = []  # monotonic time of each "step began"
     told = False
     while True:
         if not told and events["B"] and events["B"][-1] >= target and not zygote.ready():
-            time.sleep(delay)
+            time.sleep(fraction * step_s)
             zygote.tell("KILL")  # the zygote sends SIGKILL to its child
             told = True
         kind, *rest = zygote.line(deadline).split()
@@ -132,6 +137,9 @@ def run_and_kill(zygote: Zygote, folder, crash_safe: bool, rng) -> dict:
                 told = True
         else:
             events[kind].append(int(rest[0]))
+            if kind == "B":
+                began.append(time.monotonic())
+    events["step_s"] = (began[-1] - began[0]) / (len(began) - 1) if len(began) > 1 else step_s
     if rc not in (0, -signal.SIGKILL):
         with open(os.path.join(folder, "stderr.txt")) as f:
             pytest.fail(f"the job failed (rc {rc}):\n{f.read()}")
@@ -208,11 +216,13 @@ def kill_runs(world, tmp_path, crash_safe: bool, kills: int, seed: int) -> dict:
     rng = np.random.default_rng(seed)
     zygote = Zygote()
     totals = {"kills": 0, "finished": 0, "torn": 0, "torn_runs": 0, "saves_checked": 0, "replayed_runs": 0}
+    step_s = 0.1  # the first run's guess; each run measures it for the next
     for n in range(kills):
         folder = tmp_path / f"run{n}"
         folder.mkdir()
         copy_files(base, folder)
-        ev = run_and_kill(zygote, folder, crash_safe, rng)
+        ev = run_and_kill(zygote, folder, crash_safe, rng, step_s)
+        step_s = ev["step_s"]
         totals["kills" if ev["rc"] else "finished"] += 1
         if crash_safe:
             totals["replayed_runs"] += bool(journals(folder))

@@ -863,13 +863,40 @@ def _assert_broadcast_rejected(layout, target, fragment):
         [1, 3, 1],  # inserts an extent-1 mode
         [3],  # removes a mode
         [],  # removes every mode
-        [4, [3]],  # nests a leaf
-        [[4], 3],  # nests a leaf
-        [[1, 4], 3],  # splits a leaf
+        [4, [2, 2]],  # refines a leaf into a nested mode of another size
     ],
 )
 def test_broadcast_to_never_inserts_removes_or_reshapes_modes(target):
     _assert_broadcast_rejected(Layout([1, 3], [5, 1]), target, "broadcast")
+
+
+def test_broadcast_to_never_merges_a_nested_mode_into_a_leaf():
+    """Note [Compatible shapes]: a nested mode's strides need not coalesce, so no view merges it."""
+    _assert_broadcast_rejected(Layout([2, [3, 1]], [1, [2, 0]]), [2, 3], "hierarchies differ")
+    _assert_broadcast_rejected(Layout([4, [3, 2]], [6, [1, 3]]), [4, 6], "hierarchies differ")
+
+
+@pytest.mark.parametrize(
+    ("target", "strides"),
+    [
+        ([4, [3]], [0, [1]]),  # a leaf of extent 3 refined into (3,)
+        ([[4], 3], [[0], 1]),  # an extent-1 leaf broadcast to a nested mode
+        ([[1, 4], 3], [[0, 0], 1]),
+        ([[2, 2], [3, 1]], [[0, 0], [1, 3]]),
+    ],
+)
+def test_broadcast_to_refines_a_leaf_into_a_nested_mode(target, strides):
+    """Note [Compatible shapes]: a leaf of extent n meets a nested mode of size n (refined: the nested
+    coordinates in colexicographic order are the leaf's) or of any size (extent 1: broadcast)."""
+    layout = Layout([1, 3], [5, 1])
+    got = layout.broadcast_to(target)
+    assert got == Layout(target, strides)
+    # every target's first mode has size 4 (broadcast: coordinate 0), its second size 3 (the leaf's coordinate)
+    assert [got(j) for j in range(12)] == [layout((0, j // 4)) for j in range(12)]
+    rowmajor = Layout([4, 6], [6, 1])
+    refined = rowmajor.broadcast_to([4, [3, 2]])
+    assert refined == Layout([4, [3, 2]], [6, [1, 3]])
+    assert [refined(j) for j in range(24)] == [rowmajor(j) for j in range(24)]
 
 
 def test_broadcast_to_never_reorders_modes():

@@ -202,15 +202,28 @@ void backward(const TensorPtr& root, const TensorPtr& gradient, bool retain_grap
                         root->layout.shape().str());
     seed = full_like_kind(*root->carrier, root->layout.shape(), DType::Float32(), 1.0);
   } else {
-    if (!(seed->layout.shape() == root->layout.shape()))
-      raise<ValueError>("backward: gradient shape ", seed->layout.shape().str(), " does not match the output's ",
-                        root->layout.shape().str());
+    // Note [Compatible shapes] (layout.hpp): a flat mode where the output has a nested one of the same size is
+    // read through a refined view; a nested mode where the output has a flat one is copied in its order.
+    enum class Fit { Same, Refine, Coarsen } fit = Fit::Same;
+    const Shape& want = root->layout.shape();
+    const Shape got = seed->layout.shape();
+    if (!(got == want)) {
+      if (std::optional<Shape> r = refine_shape(got, want); r && *r == want) fit = Fit::Refine;
+      else if (std::optional<Shape> r2 = refine_shape(want, got); r2 && *r2 == got) fit = Fit::Coarsen;
+      else raise<ValueError>("backward: gradient shape ", got.str(), " does not match the output's ", want.str());
+    }
     // Checked here, before any work: a wrong seed would otherwise fail (or be misread) midway, after some
     // leaves had already accumulated.
     if (seed->dtype().id() != DTypeId::Float32 && seed->dtype() != root->dtype())
       raise<TypeError>("backward: gradient must be a Float32 tensor (or of the output's dtype ", root->dtype().name(),
                        "), got ", seed->dtype().name());
     seed->carrier->check_live("use it as a gradient");
+    if (fit == Fit::Refine) {
+      seed = make_tensor(seed->carrier, seed->offset, seed->layout.broadcast_to(want));
+    } else if (fit == Fit::Coarsen) {  // a dense Float32 copy on the output's kind, in the seed's order
+      TensorPtr dense = seed_on_kind(*seed, *root->carrier);
+      seed = make_tensor(dense->carrier, dense->offset, column_major(want));
+    }
     if (&seed->carrier->kind() != &root->carrier->kind() || seed->dtype().id() != DTypeId::Float32)
       seed = seed_on_kind(*seed, *root->carrier);  // a 16-bit seed widens (exactly) to Float32: VJPs run in Float32
   }

@@ -96,13 +96,46 @@ int64_t index_tree(const IntTuple& shape, const IntTuple& stride, const IntTuple
   return off;
 }
 
+// Strides for `target` (a nested mode) refined from one leaf of stride `stride`: the nested mode's leaves in
+// colexicographic order, the first fastest (Note [Compatible shapes]).
+IntTuple refine_tree(const IntTuple& target, int64_t stride, int64_t& running) {
+  if (target.is_leaf()) {
+    int64_t s;
+    if (__builtin_mul_overflow(stride, running, &s))
+      raise<ValueError>("broadcast_to: stride ", stride, " refined into ", target.str(), " overflows 64 bits");
+    running *= target.value();  // at most the leaf's extent: no overflow
+    return IntTuple(s);
+  }
+  std::vector<IntTuple> out;
+  for (const auto& c : target.children()) out.push_back(refine_tree(c, stride, running));
+  return IntTuple::tuple(std::move(out));
+}
+
+IntTuple zero_tree(const IntTuple& target) {
+  if (target.is_leaf()) return IntTuple(int64_t{0});
+  std::vector<IntTuple> out;
+  for (const auto& c : target.children()) out.push_back(zero_tree(c));
+  return IntTuple::tuple(std::move(out));
+}
+
 // `self` and `want` (the whole shapes) only name the shapes in error messages;
 // they are turned into text only when an error is raised.
 IntTuple broadcast_tree(const IntTuple& shape, const IntTuple& stride, const IntTuple& target,
                         const Shape& self, const Shape& want) {
+  if (shape.is_leaf() && !target.is_leaf()) {  // Note [Compatible shapes]
+    const int64_t n = tree_size(target);
+    if (shape.value() == n) {
+      int64_t running = 1;
+      return refine_tree(target, stride.value(), running);
+    }
+    if (shape.value() == 1) return zero_tree(target);
+    raise<ValueError>("cannot broadcast layout shape ", self.str(), " to ", want.str(), ": extent ", shape.value(),
+                      " is neither 1 nor the size ", n, " of ", target.str());
+  }
   if (shape.is_leaf() != target.is_leaf() || (!shape.is_leaf() && shape.rank() != target.rank()))
     raise<ValueError>("cannot broadcast layout shape ", self.str(), " to ", want.str(),
-                      ": the hierarchies differ (broadcast_to never inserts, removes or reorders modes)");
+                      ": the hierarchies differ (broadcast_to never inserts, removes or reorders modes, nor merges "
+                      "a nested mode into one leaf)");
   if (shape.is_leaf()) {
     if (shape.value() == target.value()) return stride;
     if (shape.value() == 1) return IntTuple(int64_t{0});
@@ -112,6 +145,29 @@ IntTuple broadcast_tree(const IntTuple& shape, const IntTuple& stride, const Int
   std::vector<IntTuple> out;
   for (size_t k = 0; k < shape.rank(); ++k)
     out.push_back(broadcast_tree(shape[k], stride[k], target[k], self, want));
+  return IntTuple::tuple(std::move(out));
+}
+
+// refine_shape's tree: nullopt where the hierarchies cannot meet.
+std::optional<IntTuple> refine_tree_shape(const IntTuple& coarse, const IntTuple& fine) {
+  if (coarse.is_leaf() && !fine.is_leaf()) {
+    const int64_t n = tree_size(fine);
+    if (coarse.value() == n) return fine;
+    if (coarse.value() == 1) {
+      std::vector<IntTuple> ones;
+      for (const auto& c : fine.children()) ones.push_back(*refine_tree_shape(IntTuple(int64_t{1}), c));
+      return IntTuple::tuple(std::move(ones));
+    }
+    return coarse;  // a leaf that broadcasts to no nested mode: left for the caller's own check
+  }
+  if (coarse.is_leaf()) return coarse;
+  if (fine.is_leaf() || coarse.rank() != fine.rank()) return std::nullopt;
+  std::vector<IntTuple> out;
+  for (size_t k = 0; k < coarse.rank(); ++k) {
+    std::optional<IntTuple> c = refine_tree_shape(coarse[k], fine[k]);
+    if (!c) return std::nullopt;
+    out.push_back(std::move(*c));
+  }
   return IntTuple::tuple(std::move(out));
 }
 
@@ -447,6 +503,12 @@ size_t Layout::hash() const noexcept {
 }
 
 std::string Layout::str() const { return d_->shape.str() + ":" + d_->stride.str(); }
+
+std::optional<Shape> refine_shape(const Shape& coarse, const Shape& fine) {
+  std::optional<IntTuple> t = refine_tree_shape(coarse.tree(), fine.tree());
+  if (!t) return std::nullopt;
+  return Shape(std::move(*t));
+}
 
 Layout column_major(const Shape& shape) {
   int64_t running = 1;

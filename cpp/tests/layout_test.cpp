@@ -223,7 +223,7 @@ std::vector<int64_t> random_strides(Rng& rng, const std::vector<int64_t>& e, Str
 
 struct Coverage {
   int layouts = 0, contiguous = 0, injective = 0, non_injective = 0, multi_run = 0, single_run = 0,
-      deep = 0, rank0 = 0, broadcasts = 0;
+      deep = 0, rank0 = 0, broadcasts = 0, refinements = 0;
   int64_t coordinates = 0;
 };
 
@@ -391,10 +391,23 @@ void check_broadcast(const Layout& lay, Rng& rng, Coverage& cov) {
     EXPECT_SW_THROW(ValueError, "hierarchies differ", lay.broadcast_to(Shape(IntTuple::tuple(more))));
     std::vector<IntTuple> fewer(st.children().begin(), st.children().end() - 1);
     EXPECT_SW_THROW(ValueError, "hierarchies differ", lay.broadcast_to(Shape(IntTuple::tuple(fewer))));
-    // Wrapping the first mode in an extra level changes the hierarchy.
-    std::vector<IntTuple> wrapped = st.children();
-    wrapped[0] = IntTuple::tuple({wrapped[0]});
-    EXPECT_SW_THROW(ValueError, "hierarchies differ", lay.broadcast_to(Shape(IntTuple::tuple(wrapped))));
+    // Note [Compatible shapes]: a nested first mode is never merged into one leaf of its size; a leaf first mode
+    // refined into (2, extent / 2) (when even) is a view of the same offsets.
+    std::vector<IntTuple> modes = st.children();
+    if (!modes[0].is_leaf()) {
+      std::vector<IntTuple> merged = modes;
+      int64_t n = 1;
+      for (int64_t e : modes[0].leaves()) n *= e;
+      merged[0] = IntTuple(n);
+      EXPECT_SW_THROW(ValueError, "hierarchies differ", lay.broadcast_to(Shape(IntTuple::tuple(merged))));
+    } else if (modes[0].value() % 2 == 0) {
+      std::vector<IntTuple> refined = modes;
+      refined[0] = IntTuple::tuple({IntTuple(int64_t{2}), IntTuple(modes[0].value() / 2)});
+      const Layout r = lay.broadcast_to(Shape(IntTuple::tuple(refined)));
+      ASSERT_EQ(r.size(), lay.size());
+      for (int64_t i = 0; i < lay.size(); ++i) ASSERT_EQ(r.index(i), lay.index(i)) << "ordinal " << i;
+      ++cov.refinements;
+    }
   }
 }
 
@@ -429,6 +442,7 @@ TEST(LayoutProperty, WholeDomainsOfRandomNestedLayouts) {
   EXPECT_GT(cov.single_run, 100);
   EXPECT_GT(cov.deep, 50);
   EXPECT_GT(cov.broadcasts, 500);
+  EXPECT_GT(cov.refinements, 50);
 }
 
 // Dense layouts of random nested shapes: strides are prefix / suffix products
@@ -602,8 +616,20 @@ TEST(Layout, BroadcastTo) {
   EXPECT_SW_THROW(ValueError, "cannot broadcast", l.broadcast_to(Shape::of({4, T({2, 2})})));
   EXPECT_SW_THROW(ValueError, "hierarchies differ", l.broadcast_to(Shape::of({4, 3, 2})));
   EXPECT_SW_THROW(ValueError, "hierarchies differ", l.broadcast_to(Shape::of({4, T({3, 2}), 1})));
-  EXPECT_SW_THROW(ValueError, "hierarchies differ", l.broadcast_to(Shape::of({T({3, 2}), 4})));
-  EXPECT_SW_THROW(ValueError, "hierarchies differ", l.broadcast_to(Shape::of({T({4}), T({3, 2})})));
+  EXPECT_SW_THROW(ValueError, "hierarchies differ", l.broadcast_to(Shape::of({4, 6})));  // never merged
+  EXPECT_SW_THROW(ValueError, "hierarchies differ", l.broadcast_to(Shape::of({4, 3})));  // (3, 1) never merged
+  // Note [Compatible shapes]: a leaf meets a nested mode: extent 1 broadcasts to all of it, an equal size refines.
+  EXPECT_EQ(l.broadcast_to(Shape::of({T({2, 2}), T({3, 2})})),
+            Layout(Shape::of({T({2, 2}), T({3, 2})}), Stride::of({T({0, 0}), T({1, 0})})));
+  const Layout flat(Shape::of({4, 6}), Stride::of({6, 1}));  // row-major (4, 6)
+  const Layout refined = flat.broadcast_to(Shape::of({4, T({3, 2})}));
+  EXPECT_EQ(refined, Layout(Shape::of({4, T({3, 2})}), Stride::of({6, T({1, 3})})));
+  for (int64_t i = 0; i < 24; ++i) EXPECT_EQ(refined.index(i), flat.index(i));
+  EXPECT_SW_THROW(ValueError, "neither 1 nor the size 6 of (3,2)", Layout(Shape::of({4, 5}), Stride::of({5, 1}))
+                                                                        .broadcast_to(Shape::of({4, T({3, 2})})));
+  EXPECT_EQ(refine_shape(Shape::of({4, 6}), Shape::of({4, T({3, 2})})), Shape::of({4, T({3, 2})}));
+  EXPECT_EQ(refine_shape(Shape::of({1, 1}), Shape::of({4, T({3, 2})})), Shape::of({1, T({1, 1})}));
+  EXPECT_EQ(refine_shape(Shape::of({4, T({3, 2})}), Shape::of({4, 6})), std::nullopt);
   EXPECT_EQ(Layout().broadcast_to(Shape()), Layout());
 }
 

@@ -155,7 +155,9 @@ class Layout {
   int64_t index(int64_t ordinal) const;  // decodes first (ValueError if out of range)
   int64_t index(const Coord& coord) const;
 
-  // Extent-1 leaves become the target extent with stride 0; nothing else may differ.
+  // Extent-1 leaves become the target extent with stride 0; a leaf meeting a nested mode of the target becomes
+  // that mode, refined (its size equal to the leaf's extent) or broadcast (extent 1); nothing else may differ
+  // (Note [Compatible shapes]).
   Layout broadcast_to(const Shape& target) const;
 
   const FlatLayout& flat() const noexcept { return d_->flat; }
@@ -189,6 +191,16 @@ class Layout {
   };
   std::shared_ptr<const Data> d_;
 };
+
+// Note [Compatible shapes]: a leaf mode of extent n and a nested mode of size n name the same coordinates (the
+// nested mode's, in colexicographic order, first leaf fastest, are the leaf's 0 .. n-1), so elementwise
+// operations and backward's gradient accept one where the other is expected: broadcasting refines the leaf into
+// the nested mode (a view: strides s, s e0, s e0 e1, ...), and a leaf of extent 1 broadcasts to any mode. A
+// nested mode is never merged into one leaf by a view (its strides need not coalesce); the result of an operation
+// takes the finer profile. refine_shape returns `coarse` with each leaf that meets a nested mode of `fine` replaced
+// by that mode (extent equal to its size) or by its structure in extent-1 leaves (extent 1), other leaves as they
+// are; nullopt where a nested mode of `coarse` meets a leaf of `fine` or the ranks differ.
+std::optional<Shape> refine_shape(const Shape& coarse, const Shape& fine);
 
 // Canonical dense layout: running product of extents, first mode fastest, at every depth.
 Layout column_major(const Shape& shape);

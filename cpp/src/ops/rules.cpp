@@ -21,8 +21,26 @@ std::optional<OpId> op_from_name(std::string_view name) {
 // ---------------------------------------------------------------- shapes
 
 namespace {
+int64_t tree_size(const IntTuple& t) {
+  int64_t n = 1;
+  for (int64_t e : t.leaves()) n *= e;  // a mode of a valid shape: no overflow
+  return n;
+}
+
 IntTuple broadcast_tree(const IntTuple& a, const IntTuple& b, bool& ok) {
-  if (a.is_leaf() != b.is_leaf() || (!a.is_leaf() && a.rank() != b.rank())) {
+  // Note [Compatible shapes] (layout.hpp): a leaf meets a nested mode of its size (refined), or of any size
+  // (extent 1); the result takes the nested mode.
+  if (a.is_leaf() && !b.is_leaf()) {
+    if (a.value() == 1 || a.value() == tree_size(b)) return b;
+    ok = false;
+    return a;
+  }
+  if (!a.is_leaf() && b.is_leaf()) {
+    if (b.value() == 1 || b.value() == tree_size(a)) return a;
+    ok = false;
+    return a;
+  }
+  if (!a.is_leaf() && a.rank() != b.rank()) {
     ok = false;
     return a;
   }
@@ -43,7 +61,8 @@ Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op) {
   IntTuple t = broadcast_tree(a.tree(), b.tree(), ok);
   if (!ok)
     raise<ValueError>(op, ": shapes ", a.str(), " and ", b.str(),
-                      " do not broadcast (same hierarchical profile, each leaf extent equal or 1)");
+                      " do not broadcast (mode by mode: equal extents or 1, a leaf matching a nested mode of its size; "
+                      "Note [Compatible shapes])");
   return Shape(t);
 }
 

@@ -42,12 +42,11 @@ namespace sw {
 // spans several tiles is the nested mode (tile extent, count) with strides (within-tile, between tiles), e.g.
 // (out, (in, 2)) : (in, (1, out x in)) for the two experts, gathered with one copy per tile. Where that is
 // already one dense mode (one tile on the axis, tiles stacked along the slowest within-tile mode, or column-major
-// tiles) the layout is the dense one, so only the interleaved cases change. It is not the default because a
-// nested mode changes what the result combines with: broadcasting matches hierarchical profiles, so it adds to
-// tensors of its own profile (a view reshapes others), it is no NumPy view (`np.asarray` copies it, `copy=False`
-// refuses) and DLPack exports it only as a copy. A matmul runs over the nested mode block by block (Note
-// [Products over nested modes] in cpp/src/ops/cpu_matmul.cpp), and gradients and scatters go back into the tiles
-// run by run like any compact tensor (tile_region).
+// tiles) the layout is the dense one, so only the interleaved cases change. It combines with flat tensors of the
+// same size (Note [Compatible shapes] in layout.hpp). It is not the default because a nested mode is no NumPy
+// view (`np.asarray` copies it, `copy=False` refuses) and DLPack exports it only as a copy. A matmul runs over the
+// nested mode block by block (Note [Products over nested modes] in cpp/src/ops/cpu_matmul.cpp), and gradients
+// and scatters go back into the tiles run by run like any compact tensor (tile_region).
 struct TileAccess {
   const TileGeometry& geometry;
   const TensorImpl& t;
