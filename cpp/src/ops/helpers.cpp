@@ -82,18 +82,18 @@ TensorPtr full_like_kind(const Carrier& prototype, const Shape& shape, const DTy
 
 TensorPtr unbroadcast(const TensorPtr& grad, const Shape& target) {
   if (grad->layout.shape() == target) return grad;
-  std::vector<int64_t> ge = grad->layout.shape().leaves(), te = target.leaves();
-  if (ge.size() != te.size()) {
+  std::optional<Shape> refined = refine_shape(target, grad->layout.shape());
+  SW_ASSERT(refined, "unbroadcast: ", target.str(), " does not refine to the gradient's ", grad->layout.shape().str());
+  if (!(*refined == target)) {
     // An operand whose leaf met a nested mode (Note [Compatible shapes] in layout.hpp): its gradient is summed
     // over the target refined to the gradient's profile; that sum, dense and column-major, is the target's dense
     // tensor too (the same values in the same order).
-    std::optional<Shape> refined = refine_shape(target, grad->layout.shape());
-    SW_ASSERT(refined && refined->leaves().size() == ge.size(), "unbroadcast: ", target.str(),
-              " does not refine to the gradient's ", grad->layout.shape().str());
     TensorPtr sum = unbroadcast(grad, *refined);
     if (!sum->layout.is_column_major()) sum = expand_dense(sum, *refined);
     return make_tensor(sum->carrier, sum->offset, column_major(target));
   }
+  std::vector<int64_t> ge = grad->layout.shape().leaves(), te = target.leaves();
+  SW_ASSERT(ge.size() == te.size(), "unbroadcast across profiles");
   std::vector<int64_t> tstride(te.size());
   int64_t run = 1;
   for (size_t j = 0; j < te.size(); ++j) {
