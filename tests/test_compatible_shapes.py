@@ -36,12 +36,23 @@ def nested(a: np.ndarray):
     return leaf, sw.reshape(leaf, NESTED)
 
 
+def on(kind, a: np.ndarray, *modes):
+    """`a`'s values in ordinal (column-major) order on a fresh carrier of `kind`, laid out column-major over
+    `modes` (a nested mode as a list)."""
+    if kind is sw.CPU:
+        carrier = friendly.tensor(a.ravel(order="F")).carrier
+    else:
+        carrier = sw.Generic(a.ravel(order="F").tolist(), dtype=sw.DType.Float32)
+    return sw.Tensor(carrier, 0, sw.column_major(*modes))
+
+
+@pytest.mark.parametrize("kind", [sw.CPU, sw.Generic], ids=["CPU", "Generic"])
 @pytest.mark.parametrize("op", sorted(OPS))
 @pytest.mark.parametrize("other", [(2, 12), (2, 1), (1, 12), (1, 1)], ids=["2x12", "2x1", "1x12", "1x1"])
-def test_a_flat_mode_meets_a_nested_one_of_its_size_or_extent_1(op, other):
+def test_a_flat_mode_meets_a_nested_one_of_its_size_or_extent_1(op, other, kind):
     A, B = values(1, (2, 12)), values(2, other)
-    _, a = nested(A)
-    b = friendly.tensor(B)
+    a = on(kind, A, 2, [3, 4])
+    b = on(kind, B, *other)
     want = OPS[op](A, B)  # NumPy broadcasts (2, 1), (1, 12), (1, 1) the same way
     for r, expect in ((getattr(sw, op)(a, b), want), (getattr(sw, op)(b, a), OPS[op](B, A))):
         assert r.shape == Shape(2, [3, 4])
