@@ -64,6 +64,20 @@ void crashed_unit(Journal& j, int64_t tile, char c, Journal::Crash crash) {
   EXPECT_THROW(write_unit(j, tile, c, crash), std::runtime_error);
 }
 
+// The message of a RuntimeError raised by `f`, or "" (with a test failure) when it raised none.
+template <class F>
+std::string runtime_error_of(F&& f) {
+  try {
+    f();
+  } catch (const RuntimeError& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "no RuntimeError";
+  return "";
+}
+
+bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
 TEST(Journal, Crc32cOfTheStandardCheckString) {
   EXPECT_EQ(crc32c("123456789", 9), 0xE3069283u);
   EXPECT_EQ(crc32c("56789", 5, crc32c("1234", 4)), 0xE3069283u);  // continued
@@ -130,15 +144,10 @@ TEST(Journal, ADamagedRecordWithLaterRecordsNamesTheFileAndTile) {
   ASSERT_EQ(::pwrite(jfd, &x, 1, 32 + 48 + 32 + 100), 1);
   ::close(jfd);
   const auto before = t.bytes();
-  try {
-    Journal again(t.path(), t.fd, "test");
-    FAIL() << "a damaged journal was accepted";
-  } catch (const RuntimeError& e) {
-    const std::string m = e.what();
-    EXPECT_NE(m.find("record of tile 7"), std::string::npos) << m;
-    EXPECT_NE(m.find(t.path()), std::string::npos) << m;
-    EXPECT_NE(m.find("cannot be repaired"), std::string::npos) << m;
-  }
+  const std::string m = runtime_error_of([&] { Journal again(t.path(), t.fd, "test"); });  // a damaged journal
+  EXPECT_TRUE(contains(m, "record of tile 7")) << m;
+  EXPECT_TRUE(contains(m, t.path())) << m;
+  EXPECT_TRUE(contains(m, "cannot be repaired")) << m;
   EXPECT_EQ(t.bytes(), before);  // nothing replayed
 }
 
@@ -197,20 +206,6 @@ TEST(Journal, AFailedRecordWriteOrSyncLeavesTheFileUntouched) {
     EXPECT_TRUE(all_of(t.bytes(), 'c'));
   }
 }
-
-// The message of a RuntimeError raised by `f`, or "" (with a test failure) when it raised none.
-template <class F>
-std::string runtime_error_of(F&& f) {
-  try {
-    f();
-  } catch (const RuntimeError& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "no RuntimeError";
-  return "";
-}
-
-bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
 // Opening: the target's fstat, the journal's lock, then the journal's own fstat (replay). A failure of any of them
 // opens nothing: the file is untouched, the journal (with the record a crash left) stays for the next opener, and
@@ -333,14 +328,9 @@ TEST(Journal, ARecordPastTheEndOfATruncatedFileIsAnError) {
     crashed_unit(j, 4, 'b', Journal::Crash::AfterRecord);
   }
   ASSERT_EQ(::ftruncate(t.fd, kBytes), 0);  // the second piece's range is gone
-  try {
-    Journal again(t.path(), t.fd, "test");
-    FAIL() << "a record past the end was replayed";
-  } catch (const RuntimeError& e) {
-    const std::string m = e.what();
-    EXPECT_NE(m.find("tile 4"), std::string::npos) << m;
-    EXPECT_NE(m.find("truncated since"), std::string::npos) << m;
-  }
+  const std::string m = runtime_error_of([&] { Journal again(t.path(), t.fd, "test"); });  // a record past the end
+  EXPECT_TRUE(contains(m, "tile 4")) << m;
+  EXPECT_TRUE(contains(m, "truncated since")) << m;
   struct stat st;
   ASSERT_EQ(::fstat(t.fd, &st), 0);
   EXPECT_EQ(st.st_size, static_cast<off_t>(kBytes));  // not re-extended
