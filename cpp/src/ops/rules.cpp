@@ -21,22 +21,16 @@ std::optional<OpId> op_from_name(std::string_view name) {
 // ---------------------------------------------------------------- shapes
 
 namespace {
-int64_t tree_size(const IntTuple& t) {
-  int64_t n = 1;
-  for (int64_t e : t.leaves()) n *= e;  // a mode of a valid shape: no overflow
-  return n;
-}
-
 IntTuple broadcast_tree(const IntTuple& a, const IntTuple& b, bool& ok) {
   // Note [Compatible shapes] (layout.hpp): a leaf meets a nested mode of its size (refined), or of any size
   // (extent 1); the result takes the nested mode.
   if (a.is_leaf() && !b.is_leaf()) {
-    if (a.value() == 1 || a.value() == tree_size(b)) return b;
+    if (a.value() == 1 || a.value() == Shape(b).size()) return b;
     ok = false;
     return a;
   }
   if (!a.is_leaf() && b.is_leaf()) {
-    if (b.value() == 1 || b.value() == tree_size(a)) return a;
+    if (b.value() == 1 || b.value() == Shape(a).size()) return a;
     ok = false;
     return a;
   }
