@@ -689,6 +689,21 @@ TEST(MappingCache, DecayUnmapsWhatWasFreedLongestAgo) {
   EXPECT_EQ(mapping_cache_bytes(), 0u);
 }
 
+// Note [Parking the trimmer]: a process that frees and reallocates the same large buffer over and over (every
+// free gives a mapping to an empty cache) does not wake the trimming thread each time.
+TEST(MappingCache, ChurnDoesNotWakeTheTrimmerForEveryFreedBuffer) {
+  MappingCacheScope scope(size_t{64} << 20);  // an hour's decay: nothing is due during the test
+  { AlignedBuffer first(size_t{4} << 20, false); }  // the trimmer exists
+  const uint64_t before = mapping_cache_trimmer_signals();
+  for (int i = 0; i < 200; ++i) {
+    AlignedBuffer a(size_t{4} << 20, false);
+    EXPECT_EQ(mapping_cache_bytes(), 0u);
+  }  // each free gives the mapping to an empty cache
+  EXPECT_EQ(mapping_cache_bytes(), size_t{4} << 20);
+  // At most one: the first give, if the trimmer had parked before it; it then waits with a deadline.
+  EXPECT_LE(mapping_cache_trimmer_signals() - before, 1u);
+}
+
 TEST(MappingCache, TheTrimmingThreadGivesMemoryBackAfterTheDecay) {
   MappingCacheScope scope(size_t{64} << 20, std::chrono::milliseconds(20));
   { AlignedBuffer a(size_t{4} << 20, false); }

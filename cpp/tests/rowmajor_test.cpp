@@ -3,6 +3,8 @@
 // projections that share the tile, and the matmul gradient written into a row-major gradient tile.
 #include <gtest/gtest.h>
 
+#include <cstring>
+
 #include "strideweave/autograd.hpp"
 #include "strideweave/grad_mode.hpp"
 #include "strideweave/ops.hpp"
@@ -142,6 +144,64 @@ TEST_F(TiledTest, LongRowRunsCopyTheSameOnBothKernelPaths) {
     }
     EXPECT_EQ(wrong, 0);
     force_portable_run_copies(was);
+  }
+}
+
+// Note [Gathering in the caller]: a projection of readable tiles is copied before project returns, each tile in
+// pieces split over the compute pool. The tiles here are large enough for several pieces each, and of odd sizes,
+// so pieces end inside runs and do not all hold the same number of slots. Every value must be where the
+// selection puts it, on both run-copy kernels, for row-major tiles side by side (one run per row and tile),
+// tile-major, and column-major tiles (one run per tile, split between pieces); and the selection threads' path
+// (set_caller_gather_bytes(0)) must give the same bytes.
+TEST_F(TiledTest, ProjectionsGatheredInPiecesPutEveryValueWhereTheSelectionSays) {
+  GradModeGuard no_grad(false);
+  constexpr int64_t out = 203, in = 331, experts = 3;  // 67,193 slots a tile: 4 pieces of Float32, 2 of BFloat16
+  const int64_t chosen[2] = {2, 0};
+  for (const DType* dt : {&DType::Float32(), &DType::BFloat16()}) {
+    for (bool portable : {false, true}) {
+      const bool was = force_portable_run_copies(portable);
+      // Every slot's bytes are its number (mod 2^16 for BFloat16), compared as bytes: no two slots a misplaced
+      // copy could confuse hold the same bits, whatever value the bits are.
+      const size_t w = slot_bytes(*dt);
+      const int64_t total = out * in * experts;
+      std::vector<std::byte> bits(static_cast<size_t>(total) * w);
+      for (int64_t k = 0; k < total; ++k) std::memcpy(bits.data() + static_cast<size_t>(k) * w, &k, w);
+      auto secondary = std::make_shared<FileBackedCarrier>("", *dt, true);
+      secondary->grow(total, true);
+      secondary->write_slots(0, total, bits.data());
+      auto te = std::make_shared<TiledEvictable>(std::make_shared<CPUCarrier>(0, *dt, true, false), secondary,
+                                                 std::vector<int64_t>{1, experts}, std::vector<int64_t>{out, in},
+                                                 nullptr);
+      te->promote_async(all_tiles(*te))->value();
+      for (int form = 0; form < 3; ++form) {  // row-major side by side, row-major tile-major, column-major
+        SCOPED_TRACE(std::string(dt->name()) + (portable ? " portable " : " blocked ") + std::to_string(form));
+        const bool row = form < 2;
+        TensorPtr full = make_tensor(te, 0, Layout(Shape(IntTuple::tuple({out, IntTuple::tuple({in, experts})})),
+                                                   row ? Stride(IntTuple::tuple({in, IntTuple::tuple({1, out * in})}))
+                                                       : Stride(IntTuple::tuple({1, IntTuple::tuple({out, out * in})}))));
+        auto handle = project(te, full, {{{0}, {2, 0}}}, nullptr, /*tile_major=*/form == 1);
+        EXPECT_TRUE(handle->done());  // gathered before project returned
+        TensorPtr two = handle->value();
+        // The compact value at (o, q), q < 2 in, against the secondary slot the full tensor maps it to.
+        int64_t wrong = 0;
+        for (int64_t o = 0; o < out; ++o)
+          for (int64_t q = 0; q < 2 * in; ++q) {
+            const int64_t e = chosen[q / in], i = q % in;
+            const int64_t slot = (row ? o * in + i : o + out * i) + out * in * e;
+            const int64_t at = form == 0 ? o * 2 * in + q : form == 1 ? o * in + i + out * in * (q / in) : o + out * q;
+            wrong += std::memcmp(two->carrier->native_data() + static_cast<size_t>(at) * w,
+                                 bits.data() + static_cast<size_t>(slot) * w, w) != 0;
+          }
+        EXPECT_EQ(wrong, 0);
+        const int64_t before = set_caller_gather_bytes(0);
+        TensorPtr async = project(te, full, {{{0}, {2, 0}}}, nullptr, form == 1)->value();
+        set_caller_gather_bytes(before);
+        ASSERT_EQ(async->layout, two->layout);
+        EXPECT_EQ(std::memcmp(async->carrier->native_data(), two->carrier->native_data(),
+                              static_cast<size_t>(2 * out * in) * w), 0);
+      }
+      force_portable_run_copies(was);
+    }
   }
 }
 

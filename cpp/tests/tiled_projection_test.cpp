@@ -57,6 +57,11 @@ TEST_F(TiledTest, AWaiterGathersResidentTilesItselfWhenNoSelectionThreadIsFree) 
   Tiled te = make_tiled({2, 3}, {4, 5});
   TensorPtr full = make_tensor(te, 0, column_major(Shape::flat(te->logical_shape())));
   te->promote_async({0, 1, 2, 3, 4, 5})->value();
+  // Every gather on the selection threads (Note [Gathering in the caller]); restored on every exit.
+  struct AsyncGathers {
+    int64_t before = set_caller_gather_bytes(0);
+    ~AsyncGathers() { set_caller_gather_bytes(before); }
+  } async_gathers;
   IoBlock blocked(Executor::select());
   auto handle = project(te, full, {{{1, 0}, {2, 0}}}, nullptr);
   EXPECT_FALSE(handle->done());  // queued: no selection thread has taken a tile

@@ -12,10 +12,24 @@
 #include "strideweave/grad_mode.hpp"
 #include "strideweave/tiled/tile_set.hpp"
 #include "tile_copies.hpp"
+#include "../ops/strided.hpp"
 
 namespace sw {
 
 namespace {
+
+// Note [Gathering in the caller]: a projection whose tiles are all readable when it is asked for, and whose copy
+// is at most caller_gather_bytes() (4 MiB unless set_caller_gather_bytes says otherwise), is gathered by the caller before project returns, split over the compute pool's
+// threads (the caller and workers that spin between regions, Note [Compute pool]) in pieces of about
+// kGatherPiece bytes. Handing the copy to the select threads instead cost more than the copy: each job submitted
+// is a futex wake-up, an interrupt to another CPU on a virtual machine, and the woken thread starts tens of
+// microseconds later, when the caller (helping from its wait, Note [Waiters help]) has copied most of it and
+// then sleeps until the late thread's tile is done. Measured on the 2-vCPU AMD EPYC of docs/performance.md, a
+// loop of two-expert projections (two 512 KiB tiles) in C++: 44-51 us a projection through the select threads,
+// 26-31 us copied by the caller alone. The caller's part is short by definition (4 MiB is 40-80 us of copying);
+// larger projections, and those waiting on a promotion, stay asynchronous.
+std::atomic<int64_t> g_caller_gather{int64_t{4} << 20};
+constexpr int64_t kGatherPiece = int64_t{64} << 10;
 
 // Note [A projection saves no values]: a projection's VJP scatter-adds the
 // cotangent into a fresh gradient laid out like the full tensor; it reads the
@@ -96,8 +110,14 @@ CompletionPtr<TensorPtr> project(const std::shared_ptr<TiledEvictable>& c, const
   return project_for(c, tensor, sel, destination, "projection", tile_major);
 }
 
+int64_t caller_gather_bytes() noexcept { return g_caller_gather.load(std::memory_order_relaxed); }
+int64_t set_caller_gather_bytes(int64_t bytes) noexcept {
+  return g_caller_gather.exchange(std::max<int64_t>(bytes, 0), std::memory_order_relaxed);
+}
+
 // `purpose` is what the residency policy is told: "projection" for carrier.project,
 // "operation" for a direct operation's operands, "backward" inside backward.
+
 CompletionPtr<TensorPtr> project_for(const std::shared_ptr<TiledEvictable>& c, const TensorPtr& tensor,
                                      const TileSelection& sel, const CarrierPtr& destination, const char* purpose,
                                      bool tile_major) {
@@ -238,8 +258,44 @@ CompletionPtr<TensorPtr> project_for(const std::shared_ptr<TiledEvictable>& c, c
     else
       waiting->emplace_back(static_cast<int64_t>(k), src[k]);
   }
-  if (may_share && !now->empty()) gather(now->front().first, now->front().second);  // O(1): no thread hop
-  else if (!now->empty()) submit_batch(std::move(now));
+  if (may_share && !now->empty()) {
+    gather(now->front().first, now->front().second);  // O(1): no thread hop
+  } else if (waiting->empty() && access->uniform && need * static_cast<int64_t>(slot_bytes(c->dtype())) <= caller_gather_bytes()) {
+    // Note [Gathering in the caller]: every tile is readable and the copy is short.
+    const TileGeometry& g = c->geometry();
+    const int64_t per_tile = std::clamp<int64_t>(
+        g.tile_size() * static_cast<int64_t>(slot_bytes(c->dtype())) / kGatherPiece, 1, 64);
+    std::vector<TileRegion> regions;
+    std::vector<CarrierPtr> buffers;
+    try {
+      for (const auto& [k, index] : *now) {
+        std::optional<TileRegion> region = tile_region(g, clayout, TileGeometry::compact_coord(k, counts));
+        SW_ASSERT(region, "a projection's compact layout ", clayout.str(), " has no tile regions");
+        regions.push_back(std::move(*region));
+        buffers.push_back(TiledInternals::tile_buffer(*c, index));
+      }
+      const int64_t tiles = static_cast<int64_t>(now->size());
+      detail::parallel_for(tiles * per_tile, 1, [&](int64_t b, int64_t e) {
+        try {
+          for (int64_t q = b; q < e && !st->error; ++q) {
+            const size_t t = static_cast<size_t>(q % tiles);
+            gather_tile(*c, *access, (*now)[t].second, buffers[t], *dest, regions[t], q / tiles, per_tile);
+          }
+        } catch (...) {
+          std::lock_guard lock(st->m);
+          if (!st->error) st->error = std::current_exception();
+        }
+      }, /*parts_per_thread=*/4);
+    } catch (...) {
+      std::lock_guard lock(st->m);
+      if (!st->error) st->error = std::current_exception();
+    }
+    buffers.clear();  // the tiles' buffers go before the work ends
+    st->remaining.store(0);
+    finish();
+  } else if (!now->empty()) {
+    submit_batch(std::move(now));
+  }
   if (!waiting->empty()) {
     ready->then([ready, waiting, submit_batch, st] {
       if (auto e = ready->error()) {

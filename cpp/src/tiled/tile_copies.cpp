@@ -273,27 +273,45 @@ namespace {
 // Calls fn(buffer ordinal, region offset, length) for the runs of one tile of a uniform access (Note [Within-tile
 // layouts]) against a region with per-mode strides `rstride`: the leaves in buffer order, the leading ones that
 // are contiguous on both sides merged into one run (a row-major tile in a row-major region: one run per row, or
-// the whole tile), the others walked by an odometer.
+// the whole tile), the others walked by an odometer. With `pieces` > 1, only piece `piece` of the tile: its slots
+// in run order, from piece * n / pieces to (piece + 1) * n / pieces (n: the tile's slots), cut into runs, so
+// the pieces together make the tile's runs (Note [Gathering in the caller]).
 template <class F>
-void for_each_run_pair(const TileAccess& a, std::span<const int64_t> rstride, F&& fn) {
+void for_each_run_pair(const TileAccess& a, std::span<const int64_t> rstride, F&& fn, int64_t piece = 0,
+                       int64_t pieces = 1) {
   const size_t n = a.within.extents.size();
   std::vector<size_t> order(n);
   for (size_t l = 0; l < n; ++l) order[l] = l;
   std::stable_sort(order.begin(), order.end(),
                    [&](size_t x, size_t y) { return a.within.strides[x] < a.within.strides[y]; });
   std::vector<int64_t> ext(n), bs(n), rs(n), c(n, 0);
+  int64_t total = 1;
   for (size_t i = 0; i < n; ++i) {
     const size_t l = order[i];
     ext[i] = a.within.extents[l];
     bs[i] = a.within.strides[l];
     rs[i] = rstride[a.leaf_mode[l]] * a.leaf_scale[l];
+    total *= ext[i];
   }
   int64_t len = 1;
   size_t first = 0;
   while (first < n && bs[first] == len && rs[first] == len) len *= ext[first++];
-  int64_t bo = 0, ro = 0;
-  for (;;) {
-    fn(bo, ro, len);
+  if (total == 0) return;
+  // The piece's slots [at, end) in run order; the odometer starts at the run holding `at`.
+  int64_t at = pieces > 1 ? total / pieces * piece + std::min(piece, total % pieces) : 0;
+  const int64_t end = pieces > 1 ? at + total / pieces + (piece < total % pieces ? 1 : 0) : total;
+  int64_t bo = 0, ro = 0, within = at % len;
+  for (int64_t r = at / len, j = static_cast<int64_t>(first); r > 0 && j < static_cast<int64_t>(n); ++j) {
+    c[j] = r % ext[j];
+    r /= ext[j];
+    bo += c[j] * bs[j];
+    ro += c[j] * rs[j];
+  }
+  while (at < end) {
+    const int64_t take = std::min(len - within, end - at);
+    fn(bo + within, ro + within, take);
+    at += take;
+    within = 0;
     size_t j = first;
     for (; j < n; ++j) {
       bo += bs[j];
@@ -310,7 +328,7 @@ void for_each_run_pair(const TileAccess& a, std::span<const int64_t> rstride, F&
 }  // namespace
 
 void gather_tile(const TiledEvictable& c, const TileAccess& access, int64_t index, const CarrierPtr& buffer,
-                 Carrier& dest, const TileRegion& region) {
+                 Carrier& dest, const TileRegion& region, int64_t piece, int64_t pieces) {
   const TileGeometry& g = c.geometry();
   const int64_t base = region.base;
   const std::vector<int64_t>& dstride = region.strides;
@@ -332,9 +350,10 @@ void gather_tile(const TiledEvictable& c, const TileAccess& access, int64_t inde
         if (zero.size() < bytes) zero.resize(bytes, std::byte{0});
         dest.write_slots(base + ro, len, zero.data());
       }
-    });
+    }, piece, pieces);
     return;
   }
+  SW_ASSERT(pieces == 1, "gather_tile: a tile without a uniform access is gathered whole");
   const int64_t n = g.tile_size();
   std::vector<std::byte> zero(w, std::byte{0});
   for (int64_t wo = 0; wo < n; ++wo) {

@@ -97,9 +97,10 @@ struct TileRegion {
 std::optional<TileRegion> tile_region(const TileGeometry& g, const Layout& layout, const TileCoord& cc);
 
 // Copies source tile `index` (`buffer`, or an implicit zero when null) into `region` (tile_region) of `dest`, a
-// dense tensor at offset 0.
+// dense tensor at offset 0. With `pieces` > 1 (a uniform access only), piece `piece` of the tile's slots in run
+// order: the pieces 0 .. pieces - 1 together copy the tile, and may run at once (Note [Gathering in the caller]).
 void gather_tile(const TiledEvictable& c, const TileAccess& access, int64_t index, const CarrierPtr& buffer,
-                 Carrier& dest, const TileRegion& region);
+                 Carrier& dest, const TileRegion& region, int64_t piece = 0, int64_t pieces = 1);
 
 // The inverse: a fresh tile buffer for source tile `index` holding the region of `compact` at compact tile
 // coordinate `cc`, plus `existing` values for "add" (null means zero).

@@ -82,6 +82,8 @@ size_t mapping_cache_bytes();
 // cache's default limit is a sixteenth of it, at most 1 GiB).
 size_t memory_available_to_process() noexcept;
 size_t trim_mapping_cache(std::chrono::steady_clock::time_point now);
+// How many freed mappings have woken the trimming thread (Note [Parking the trimmer]; for tests).
+uint64_t mapping_cache_trimmer_signals();
 
 // Copies `count` slots between two carriers of one dtype in bulk (memcpy for
 // native memory, one read or write call per run otherwise): any two carriers,

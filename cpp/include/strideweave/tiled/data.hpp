@@ -33,7 +33,9 @@ std::vector<int64_t> compact_shape(const TiledEvictable& c, const TileSelection&
 // carrier.project(tensor, selection, destination, tile_major); `destination` may be null.
 // Validation raises before work; the completion carries the compact tensor: dense in the tiles' order, or with
 // `tile_major`, each tile's values together (Note [Tile-major projections] in cpp/src/tiled/tile_copies.hpp).
-// Blocks: calls the residency policy and takes the tile-table lock; the gathers run on the selection threads.
+// Blocks: calls the residency policy and takes the tile-table lock; the gathers run on the selection threads,
+// or before it returns when every tile is readable and the copy is at most caller_gather_bytes() (Note [Gathering
+// in the caller] in cpp/src/tiled/projection.cpp).
 CompletionPtr<TensorPtr> project(const std::shared_ptr<TiledEvictable>& carrier, const TensorPtr& tensor,
                                  const TileSelection& selection, const CarrierPtr& destination,
                                  bool tile_major = false);
@@ -43,6 +45,11 @@ CompletionPtr<TensorPtr> project(const std::shared_ptr<TiledEvictable>& carrier,
 // every run a memcpy (tests check both paths; benchmarks compare them) and returns the previous setting.
 const char* run_copy_path() noexcept;
 bool force_portable_run_copies(bool portable) noexcept;
+
+// The largest copy (bytes) a projection of readable tiles gathers before project returns (4 MiB); set_caller_gather
+// changes it (0: every gather on the selection threads; tests of the asynchronous path) and returns the previous.
+int64_t caller_gather_bytes() noexcept;
+int64_t set_caller_gather_bytes(int64_t bytes) noexcept;
 
 // carrier.scatter(compact, template, selection, reduction).
 // Blocks: for "add", calls the residency policy and takes the tile-table lock; the copies run on the selection threads.
