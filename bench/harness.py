@@ -202,17 +202,26 @@ def _meets(ratio: float, target: float, better: str) -> bool:
 
 
 def record(bench: str, cases: list[Case], *, target: float, better: str, quick: bool, note: str = "",
-           case_targets: dict[str, float] | None = None) -> dict:
+           case_targets: dict[str, float] | None = None, untargeted: set[str] | None = None) -> dict:
     """The JSON record of benchmarks.md for a list of cases (worst case leads).
 
     `case_targets` gives some cases a target of their own (by case name; the others have `target`): the worst
     case is then the one furthest from its own target (ratio / target), and the record's target is its target.
+    `untargeted` names cases reported for context only: they have no target ("target": null, "meets_target":
+    null in their case object) and never lead the record.
     """
     if better not in ("lower", "higher"):
         raise ValueError("better must be 'lower' or 'higher'")
     if not cases:
         raise ValueError("record needs at least one case")
     targets = case_targets or {}
+    context = untargeted or set()
+    unknown = context - {c.name for c in cases}
+    if unknown:
+        raise ValueError(f"untargeted names no case: {sorted(unknown)}")
+    targeted = [c for c in cases if c.name not in context]
+    if not targeted:
+        raise ValueError("record needs at least one targeted case")
 
     def target_of(c: Case) -> float:
         return targets.get(c.name, target)
@@ -220,9 +229,9 @@ def record(bench: str, cases: list[Case], *, target: float, better: str, quick: 
     def score(c: Case) -> float:
         return c.ratio / target_of(c)
 
-    worst = max(cases, key=score) if better == "lower" else min(cases, key=score)
+    worst = max(targeted, key=score) if better == "lower" else min(targeted, key=score)
     target = target_of(worst)
-    detail = "; ".join(c.summary() for c in cases)
+    detail = "; ".join(c.summary() + (" (untargeted)" if c.name in context else "") for c in cases)
     if len(cases) > 1:
         detail = f"worst: {worst.name}; " + detail
     if note:
@@ -252,8 +261,8 @@ def record(bench: str, cases: list[Case], *, target: float, better: str, quick: 
                 "bytes": int(c.bytes),
                 "reps": c.reps,
                 "inner": c.inner,
-                "target": target_of(c),
-                "meets_target": _meets(c.ratio, target_of(c), better),
+                "target": None if c.name in context else target_of(c),
+                "meets_target": None if c.name in context else _meets(c.ratio, target_of(c), better),
             }
             for c in cases
         ],

@@ -131,9 +131,12 @@ def _chart_panel(ax, cases: list, target: float, better: str, label: str) -> Non
     med = [c["ratio"] for c in cases]
     lo = [max(0.0, c["ratio"] - c.get("ratio_min", c["ratio"])) for c in cases]
     hi = [max(0.0, c.get("ratio_max", c["ratio"]) - c["ratio"]) for c in cases]
-    ok = [_meets(m, c.get("target", target), better) for m, c in zip(med, cases)]  # a case may have its own target
+    # A case may have its own target, or none ("target": null: reported for context, drawn grey).
+    ok = [None if "target" in c and c["target"] is None else _meets(m, c.get("target", target), better)
+          for m, c in zip(med, cases)]
     xs = list(range(len(cases)))
-    ax.bar(xs, med, color=["#4c9a5b" if g else "#c8553d" for g in ok], width=0.55, zorder=2)
+    ax.bar(xs, med, color=["#9a9a9a" if g is None else "#4c9a5b" if g else "#c8553d" for g in ok], width=0.55,
+           zorder=2)
     ax.errorbar(xs, med, yerr=[lo, hi], fmt="none", ecolor="black", capsize=6, lw=1.2, zorder=3)
     ax.axhline(target, color="#333333", ls="--", lw=1.2, zorder=1, label=f"target {target:g} ({better} is better)")
     for x, m in zip(xs, med):

@@ -634,6 +634,9 @@ void bind_tiled(nb::module_& m) {
         "The kernel that copies tiles' runs: 'avx512f' or 'portable' (internal: tests and benchmarks).");
   m.def("_force_portable_run_copies", [](bool portable) { return sw::force_portable_run_copies(portable); },
         nb::arg("portable"), "Makes every tile run copy a memcpy; returns the previous setting (internal).");
+  m.def("_set_caller_gather_bytes", [](int64_t bytes) { return sw::set_caller_gather_bytes(bytes); }, nb::arg("bytes"),
+        "The largest projection copy gathered before project returns (0: every gather on the selection threads); "
+        "returns the previous (internal: tests and benchmarks).");
   m.def("_tile_set_coordinates", &tile_set_coordinates, nb::arg("coordinates").none(),
         nb::sig("def _tile_set_coordinates(coordinates: collections.abc.Iterable[" INTS "]) -> " COORDS),
         "TileSet's coordinates: checked (TypeError / ValueError with TileSet's messages) and in canonical order.");
