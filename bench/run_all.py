@@ -32,7 +32,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results")
-NOT_BENCHMARKS = {"harness.py", "run_all.py", "interleave.py", "bigger_than_ram.py", "gather_paths.py"}  # measurements, no target
+NOT_BENCHMARKS = {"harness.py", "run_all.py", "interleave.py", "bigger_than_ram.py", "gather_paths.py", "after_torch.py"}  # measurements, no target
 
 
 def discover() -> list[str]:
