@@ -176,9 +176,10 @@ TEST_F(TiledTest, ProjectionsGatheredInPiecesPutEveryValueWhereTheSelectionSays)
       for (int form = 0; form < 3; ++form) {  // row-major side by side, row-major tile-major, column-major
         SCOPED_TRACE(std::string(dt->name()) + (portable ? " portable " : " blocked ") + std::to_string(form));
         const bool row = form < 2;
-        TensorPtr full = make_tensor(te, 0, Layout(Shape(IntTuple::tuple({out, IntTuple::tuple({in, experts})})),
-                                                   row ? Stride(IntTuple::tuple({in, IntTuple::tuple({1, out * in})}))
-                                                       : Stride(IntTuple::tuple({1, IntTuple::tuple({out, out * in})}))));
+        const Shape shape(IntTuple::tuple({out, IntTuple::tuple({in, experts})}));
+        const Stride stride = row ? Stride(IntTuple::tuple({in, IntTuple::tuple({1, out * in})}))
+                                  : Stride(IntTuple::tuple({1, IntTuple::tuple({out, out * in})}));
+        TensorPtr full = make_tensor(te, 0, Layout(shape, stride));
         auto handle = project(te, full, {{{0}, {2, 0}}}, nullptr, /*tile_major=*/form == 1);
         EXPECT_TRUE(handle->done());  // gathered before project returned
         TensorPtr two = handle->value();

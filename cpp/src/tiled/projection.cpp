@@ -18,16 +18,18 @@ namespace sw {
 
 namespace {
 
-// Note [Gathering in the caller]: a projection whose tiles are all readable when it is asked for, and whose copy
-// is at most caller_gather_bytes() (4 MiB unless set_caller_gather_bytes says otherwise), is gathered by the caller before project returns, split over the compute pool's
-// threads (the caller and workers that spin between regions, Note [Compute pool]) in pieces of about
-// kGatherPiece bytes. Handing the copy to the select threads instead cost more than the copy: each job submitted
-// is a futex wake-up, an interrupt to another CPU on a virtual machine, and the woken thread starts tens of
-// microseconds later, when the caller (helping from its wait, Note [Waiters help]) has copied most of it and
-// then sleeps until the late thread's tile is done. Measured on the 2-vCPU AMD EPYC of docs/performance.md, a
-// loop of two-expert projections (two 512 KiB tiles) in C++: 44-51 us a projection through the select threads,
-// 26-31 us copied by the caller alone. The caller's part is short by definition (4 MiB is 40-80 us of copying);
-// larger projections, and those waiting on a promotion, stay asynchronous.
+// Note [Gathering in the caller]: a projection whose tiles are all readable when it is asked for, whose copy is
+// at most caller_gather_bytes() (4 MiB unless set_caller_gather_bytes says otherwise) and whose bytes all lie in
+// native memory is copied by the caller before project returns, split over the compute pool's threads (the
+// caller and workers that spin between regions, Note [Compute pool]) in pieces of about kGatherPiece bytes.
+// Handing the copy to the select threads cost more than the copy: each job submitted is a futex wake-up, an
+// interrupt to another CPU on a virtual machine, and the woken thread starts tens of microseconds later, when
+// the caller (helping from its wait, Note [Waiters help]) has copied most of it and then sleeps until the late
+// thread's tile is done. Measured on the 2-vCPU AMD EPYC of docs/performance.md, a C++ loop of two-expert
+// projections (two 512 KiB tiles): 44-51 us a projection (34-40 us column-major) through the select threads,
+// 16 us (11-13 us) copied by the caller and the compute pool. The caller's part is short by definition (4 MiB is
+// 40-80 us of copying); larger projections, those waiting on a promotion, and those through a carrier's own
+// reads or writes (which may call into Python) stay asynchronous.
 std::atomic<int64_t> g_caller_gather{int64_t{4} << 20};
 constexpr int64_t kGatherPiece = int64_t{64} << 10;
 
@@ -117,7 +119,6 @@ int64_t set_caller_gather_bytes(int64_t bytes) noexcept {
 
 // `purpose` is what the residency policy is told: "projection" for carrier.project,
 // "operation" for a direct operation's operands, "backward" inside backward.
-
 CompletionPtr<TensorPtr> project_for(const std::shared_ptr<TiledEvictable>& c, const TensorPtr& tensor,
                                      const TileSelection& sel, const CarrierPtr& destination, const char* purpose,
                                      bool tile_major) {
@@ -258,32 +259,42 @@ CompletionPtr<TensorPtr> project_for(const std::shared_ptr<TiledEvictable>& c, c
     else
       waiting->emplace_back(static_cast<int64_t>(k), src[k]);
   }
+  // Note [Gathering in the caller]: every tile readable, the copy short, and every byte in native memory (no
+  // carrier's own read or write, which may call into Python, runs on a compute thread).
+  std::vector<CarrierPtr> buffers;
+  bool in_caller = !may_share && waiting->empty() && access->uniform &&
+                   need * static_cast<int64_t>(slot_bytes(c->dtype())) <= caller_gather_bytes() &&
+                   dest->mutable_native_data() != nullptr;
+  for (size_t t = 0; in_caller && t < now->size(); ++t) {
+    buffers.push_back(TiledInternals::tile_buffer(*c, (*now)[t].second));
+    in_caller = !buffers.back() || buffers.back()->native_data() != nullptr;  // null: an implicit zero
+  }
   if (may_share && !now->empty()) {
     gather(now->front().first, now->front().second);  // O(1): no thread hop
-  } else if (waiting->empty() && access->uniform && need * static_cast<int64_t>(slot_bytes(c->dtype())) <= caller_gather_bytes()) {
-    // Note [Gathering in the caller]: every tile is readable and the copy is short.
+  } else if (in_caller) {
     const TileGeometry& g = c->geometry();
     const int64_t per_tile = std::clamp<int64_t>(
         g.tile_size() * static_cast<int64_t>(slot_bytes(c->dtype())) / kGatherPiece, 1, 64);
-    std::vector<TileRegion> regions;
-    std::vector<CarrierPtr> buffers;
+    const int64_t tiles = static_cast<int64_t>(now->size());
+    std::atomic<bool> failed{false};
     try {
+      std::vector<TileRegion> regions;
       for (const auto& [k, index] : *now) {
         std::optional<TileRegion> region = tile_region(g, clayout, TileGeometry::compact_coord(k, counts));
         SW_ASSERT(region, "a projection's compact layout ", clayout.str(), " has no tile regions");
         regions.push_back(std::move(*region));
-        buffers.push_back(TiledInternals::tile_buffer(*c, index));
       }
-      const int64_t tiles = static_cast<int64_t>(now->size());
+      // Piece q is piece q / tiles of tile q % tiles: a thread's run of pieces covers whole rows of the result.
       detail::parallel_for(tiles * per_tile, 1, [&](int64_t b, int64_t e) {
         try {
-          for (int64_t q = b; q < e && !st->error; ++q) {
+          for (int64_t q = b; q < e && !failed.load(std::memory_order_relaxed); ++q) {
             const size_t t = static_cast<size_t>(q % tiles);
             gather_tile(*c, *access, (*now)[t].second, buffers[t], *dest, regions[t], q / tiles, per_tile);
           }
         } catch (...) {
           std::lock_guard lock(st->m);
           if (!st->error) st->error = std::current_exception();
+          failed.store(true, std::memory_order_relaxed);
         }
       }, /*parts_per_thread=*/4);
     } catch (...) {
