@@ -273,8 +273,10 @@ CompletionPtr<TensorPtr> project_for(const std::shared_ptr<TiledEvictable>& c, c
     gather(now->front().first, now->front().second);  // O(1): no thread hop
   } else if (in_caller) {
     const TileGeometry& g = c->geometry();
-    const int64_t per_tile = std::clamp<int64_t>(
-        g.tile_size() * static_cast<int64_t>(slot_bytes(c->dtype())) / kGatherPiece, 1, 64);
+    const int64_t tile_bytes = g.tile_size() * static_cast<int64_t>(slot_bytes(c->dtype()));
+    const int64_t per_tile = std::clamp<int64_t>(tile_bytes / kGatherPiece, 1, 64);
+    // Small tiles: several to a part, so a copy of less than two pieces' bytes stays on the caller's thread.
+    const int64_t grain = std::max<int64_t>(1, kGatherPiece / std::max<int64_t>(1, tile_bytes / per_tile));
     const int64_t tiles = static_cast<int64_t>(now->size());
     std::atomic<bool> failed{false};
     try {
@@ -285,7 +287,7 @@ CompletionPtr<TensorPtr> project_for(const std::shared_ptr<TiledEvictable>& c, c
         regions.push_back(std::move(*region));
       }
       // Piece q is piece q / tiles of tile q % tiles: a thread's run of pieces covers whole rows of the result.
-      detail::parallel_for(tiles * per_tile, 1, [&](int64_t b, int64_t e) {
+      detail::parallel_for(tiles * per_tile, grain, [&](int64_t b, int64_t e) {
         try {
           for (int64_t q = b; q < e && !failed.load(std::memory_order_relaxed); ++q) {
             const size_t t = static_cast<size_t>(q % tiles);
