@@ -281,9 +281,11 @@ CompletionPtr<TensorPtr> project_for(const std::shared_ptr<TiledEvictable>& c, c
     std::atomic<bool> failed{false};
     try {
       std::vector<TileRegion> regions;
+      std::vector<RunWalk> walks;  // derived once a tile, not once a piece
       for (const auto& [k, index] : *now) {
         std::optional<TileRegion> region = tile_region(g, clayout, TileGeometry::compact_coord(k, counts));
         SW_ASSERT(region, "a projection's compact layout ", clayout.str(), " has no tile regions");
+        walks.push_back(run_walk(*access, region->strides));
         regions.push_back(std::move(*region));
       }
       // Piece q is piece q / tiles of tile q % tiles: a thread's run of pieces covers whole rows of the result.
@@ -291,7 +293,8 @@ CompletionPtr<TensorPtr> project_for(const std::shared_ptr<TiledEvictable>& c, c
         try {
           for (int64_t q = b; q < e && !failed.load(std::memory_order_relaxed); ++q) {
             const size_t t = static_cast<size_t>(q % tiles);
-            gather_tile(*c, *access, (*now)[t].second, buffers[t], *dest, regions[t], q / tiles, per_tile);
+            gather_tile(*c, *access, (*now)[t].second, buffers[t], *dest, regions[t], q / tiles, per_tile,
+                        &walks[t]);
           }
         } catch (...) {
           std::lock_guard lock(st->m);

@@ -268,57 +268,61 @@ bool force_portable_run_copies(bool portable) noexcept {
   return g_portable_runs.exchange(portable, std::memory_order_relaxed);
 }
 
-namespace {
-
-// Calls fn(buffer ordinal, region offset, length) for the runs of one tile of a uniform access (Note [Within-tile
-// layouts]) against a region with per-mode strides `rstride`: the leaves in buffer order, the leading ones that
-// are contiguous on both sides merged into one run (a row-major tile in a row-major region: one run per row, or
-// the whole tile), the others walked by an odometer. With `pieces` > 1, only piece `piece` of the tile: its slots
-// in run order, from piece * n / pieces to (piece + 1) * n / pieces (n: the tile's slots), cut into runs, so
-// the pieces together make the tile's runs (Note [Gathering in the caller]).
-template <class F>
-void for_each_run_pair(const TileAccess& a, std::span<const int64_t> rstride, F&& fn, int64_t piece = 0,
-                       int64_t pieces = 1) {
+RunWalk run_walk(const TileAccess& a, std::span<const int64_t> rstride) {
   const size_t n = a.within.extents.size();
   std::vector<size_t> order(n);
   for (size_t l = 0; l < n; ++l) order[l] = l;
   std::stable_sort(order.begin(), order.end(),
                    [&](size_t x, size_t y) { return a.within.strides[x] < a.within.strides[y]; });
-  std::vector<int64_t> ext(n), bs(n), rs(n), c(n, 0);
-  int64_t total = 1;
+  RunWalk w;
+  w.total = 1;
   for (size_t i = 0; i < n; ++i) {
     const size_t l = order[i];
-    ext[i] = a.within.extents[l];
-    bs[i] = a.within.strides[l];
-    rs[i] = rstride[a.leaf_mode[l]] * a.leaf_scale[l];
-    total *= ext[i];
+    w.ext.push_back(a.within.extents[l]);
+    w.bs.push_back(a.within.strides[l]);
+    w.rs.push_back(rstride[a.leaf_mode[l]] * a.leaf_scale[l]);
+    w.total *= w.ext.back();
   }
-  int64_t len = 1;
+  // The leading leaves contiguous on both sides make one run; only the others are walked.
   size_t first = 0;
-  while (first < n && bs[first] == len && rs[first] == len) len *= ext[first++];
+  while (first < n && w.bs[first] == w.len && w.rs[first] == w.len) w.len *= w.ext[first++];
+  for (auto* v : {&w.ext, &w.bs, &w.rs}) v->erase(v->begin(), v->begin() + static_cast<std::ptrdiff_t>(first));
+  return w;
+}
+
+namespace {
+
+// Calls fn(buffer ordinal, region offset, length) for the runs of one tile (RunWalk). With `pieces` > 1, only
+// piece `piece` of the tile: its slots in run order, from piece * n / pieces to (piece + 1) * n / pieces (n: the
+// tile's slots), cut into runs, so the pieces together make the tile's runs (Note [Gathering in the caller]).
+template <class F>
+void walk_runs(const RunWalk& w, F&& fn, int64_t piece = 0, int64_t pieces = 1) {
+  const size_t n = w.ext.size();
+  const int64_t len = w.len, total = w.total;
   if (total == 0) return;
+  std::vector<int64_t> c(n, 0);
   // The piece's slots [at, end) in run order; the odometer starts at the run holding `at`.
   int64_t at = pieces > 1 ? total / pieces * piece + std::min(piece, total % pieces) : 0;
   const int64_t end = pieces > 1 ? at + total / pieces + (piece < total % pieces ? 1 : 0) : total;
   int64_t bo = 0, ro = 0, within = at % len;
-  for (int64_t r = at / len, j = static_cast<int64_t>(first); r > 0 && j < static_cast<int64_t>(n); ++j) {
-    c[j] = r % ext[j];
-    r /= ext[j];
-    bo += c[j] * bs[j];
-    ro += c[j] * rs[j];
+  for (int64_t r = at / len, j = 0; r > 0 && j < static_cast<int64_t>(n); ++j) {
+    c[j] = r % w.ext[j];
+    r /= w.ext[j];
+    bo += c[j] * w.bs[j];
+    ro += c[j] * w.rs[j];
   }
   while (at < end) {
     const int64_t take = std::min(len - within, end - at);
     fn(bo + within, ro + within, take);
     at += take;
     within = 0;
-    size_t j = first;
+    size_t j = 0;
     for (; j < n; ++j) {
-      bo += bs[j];
-      ro += rs[j];
-      if (++c[j] < ext[j]) break;
-      bo -= bs[j] * ext[j];
-      ro -= rs[j] * ext[j];
+      bo += w.bs[j];
+      ro += w.rs[j];
+      if (++c[j] < w.ext[j]) break;
+      bo -= w.bs[j] * w.ext[j];
+      ro -= w.rs[j] * w.ext[j];
       c[j] = 0;
     }
     if (j == n) return;
@@ -328,7 +332,7 @@ void for_each_run_pair(const TileAccess& a, std::span<const int64_t> rstride, F&
 }  // namespace
 
 void gather_tile(const TiledEvictable& c, const TileAccess& access, int64_t index, const CarrierPtr& buffer,
-                 Carrier& dest, const TileRegion& region, int64_t piece, int64_t pieces) {
+                 Carrier& dest, const TileRegion& region, int64_t piece, int64_t pieces, const RunWalk* walk) {
   const TileGeometry& g = c.geometry();
   const int64_t base = region.base;
   const std::vector<int64_t>& dstride = region.strides;
@@ -338,7 +342,8 @@ void gather_tile(const TiledEvictable& c, const TileAccess& access, int64_t inde
     const std::byte* s = buffer ? buffer->native_data() : nullptr;
     std::vector<std::byte> zero;
     const bool blocked = runs_avx512();
-    for_each_run_pair(access, dstride, [&](int64_t bo, int64_t ro, int64_t len) {
+    const RunWalk own = walk ? RunWalk{} : run_walk(access, dstride);
+    walk_runs(walk ? *walk : own, [&](int64_t bo, int64_t ro, int64_t len) {
       const size_t bytes = static_cast<size_t>(len) * w;
       if (buffer && s && d) {
         copy_run(d + static_cast<size_t>(base + ro) * w, s + static_cast<size_t>(bo) * w, bytes, blocked);
@@ -382,7 +387,7 @@ CarrierPtr scatter_tile(const TiledEvictable& c, const TileAccess& access, int64
     const std::byte* s = compact.carrier->native_data();
     std::byte* d = buf->mutable_native_data();
     const bool blocked = runs_avx512();
-    for_each_run_pair(access, cs, [&](int64_t bo, int64_t ro, int64_t len) {
+    walk_runs(run_walk(access, cs), [&](int64_t bo, int64_t ro, int64_t len) {
       if (s && d) copy_run(d + static_cast<size_t>(bo) * w, s + static_cast<size_t>(base + ro) * w,
                            static_cast<size_t>(len) * w, blocked);
       else copy_slots(*compact.carrier, base + ro, *buf, bo, len);

@@ -96,11 +96,23 @@ struct TileRegion {
 };
 std::optional<TileRegion> tile_region(const TileGeometry& g, const Layout& layout, const TileCoord& cc);
 
+// The runs of one tile of a uniform access (Note [Within-tile layouts]) against a region with per-mode strides
+// `rstride`: the leaves in buffer order, the leading ones contiguous on both sides merged into one run of `len`
+// slots (a row-major tile in a row-major region: one run per row, or the whole tile); the other leaves (extent,
+// buffer stride, region stride) are walked by an odometer. `total`: the tile's slots.
+struct RunWalk {
+  std::vector<int64_t> ext, bs, rs;
+  int64_t len = 1, total = 0;
+};
+RunWalk run_walk(const TileAccess& access, std::span<const int64_t> rstride);
+
 // Copies source tile `index` (`buffer`, or an implicit zero when null) into `region` (tile_region) of `dest`, a
 // dense tensor at offset 0. With `pieces` > 1 (a uniform access only), piece `piece` of the tile's slots in run
 // order: the pieces 0 .. pieces - 1 together copy the tile, and may run at once (Note [Gathering in the caller]).
+// `walk`: run_walk(access, region.strides), when the caller derived it once for many pieces.
 void gather_tile(const TiledEvictable& c, const TileAccess& access, int64_t index, const CarrierPtr& buffer,
-                 Carrier& dest, const TileRegion& region, int64_t piece = 0, int64_t pieces = 1);
+                 Carrier& dest, const TileRegion& region, int64_t piece = 0, int64_t pieces = 1,
+                 const RunWalk* walk = nullptr);
 
 // The inverse: a fresh tile buffer for source tile `index` holding the region of `compact` at compact tile
 // coordinate `cc`, plus `existing` values for "add" (null means zero).
