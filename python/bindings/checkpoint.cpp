@@ -25,10 +25,39 @@ IntsTuple ints_tuple(const std::vector<int64_t>& v) {
   return nb::borrow<IntsTuple>(nb::tuple(out));
 }
 
+// A str argument as UTF-8. A str holding a lone surrogate (U+D800..U+DFFF: what surrogateescape makes of bytes
+// that are not UTF-8) has no UTF-8 form: ValueError naming the argument and where the surrogate is.
 std::string str_arg(nb::handle h, const char* what) {
   if (!PyUnicode_Check(h.ptr()))
     sw::raise<sw::TypeError>(what, " must be a str, got ", nb::type_name(h.type()).c_str());
-  return nb::cast<std::string>(h);
+  Py_ssize_t size = 0;
+  if (const char* utf8 = PyUnicode_AsUTF8AndSize(h.ptr(), &size)) return std::string(utf8, static_cast<size_t>(size));
+  PyErr_Clear();
+  const Py_ssize_t n = PyUnicode_GetLength(h.ptr());
+  Py_ssize_t at = 0;
+  Py_UCS4 c = 0;
+  for (; at < n; ++at) {
+    c = PyUnicode_ReadChar(h.ptr(), at);
+    if (c >= 0xD800 && c <= 0xDFFF) break;
+  }
+  char code[8];
+  std::snprintf(code, sizeof code, "%04X", static_cast<unsigned>(c));
+  sw::raise<sw::ValueError>(what, " must be text UTF-8 can encode; it holds a lone surrogate U+", code,
+                            " at index ", at, " (a safetensors header is UTF-8 JSON)");
+}
+
+// A path argument (os.fspath already applied): a str, encoded as the file system encodes names (so a name with
+// bytes that are not UTF-8, decoded with surrogateescape, names the same file), or bytes.
+std::string path_arg(nb::handle h, const char* what) {
+  if (PyBytes_Check(h.ptr())) return std::string(PyBytes_AS_STRING(h.ptr()), static_cast<size_t>(PyBytes_GET_SIZE(h.ptr())));
+  if (!PyUnicode_Check(h.ptr()))
+    sw::raise<sw::TypeError>(what, " must be a str, bytes or os.PathLike, got ", nb::type_name(h.type()).c_str());
+  nb::object bytes = nb::steal(PyUnicode_EncodeFSDefault(h.ptr()));
+  if (!bytes.is_valid()) {
+    PyErr_Clear();
+    sw::raise<sw::ValueError>(what, " cannot be encoded as a file name");
+  }
+  return std::string(PyBytes_AS_STRING(bytes.ptr()), static_cast<size_t>(PyBytes_GET_SIZE(bytes.ptr())));
 }
 
 }  // namespace
@@ -138,12 +167,15 @@ void bind_checkpoint(nb::module_& m) {
         return "Checkpoint(" + std::to_string(c.keys().size()) + " tensors)";
       });
 
-  m.def("_safetensors_open", [](const std::vector<std::string>& paths) {
+  m.def("_safetensors_open", [](nb::handle path_list) {
+    std::vector<std::string> paths;
+    for (nb::handle p : path_list) paths.push_back(path_arg(p, "a checkpoint path"));
     GilRelease nogil;
     return Checkpoint::open(paths);
-  }, nb::arg("paths"));
+  }, nb::arg("paths"), nb::sig("def _safetensors_open(paths: collections.abc.Sequence[str | bytes]) -> Checkpoint"));
 
-  m.def("_safetensors_save", [](const std::string& path, nb::handle tensors, nb::handle metadata) {
+  m.def("_safetensors_save", [](nb::handle path_arg_, nb::handle tensors, nb::handle metadata) {
+    const std::string path = path_arg(path_arg_, "the safetensors path");
     if (!nb::hasattr(tensors, "items")) sw::raise<sw::TypeError>("safetensors.save takes a dict of name -> Tensor");
     std::vector<std::pair<std::string, sw::TensorPtr>> list;
     for (nb::handle item : tensors.attr("items")()) {
@@ -162,7 +194,8 @@ void bind_checkpoint(nb::module_& m) {
     }
     GilRelease nogil;
     sw::safetensors::save(path, list, meta);
-  }, nb::arg("path"), nb::arg("tensors"), nb::arg("metadata").none());
+  }, nb::arg("path"), nb::arg("tensors"), nb::arg("metadata").none(),
+     nb::sig("def _safetensors_save(path: str | bytes, tensors: object, metadata: object | None) -> None"));
 }
 
 }  // namespace swpy

@@ -26,6 +26,19 @@ const CarrierKind& checkpoint_kind() {
 
 // ---------------------------------------------------------------- files
 
+namespace {
+FileIdentity identity_of(const struct stat& st) {
+  return {static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino), static_cast<uint64_t>(st.st_size),
+          static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec};
+}
+}  // namespace
+
+std::optional<FileIdentity> identity_at(const std::string& path) {
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0) return std::nullopt;
+  return identity_of(st);
+}
+
 CheckpointFile::CheckpointFile(const std::string& path, bool writable) : path_(path), writable_(writable) {
   io::check_path(path, "checkpoint path");
   absolute_ = detail::absolute_path(path);
@@ -41,6 +54,7 @@ CheckpointFile::CheckpointFile(const std::string& path, bool writable) : path_(p
     raise<ValueError>("checkpoint file ", path_, " is not a regular file");
   }
   size_ = static_cast<uint64_t>(st.st_size);
+  identity_ = identity_of(st);
   // Note [A crash-safe tier] (journal.cpp): a writable open replays what a crash left; a read-only one refuses.
   try {
     if (!writable) Journal::check_none_pending(path_, "checkpoint");
@@ -65,6 +79,15 @@ Journal& CheckpointFile::enable_journal() {
 
 void CheckpointFile::check_intact(uint64_t need_bytes, const char* action) const {
   detail::check_file_intact(fd_, path_, absolute_, static_cast<int64_t>(need_bytes), "checkpoint", action);
+}
+
+void CheckpointFile::check_still_named(const char* action) const {
+  struct stat st;
+  if (::stat(absolute_.c_str(), &st) == 0 && static_cast<uint64_t>(st.st_dev) == identity_.dev &&
+      static_cast<uint64_t>(st.st_ino) == identity_.ino)
+    return;
+  raise<RuntimeError>("checkpoint file ", path_, " was replaced, removed or renamed while a tier writing it in place "
+                      "was in use; cannot ", action, ": its values could never be written back to ", path_);
 }
 
 // ---------------------------------------------------------------- carrier
@@ -130,6 +153,10 @@ void CheckpointCarrier::for_pieces(int64_t start, int64_t count, F&& f) const {
 }
 
 void CheckpointCarrier::read_slots(int64_t start, int64_t count, void* out) const {
+  // An in-place tier promotes only from files still at their names (Note [A checkpoint is the file it parsed] in
+  // checkpoint/checkpoint.cpp): values promoted from a replaced file could never be written back.
+  if (writes_ == Writes::InPlace && count > 0)
+    for (const auto& [file, need] : files_) file->check_still_named("read from it");
   auto* dst = static_cast<std::byte*>(out);
   for_pieces(start, count, [&](size_t r, int64_t within, int64_t n) {
     const size_t bytes = static_cast<size_t>(n) * itemsize_;
@@ -239,7 +266,19 @@ bool CheckpointCarrier::supports_storage_dtype(const DType& d) const {
 }
 
 void CheckpointCarrier::check_storage_intact(const char* action) const {
-  if (writes_ != Writes::InPlace) return;  // the files are never written: nothing could go astray
+  if (writes_ != Writes::InPlace) {
+    // The files are never written, but a tile promoted by mapping (Note [Promotion by mapping]) is the file's
+    // pages: once the file is truncated below them they are gone, and writing such a tile to the overlay fails
+    // on the overlay's write (EFAULT). The request is refused before anything is written, naming the checkpoint.
+    for (const auto& [file, need] : files_) {
+      const struct stat st = detail::stat_open_file(file->fd(), file->path());
+      if (static_cast<uint64_t>(st.st_size) < need)
+        raise<RuntimeError>("checkpoint file ", file->path(), " was truncated while in use: it has ", st.st_size,
+                            " bytes but must hold ", need, "; cannot ", action,
+                            ": tiles read or mapped from it have lost their bytes");
+    }
+    return;
+  }
   for (const auto& [file, need] : files_) file->check_intact(need, action);
 }
 

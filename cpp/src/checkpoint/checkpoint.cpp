@@ -36,8 +36,24 @@ const DType* dtype_of(std::string_view element_type) {
   return nullptr;
 }
 
+// Note [A checkpoint is the file it parsed]: a header's offsets describe one version of one file. Another save of
+// the same path (a temporary file renamed over it) puts a different file, with different offsets, at that name; a
+// tier opened by name after that would read garbage and, writing in place, write the new file's header over.
+// So a checkpoint records the identity (device, inode, size, modification time) of each file it read a header
+// from (stat before and after the read: a file changed during the read is refused), and every file it opens later
+// (lazily: readers for tensor() and tiled(), a writer for tiled(mutable=True)) must be that file, its name must
+// still lead to it, and it must be unchanged, else RuntimeError naming the file and what could not be done;
+// nothing is opened for writing or written. The modification time is compared until this checkpoint opens the
+// file for writing (its own in-place writes and a journal's replay change it). A tier made earlier keeps the file
+// it opened: an overlay tier reads the version it parsed; an in-place tier refuses promotion, eviction and flush
+// once the name leads elsewhere (CheckpointCarrier::read_slots, check_storage_intact).
 void Checkpoint::add_file(const std::string& path, const std::map<std::string, std::string>* expected) {
+  const std::optional<FileIdentity> before = identity_at(path);
   Header h = read_header(path);
+  const std::optional<FileIdentity> after = identity_at(path);
+  if (!before || !after || !(*before == *after))
+    raise<RuntimeError>("checkpoint file ", path, " changed while its header was read (another program wrote, "
+                        "replaced or removed it); open it again");
   const size_t index = headers_.size();
   for (const TensorInfo& t : h.tensors) {
     auto [it, fresh] = where_.emplace(t.name, index);
@@ -53,6 +69,7 @@ void Checkpoint::add_file(const std::string& path, const std::map<std::string, s
     }
   for (const auto& [k, v] : h.metadata) metadata_.emplace(k, v);  // the first file's value wins
   headers_.push_back(std::move(h));
+  identities_.push_back(*after);
   readers_.push_back(nullptr);
   writers_.push_back(nullptr);
 }
@@ -112,10 +129,34 @@ const DType& Checkpoint::dtype(const std::string& name) const {
   raise<TypeError>("tensor '", name, "' holds ", t.dtype, " elements, which StrideWeave has no dtype for");
 }
 
-const std::shared_ptr<CheckpointFile>& Checkpoint::file(size_t index, bool writable) {
+std::shared_ptr<CheckpointFile> Checkpoint::file(size_t index, bool writable, const char* action) {
   std::lock_guard lock(mutex_);
+  const std::string& path = headers_[index].path;
+  const FileIdentity& parsed = identities_[index];
+  // Note [A checkpoint is the file it parsed].
+  auto check = [&](const FileIdentity& now, bool written) {
+    if (!now.same_file(parsed))
+      raise<RuntimeError>("checkpoint file ", path, " was replaced by another file since sw.safetensors.open read its "
+                          "header; cannot ", action, ": its tensors' offsets describe the file it replaced (open it "
+                          "again)");
+    if (now.size != parsed.size)
+      raise<RuntimeError>("checkpoint file ", path, " changed size since sw.safetensors.open read its header (",
+                          parsed.size, " bytes then, ", now.size, " now); cannot ", action, " (open it again)");
+    if (!written && now.mtime_ns != parsed.mtime_ns)
+      raise<RuntimeError>("checkpoint file ", path, " was modified since sw.safetensors.open read its header; cannot ",
+                          action, ": its header may no longer describe it (open it again)");
+  };
   auto& slot = writable ? writers_[index] : readers_[index];
-  if (!slot) slot = std::make_shared<CheckpointFile>(headers_[index].path, writable);
+  if (!slot) {
+    auto f = std::make_shared<CheckpointFile>(path, writable);  // a writer replays a crash's journal here
+    check(f->identity_at_open(), writers_[index] != nullptr);
+    slot = std::move(f);
+  }
+  const std::optional<FileIdentity> now = identity_at(path);
+  if (!now)
+    raise<RuntimeError>("checkpoint file ", path, " is no longer there (removed or renamed since sw.safetensors.open "
+                        "read its header); cannot ", action);
+  check(*now, writers_[index] != nullptr);
   return slot;
 }
 
@@ -136,7 +177,7 @@ std::shared_ptr<CheckpointCarrier> Checkpoint::tier(const std::vector<std::strin
     if (t.dtype != first.dtype || t.shape != first.shape)
       raise<ValueError>("tensor '", name, "' (", t.dtype, " ", shape_str(t.shape), ") differs from '", names[0], "' (",
                         first.dtype, " ", shape_str(first.shape), "): the tiles of one tensor share dtype and shape");
-    ranges.push_back({file(where_.at(name), in_place), t.begin, t.elements()});
+    ranges.push_back({file(where_.at(name), in_place, "make a tier over it"), t.begin, t.elements()});
   }
   return std::make_shared<CheckpointCarrier>(std::move(ranges), d, writes);
 }

@@ -1,5 +1,7 @@
 // Writing a safetensors file (Note [Saving a checkpoint] in strideweave/checkpoint/safetensors.hpp).
+#include <dirent.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -7,6 +9,7 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <string_view>
 #include <vector>
 
 #include "strideweave/checkpoint/safetensors.hpp"
@@ -29,16 +32,52 @@ Layout reversed_modes(const Layout& l) {
   return Layout(Shape(IntTuple::tuple(std::move(shape))), Stride(IntTuple::tuple(std::move(stride))));
 }
 
-// Removes the temporary file unless disarmed.
+// Note [A save leaves no temporary]: a save writes its file under no name at all (O_TMPFILE in the target's
+// folder: a file the kernel frees when its last descriptor closes, so a save killed at any point before the end,
+// even by SIGKILL, leaves nothing), and only once it is whole and synced links it under its temporary name
+// (linkat through /proc/self/fd) and renames that over the target: a named temporary exists for two system calls.
+// Where the file system or the kernel has no O_TMPFILE (or /proc is not mounted), the temporary is named from the
+// start, as ".<target>.tmp-<pid>-<n>". Either way a save first removes the temporaries of the same target left by
+// writers that are gone (a process that no longer exists: kill(pid, 0) says ESRCH); a live writer's, this
+// process's included, is left alone.
 struct TempFile {
-  std::string path;
+  std::string path;  // the temporary name; empty while the file has none
   int fd = -1;
   bool keep = false;
   ~TempFile() {
     if (fd >= 0) ::close(fd);
-    if (!keep) ::unlink(path.c_str());
+    if (!keep && !path.empty()) ::unlink(path.c_str());
   }
 };
+
+// Removes ".<filename>.tmp-<pid>-<n>" in `dir` for every pid that is not a live process.
+void remove_stale_temporaries(const std::string& dir, const std::string& filename) {
+  const std::string prefix = "." + filename + ".tmp-";
+  DIR* d = ::opendir(dir.c_str());
+  if (!d) return;  // the open of the temporary reports a folder that cannot be used
+  const pid_t self = ::getpid();
+  while (const dirent* e = ::readdir(d)) {
+    const std::string_view name(e->d_name);
+    if (name.size() <= prefix.size() || name.substr(0, prefix.size()) != prefix) continue;
+    const std::string_view rest = name.substr(prefix.size());
+    const size_t dash = rest.find('-');
+    if (dash == 0 || dash == std::string_view::npos || dash > 9 || dash + 1 == rest.size()) continue;
+    auto digits = [](std::string_view v) {
+      return std::all_of(v.begin(), v.end(), [](char c) { return c >= '0' && c <= '9'; });
+    };
+    if (!digits(rest.substr(0, dash)) || !digits(rest.substr(dash + 1))) continue;
+    const pid_t pid = static_cast<pid_t>(std::stol(std::string(rest.substr(0, dash))));
+    if (pid <= 0 || pid == self) continue;
+    if (::kill(pid, 0) == 0 || errno != ESRCH) continue;  // alive, or not ours to tell (EPERM): left alone
+    ::unlinkat(::dirfd(d), e->d_name, 0);
+  }
+  ::closedir(d);
+}
+
+bool proc_fd_links() {
+  static const bool ok = ::access("/proc/self/fd", X_OK) == 0;
+  return ok;
+}
 
 }  // namespace
 
@@ -58,26 +97,50 @@ void save(const std::string& path, const std::vector<std::pair<std::string, Tens
           const std::map<std::string, std::string>& metadata) {
   io::check_path(path, "safetensors path");
   std::vector<TensorSpec> specs;
+  // Each tensor's carrier is claimed for the whole save (the caller may have released the GIL): another thread's
+  // release() then raises "... owned by sw.safetensors.save ... (wait for it)" instead of freeing the storage the
+  // save is reading, and public writes to it wait for the save too.
+  std::vector<Carrier::Claim> claims;
+  claims.reserve(tensors.size());
+  const std::string owner = "sw.safetensors.save to " + path;
   for (const auto& [name, t] : tensors) {
     if (name.empty()) raise<ValueError>("safetensors.save: a tensor name must not be empty");
     if (!t) raise<ValueError>("safetensors.save: tensor '", name, "' is None");
-    t->carrier->check_live("save it");
+    if (t->carrier->is_released())
+      raise<RuntimeError>("safetensors.save: tensor '", name, "' is over a released ", t->carrier->kind_name(),
+                          " carrier; it has no values to save");
+    claims.push_back(t->carrier->claim(owner));
     specs.push_back({name, std::string(element_type_of(t->dtype())), t->layout.shape().extents()});
   }
   std::vector<std::pair<uint64_t, uint64_t>> offsets;
   const std::string header = encode_header(specs, metadata, offsets);  // ValueError for repeated names
 
   const std::filesystem::path target(path);
+  const std::string dir = target.parent_path().empty() ? "." : target.parent_path().string();
   // The temporary file is this save's own (process id and a per-process counter, created exclusively): saves of
   // one path from several threads never write into one another's file, so each rename moves a whole file.
   static std::atomic<uint64_t> saves{0};
-  TempFile tmp;
   std::string temp_name(".");
   temp_name.append(target.filename().string()).append(".tmp-").append(std::to_string(::getpid()));
   temp_name.append("-").append(std::to_string(saves.fetch_add(1, std::memory_order_relaxed)));
-  tmp.path = (target.parent_path() / temp_name).string();
-  tmp.fd = io::open_file(tmp.path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-  io::pwrite_full(tmp.fd, header.data(), header.size(), 0, tmp.path);
+  const std::string temp_path = (target.parent_path() / temp_name).string();
+  remove_stale_temporaries(dir, target.filename().string());  // Note [A save leaves no temporary]
+  TempFile tmp;
+  std::string what = temp_path;  // the file's name in messages
+  if (proc_fd_links()) {
+    const int fd = io::try_open_file(dir, O_TMPFILE | O_WRONLY | O_CLOEXEC, 0644);
+    if (fd >= 0) {
+      tmp.fd = fd;
+      what = "an unnamed temporary file in " + dir;
+    } else if (fd != -EOPNOTSUPP && fd != -EISDIR && fd != -EINVAL) {
+      io::raise_failure(io::Op::Open, dir, -fd);
+    }
+  }
+  if (tmp.fd < 0) {
+    tmp.fd = io::open_file(temp_path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    tmp.path = temp_path;
+  }
+  io::pwrite_full(tmp.fd, header.data(), header.size(), 0, what);
   const int64_t data_start = static_cast<int64_t>(header.size());
   std::vector<std::byte> buf;
   for (size_t k = 0; k < tensors.size(); ++k) {
@@ -87,7 +150,7 @@ void save(const std::string& path, const std::vector<std::pair<std::string, Tens
     size_t filled = 0;
     int64_t at = data_start + static_cast<int64_t>(offsets[k].first);
     auto drain = [&] {
-      io::pwrite_full(tmp.fd, buf.data(), filled, at, tmp.path);
+      io::pwrite_full(tmp.fd, buf.data(), filled, at, what);
       at += static_cast<int64_t>(filled);
       filled = 0;
     };
@@ -104,13 +167,19 @@ void save(const std::string& path, const std::vector<std::pair<std::string, Tens
     }
     if (filled) drain();
   }
-  io::fsync_file(tmp.fd, tmp.path);
+  io::fsync_file(tmp.fd, what);
+  claims.clear();  // every value is read
+  if (tmp.path.empty()) {  // whole and synced: named now, for the rename below
+    const std::string proc = "/proc/self/fd/" + std::to_string(tmp.fd);
+    if (::linkat(AT_FDCWD, proc.c_str(), AT_FDCWD, temp_path.c_str(), AT_SYMLINK_FOLLOW) != 0)
+      raise<RuntimeError>("linking ", what, " as ", temp_path, " failed: ", std::strerror(errno));
+    tmp.path = temp_path;
+  }
   ::close(tmp.fd);
   tmp.fd = -1;
   if (::rename(tmp.path.c_str(), path.c_str()) != 0)
     raise<RuntimeError>("rename of ", tmp.path, " to ", path, " failed: ", std::strerror(errno));
   tmp.keep = true;
-  const std::string dir = target.parent_path().empty() ? "." : target.parent_path().string();
   const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (dfd >= 0) {  // the rename is durable once the folder is synced
     ::fsync(dfd);

@@ -58,7 +58,7 @@ std::shared_ptr<CheckpointCarrier> Checkpoint::split_tier(const std::string& nam
     raise<ValueError>("tensor '", name, "' has ", t.shape.empty() ? "rank 0" : "a first axis of extent 0",
                       ": it cannot be split into tiles along its first axis");
   const int64_t slabs = t.shape[0], slab = t.elements() / slabs;
-  const auto& f = file(where_.at(name), writes == CheckpointCarrier::Writes::InPlace);
+  const auto f = file(where_.at(name), writes == CheckpointCarrier::Writes::InPlace, "make a tier over it");
   std::vector<CheckpointCarrier::Range> ranges;
   ranges.reserve(static_cast<size_t>(slabs));
   for (int64_t i = 0; i < slabs; ++i)
@@ -70,7 +70,7 @@ TensorPtr Checkpoint::tensor(const std::string& name) {
   const TensorInfo& t = info(name);
   const DType& d = dtype(name);
   check_extents(t.shape, "tensor '" + name + "'");
-  std::vector<CheckpointCarrier::Range> ranges{{file(where_.at(name), false), t.begin, t.elements()}};
+  std::vector<CheckpointCarrier::Range> ranges{{file(where_.at(name), false, "make a tensor of it"), t.begin, t.elements()}};
   auto carrier = std::make_shared<CheckpointCarrier>(std::move(ranges), d, CheckpointCarrier::Writes::Overlay);
   return make_tensor(std::move(carrier), 0, row_major(Shape::flat(t.shape)));
 }

@@ -38,6 +38,7 @@
 #include <atomic>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -47,6 +48,17 @@
 namespace sw {
 
 const CarrierKind& checkpoint_kind();
+
+// What names one version of a file: its device and inode, and its size and modification time (Note [A checkpoint
+// is the file it parsed] in checkpoint/checkpoint.cpp).
+struct FileIdentity {
+  uint64_t dev = 0, ino = 0, size = 0;
+  int64_t mtime_ns = 0;
+  bool same_file(const FileIdentity& o) const noexcept { return dev == o.dev && ino == o.ino; }
+  bool operator==(const FileIdentity&) const = default;
+};
+// The identity of the file `path` names now (stat), or nullopt when it names none.
+std::optional<FileIdentity> identity_at(const std::string& path);
 
 // One file of a checkpoint, opened once. ValueError for a path with a NUL byte or a directory; RuntimeError when
 // it cannot be opened.
@@ -61,9 +73,14 @@ class CheckpointFile {
   int fd() const noexcept { return fd_; }
   bool writable() const noexcept { return writable_; }
   uint64_t size_at_open() const noexcept { return size_; }
+  // The identity of the open file as it was when it was opened (before a journal's replay).
+  const FileIdentity& identity_at_open() const noexcept { return identity_; }
   // RuntimeError naming the file and `action` when its name no longer leads to it or it was truncated below
   // `need_bytes`.
   void check_intact(uint64_t need_bytes, const char* action) const;
+  // RuntimeError naming the file and `action` when its name no longer leads to the file opened (replaced, removed
+  // or renamed).
+  void check_still_named(const char* action) const;
   // Bytes read from this file through checkpoint carriers since it was opened (tests, stats).
   uint64_t bytes_read() const noexcept { return bytes_read_.load(std::memory_order_relaxed); }
   void count_read(uint64_t bytes) const noexcept { bytes_read_.fetch_add(bytes, std::memory_order_relaxed); }
@@ -80,6 +97,7 @@ class CheckpointFile {
   std::mutex journal_mutex_;
   std::unique_ptr<Journal> journal_;
   uint64_t size_ = 0;
+  FileIdentity identity_;
   mutable std::atomic<uint64_t> bytes_read_{0};
 };
 

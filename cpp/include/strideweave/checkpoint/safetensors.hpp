@@ -116,7 +116,10 @@ const DType* dtype_of(std::string_view element_type);
 // any read]); a name held by two files, or an index naming a tensor its file
 // does not hold, is a ValueError. No tensor byte is read until a tile is
 // promoted or a tensor is read. Files are opened read-only; a writable
-// descriptor is opened only for a tier asked to write in place.
+// descriptor is opened only for a tier asked to write in place. A checkpoint
+// is the files it parsed: tensor() and tiled() over a file that another save
+// replaced, or that changed since, raise RuntimeError naming it (Note [A
+// checkpoint is the file it parsed] in checkpoint.cpp).
 class Checkpoint {
  public:
   // ValueError (naming the path) for a malformed file, index or folder; RuntimeError for a file that cannot be
@@ -158,9 +161,12 @@ class Checkpoint {
  private:
   Checkpoint() = default;
   void add_file(const std::string& path, const std::map<std::string, std::string>* expected);
-  const std::shared_ptr<CheckpointFile>& file(size_t index, bool writable);
+  // The file of header `index`, opened once per mode; RuntimeError naming the file and `action` when it is no
+  // longer the file whose header was read (Note [A checkpoint is the file it parsed] in checkpoint.cpp).
+  std::shared_ptr<CheckpointFile> file(size_t index, bool writable, const char* action);
 
   std::vector<Header> headers_;
+  std::vector<FileIdentity> identities_;  // per header: the file it was read from
   std::vector<std::shared_ptr<CheckpointFile>> readers_, writers_;  // per header; writers opened on demand
   std::map<std::string, size_t> where_;                             // name -> header
   std::vector<std::string> keys_;
@@ -192,9 +198,12 @@ std::string_view element_type_of(const DType& dtype);
 // each tensor's layout in bounded chunks (a tiled tensor tile range by tile
 // range; evicted tiles are read from their secondary tier without moving),
 // never gathered whole. The file appears whole or not at all: it is written
-// under a temporary name in the same folder, synced, then renamed over `path`
-// (and the folder synced). Each save has its own temporary file (created
-// exclusively), so concurrent saves of one path each land whole. ValueError for an empty or repeated name, TypeError
+// as an unnamed file in the same folder, synced, linked under a temporary name
+// and renamed over `path` (and the folder synced); a save killed part-way
+// leaves nothing (Note [A save leaves no temporary] in save.cpp). Each save has
+// its own temporary file, so concurrent saves of one path each land whole.
+// Every tensor's carrier is claimed while the save reads it: release() from
+// another thread raises "wait". ValueError for an empty or repeated name, TypeError
 // for a dtype the format cannot hold, RuntimeError for a released carrier or
 // an I/O failure (the temporary file is removed; `path` is left as it was).
 void save(const std::string& path, const std::vector<std::pair<std::string, TensorPtr>>& tensors,
