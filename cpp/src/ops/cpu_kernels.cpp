@@ -49,7 +49,9 @@ struct AddF { template <class C> C operator()(C a, C b) const { return a + b; } 
 struct SubF { template <class C> C operator()(C a, C b) const { return a - b; } };
 struct MulF { template <class C> C operator()(C a, C b) const { return a * b; } };
 struct DivF { template <class C> C operator()(C a, C b) const { return a / b; } };
-struct ReluF { template <class C> C operator()(C a) const { return a > C(0) ? a : C(0); } };
+// relu: +0 at or below zero, else x itself, so a NaN passes through with its sign and payload, as PyTorch's does
+// (`a > 0 ? a : 0` gave 0 for NaN: every comparison with NaN is false). -0.0 gives +0.0 (PyTorch keeps -0.0).
+struct ReluF { template <class C> C operator()(C a) const { return a <= C(0) ? C(0) : a; } };
 struct NegF { template <class C> C operator()(C a) const { return -a; } };
 struct ExpF {
   float operator()(float a) const { return std::exp(a); }

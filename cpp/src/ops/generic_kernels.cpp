@@ -79,7 +79,8 @@ void sub(const ElementwiseCall& c) { generic_map<2>(c, std::minus<double>{}, std
 void mul(const ElementwiseCall& c) { generic_map<2>(c, std::multiplies<double>{}, std::multiplies<int64_t>{}); }
 void div(const ElementwiseCall& c) { generic_map<2>(c, std::divides<double>{}, no_int); }
 void relu(const ElementwiseCall& c) {
-  generic_map<1>(c, [](double x, DTypeId) { return x > 0 ? x : 0.0; }, [](int64_t x) { return x > 0 ? x : 0; });
+  // +0 at or below zero, else x itself: NaN passes through, as PyTorch's relu (cpu_kernels.cpp's ReluF)
+  generic_map<1>(c, [](double x, DTypeId) { return x <= 0 ? 0.0 : x; }, [](int64_t x) { return x > 0 ? x : 0; });
 }
 void neg(const ElementwiseCall& c) { generic_map<1>(c, [](double x, DTypeId) { return -x; }, std::negate<int64_t>{}); }
 void exp(const ElementwiseCall& c) {

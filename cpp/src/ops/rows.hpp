@@ -55,6 +55,11 @@ TensorPtr topk_backward(const TensorImpl& g, const TensorImpl& indices, const Sh
                         const Carrier& prototype);
 // exp(x) for x <= 0 in Float32 (relative error at most 2^-23; Note [Row operations]); exposed for its test.
 float row_exp(float x) noexcept;
+// The row loops' kernel on this machine: "avx512f" or "portable".
+const char* row_kernel_path();
+// Forces the portable row loops (true) or restores run-time dispatch (false), so tests can run both paths on a
+// machine that has AVX-512. Returns the previous setting.
+bool force_portable_row_kernels(bool on) noexcept;
 
 // VjpFn: the row operations' VJPs (rows.cpp).
 void vjp_softmax(const VjpArgs& args, std::span<TensorPtr> grads);

@@ -4,6 +4,7 @@
 // threads.
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <bit>
 #include <cmath>
 #include <cstring>
@@ -27,11 +28,13 @@ namespace {
 constexpr int64_t kGrain = int64_t{1} << 15;  // elements per thread part
 constexpr int kLanes = 16;
 
+std::atomic<bool> g_portable{false};  // force_portable_row_kernels
+
 bool has_avx512() {
   static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
                          __builtin_cpu_supports("fma");
-  return ok;
+  return ok && !g_portable.load(std::memory_order_relaxed);
 }
 
 // ---------------------------------------------------------------- exp and the row loops
@@ -117,6 +120,13 @@ SoftmaxBackwardRow softmax_backward_row() {
   return has_avx512() ? &softmax_backward_row_avx512 : &softmax_backward_row_portable;
 }
 AddRow add_row() { return has_avx512() ? &add_row_avx512 : &add_row_portable; }
+
+}  // namespace
+
+const char* row_kernel_path() { return has_avx512() ? "avx512f" : "portable"; }
+bool force_portable_row_kernels(bool on) noexcept { return g_portable.exchange(on); }
+
+namespace {
 
 // ---------------------------------------------------------------- typed loads and stores
 

@@ -52,7 +52,8 @@ bool row_major_2d(const TensorImpl& t) {
          r->second == f.extents[1] && f.strides[2] == r->first * r->second;
 }
 
-// g where a > 0, else 0.
+// g where a > 0 or a is NaN, else 0 (also where g is NaN or infinite): PyTorch's threshold_backward(g, relu(a), 0),
+// which zeroes where relu(a) <= 0, so a NaN input passes its gradient through.
 TensorPtr relu_grad(const TensorPtr& g, const TensorPtr& a) {
   const float* gf = dense_floats(*g);
   const float* af = dense_floats(*a);
@@ -61,14 +62,14 @@ TensorPtr relu_grad(const TensorPtr& g, const TensorPtr& a) {
     float* o = reinterpret_cast<float*>(out->carrier->mutable_native_data());
     if (o) {
       parallel_for(g->size(), int64_t{1} << 16, [&](int64_t b, int64_t e) {
-        for (int64_t i = b; i < e; ++i) o[i] = af[i] > 0 ? gf[i] : 0.f;
+        for (int64_t i = b; i < e; ++i) o[i] = af[i] <= 0 ? 0.f : gf[i];
       });
       return out;
     }
   }
   std::vector<double> gv = read_doubles(*g), av = read_doubles(*a);
   for (size_t i = 0; i < gv.size(); ++i)
-    if (!(av[i] > 0)) gv[i] = 0;
+    if (av[i] <= 0) gv[i] = 0;
   return write_floats(*g->carrier, g->layout.shape(), gv);
 }
 
