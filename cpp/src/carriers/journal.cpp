@@ -4,15 +4,23 @@
 #include <fcntl.h>
 #include <sys/file.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <unistd.h>
 
 #include <array>
 #include <cerrno>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
 #include <stdexcept>
+#include <utility>
 
 #include "strideweave/errors.hpp"
+#include "strideweave/fork.hpp"
 #include "strideweave/io.hpp"
 
 namespace sw {
@@ -41,6 +49,31 @@ namespace sw {
 // the process that opened it (it holds the flock): a forked child that shares the tier cannot write or flush it
 // (RuntimeError) and closing the tier there leaves the parent's journal as it is. The cost is a second write of
 // every byte and one fsync per unit (docs/reliability.md, "Crash-safe tiers and atomic saves", has the figures).
+
+// Note [One journal per file]: a file may have many names: a symlink to it (a Hugging Face cache snapshot is a
+// symlink to its blob), a path with ".." or "." components, a hard link. Two journals of one file would lose
+// data: a killed writer's journal under one name, replayed later through that name, would write its old units
+// over whatever was written and flushed through another name since. So:
+//  - The journal lies beside the file's canonical path (realpath: every symlink, ".." and "." resolved), not
+//    beside the name it was opened by: a writer through a symlink and one through its target share one journal,
+//    and what a killed writer left is found (replayed by a writable opener, refused by a read-only one) through
+//    any such name.
+//  - A crash-safe tier holds an exclusive flock on the file itself (on its open file description, so two opens
+//    in one process conflict as two processes do), taken before the journal is opened: a second crash-safe tier
+//    over the same inode, through whatever name, hard links included, is refused with RuntimeError naming the
+//    file and the other opener (its name when it is in this process, from a registry of the live journals;
+//    else its process id, from /proc/locks). A plain writable opener that finds the journal replays it under
+//    the same lock, so it is refused while a crash-safe tier is live too.
+//  - Not covered: hard links have no canonical name, so a journal a killed writer left beside one hard link is
+//    found only through that link (or a symlink to it); a writer through another hard link of the file neither
+//    sees nor replays it. Keep one name for a file written crash-safe. A plain writable tier (no journal) takes
+//    no lock, as before: it is refused only when it finds a live journal beside its canonical path.
+//
+// The journal itself must be one: it is opened with O_NOFOLLOW (a symlink planted at its name would make the
+// engine create or truncate whatever the link points to) and O_NONBLOCK (a FIFO or a device never blocks the
+// open), then checked with fstat: a regular file, with one name (a hard link planted there would be another
+// file's bytes), owned by this process's effective user, and not the data file itself. Anything else is refused
+// with RuntimeError naming it, and left as it was (nothing is truncated, written or removed).
 
 namespace {
 
@@ -121,6 +154,52 @@ bool read_at(int fd, void* out, size_t bytes, int64_t offset) {
   return true;
 }
 
+// The live journals of this process, by their file's device and inode: the name and kind of the tier that opened
+// each (Note [One journal per file]). Never destroyed (a tier may close during exit); its lock is a striped small
+// lock, so a fork never copies it held (Note [Fork safety]).
+struct Holder {
+  std::string name;
+  const char* what;
+};
+using FileId = std::pair<uint64_t, uint64_t>;
+std::map<FileId, Holder>& holders() {
+  static auto* h = new std::map<FileId, Holder>();
+  return *h;
+}
+std::mutex& holders_lock() { return detail::carrier_state_lock(&holders()); }
+
+// Who holds the flock of the file (device, inode) in another process, from /proc/locks (best effort).
+std::string flock_holder(uint64_t dev, uint64_t ino) {
+  std::ifstream in("/proc/locks");
+  std::string line;
+  const unsigned want_major = major(static_cast<dev_t>(dev)), want_minor = minor(static_cast<dev_t>(dev));
+  long same_ino = -1;
+  int same_ino_count = 0;
+  while (std::getline(in, line)) {
+    if (line.find("->") != std::string::npos || line.find("FLOCK") == std::string::npos) continue;  // a waiter
+    std::istringstream words(line);
+    std::string id, kind, mode, access, pid, where;
+    if (!(words >> id >> kind >> mode >> access >> pid >> where)) continue;
+    unsigned maj = 0, min = 0;
+    unsigned long long inode = 0;
+    if (std::sscanf(where.c_str(), "%x:%x:%llu", &maj, &min, &inode) != 3 || inode != ino) continue;
+    const long p = std::strtol(pid.c_str(), nullptr, 10);
+    if (maj == want_major && min == want_minor) {
+      same_ino = p;
+      same_ino_count = 1;
+      break;
+    }
+    same_ino = p;  // a file system that reports another device to stat (overlayfs): the inode alone, if unique
+    same_ino_count++;
+  }
+  if (same_ino_count != 1 || same_ino <= 0) return "in another process";
+  if (same_ino == ::getpid()) return "in this process";
+  std::string comm;
+  std::ifstream c("/proc/" + std::to_string(same_ino) + "/comm");
+  std::getline(c, comm);
+  return "by process " + std::to_string(same_ino) + (comm.empty() ? "" : " (" + comm + ")");
+}
+
 }  // namespace
 
 uint32_t crc32c(const void* data, size_t bytes, uint32_t crc) {
@@ -135,7 +214,15 @@ uint32_t crc32c(const void* data, size_t bytes, uint32_t crc) {
   return ~crc;
 }
 
-std::string Journal::path_for(const std::string& target) { return target + ".swjournal"; }
+std::string Journal::path_for(const std::string& target) {
+  // Beside the file's canonical path (Note [One journal per file]); the name as given when it does not resolve.
+  std::string base = target;
+  if (char* real = ::realpath(target.c_str(), nullptr)) {
+    base = real;
+    std::free(real);
+  }
+  return base + ".swjournal";
+}
 
 Journal::Journal(const std::string& target, int target_fd, const char* what)
     : target_(target), path_(path_for(target)), what_(what), target_fd_(target_fd), pid_(::getpid()) {
@@ -143,35 +230,89 @@ Journal::Journal(const std::string& target, int target_fd, const char* what)
   io::fstat_file(target_fd_, st, target_);
   dev_ = static_cast<uint64_t>(st.st_dev);
   ino_ = static_cast<uint64_t>(st.st_ino);
-  const bool existed = ::access(path_.c_str(), F_OK) == 0;
-  fd_ = io::open_file(path_, O_RDWR | O_CREAT, 0644);
-  if (const int e = -io::try_flock(fd_, LOCK_EX | LOCK_NB)) {
-    ::close(fd_);
-    fd_ = -1;
-    if (e == EWOULDBLOCK)
-      raise<RuntimeError>("the crash-safe journal ", path_, " of ", what_, " file ", target_,
-                          " is in use by another crash-safe tier over that file (in this or another process); one "
-                          "writer at a time");
-    io::raise_failure(io::Op::Flock, path_, e);
+  // One crash-safe tier per file, whatever its name (Note [One journal per file]): first this process's own
+  // tiers (they may share the open file description, where flock would not conflict), then the file's flock.
+  const FileId id{dev_, ino_};
+  auto refuse_in_use = [&](const std::string& other) {
+    raise<RuntimeError>(what_, " file ", target_, " is in use by another crash-safe tier over that file, ", other,
+                        "; one writer at a time, whatever name the file is opened by (a symlink, a hard link, a "
+                        "path with .. or .): its crash-safe journal is ", path_);
+  };
+  {
+    std::lock_guard lock(holders_lock());
+    auto [it, fresh] = holders().try_emplace(id, Holder{target_, what_});
+    if (!fresh)
+      refuse_in_use(std::string("opened as ") + it->second.what + " file " + it->second.name + " in this process");
+  }
+  auto forget = [&] {
+    std::lock_guard lock(holders_lock());
+    holders().erase(id);
+  };
+  if (const int e = -io::try_flock(target_fd_, LOCK_EX | LOCK_NB)) {
+    forget();
+    if (e == EWOULDBLOCK) refuse_in_use(flock_holder(dev_, ino_));
+    io::raise_failure(io::Op::Flock, target_ + " (to open its crash-safe journal " + path_ + ")", e);
   }
   try {
-    if (!existed) fsync_directory_of(path_);
+    open_journal();
+    if (const int e = -io::try_flock(fd_, LOCK_EX | LOCK_NB)) {
+      if (e == EWOULDBLOCK)
+        raise<RuntimeError>("the crash-safe journal ", path_, " of ", what_, " file ", target_,
+                            " is in use by another crash-safe tier over that file (in this or another process); "
+                            "one writer at a time");
+      io::raise_failure(io::Op::Flock, path_, e);
+    }
     replay();
   } catch (...) {
-    ::close(fd_);
+    if (fd_ >= 0) ::close(fd_);
     fd_ = -1;
+    (void)::flock(target_fd_, LOCK_UN);
+    forget();
     throw;
   }
 }
 
+void Journal::open_journal() {
+  struct stat before;
+  const bool existed = ::lstat(path_.c_str(), &before) == 0;
+  const int fd = io::try_open_file(path_, O_RDWR | O_CREAT | O_NOFOLLOW | O_NONBLOCK, 0644);
+  const char* belongs = " lies where the crash-safe journal of ";
+  if (fd == -ELOOP)
+    raise<RuntimeError>(path_, belongs, what_, " file ", target_,
+                        " belongs but is a symbolic link; a journal is never followed to another file: remove the link");
+  if (fd < 0) io::raise_failure(io::Op::Open, path_, -fd);
+  fd_ = fd;
+  struct stat st;
+  io::fstat_file(fd_, st, path_);
+  if (!S_ISREG(st.st_mode))
+    raise<RuntimeError>(path_, belongs, what_, " file ", target_,
+                        " belongs but is not a regular file; move it away");
+  if (static_cast<uint64_t>(st.st_dev) == dev_ && static_cast<uint64_t>(st.st_ino) == ino_)
+    raise<RuntimeError>(path_, belongs, what_, " file ", target_,
+                        " belongs but is the file itself (a hard link to it); remove that name");
+  if (st.st_nlink != 1)
+    raise<RuntimeError>(path_, belongs, what_, " file ", target_, " belongs but has ", st.st_nlink,
+                        " names (a hard link to another file); a journal has one name: move it away");
+  if (st.st_uid != ::geteuid())
+    raise<RuntimeError>(path_, belongs, what_, " file ", target_, " belongs but is owned by user ", st.st_uid,
+                        ", not by this process's user ", ::geteuid(), "; move it away");
+  if (!existed) fsync_directory_of(path_);
+}
+
 Journal::~Journal() {
   if (fd_ < 0) return;
-  if (!abandoned_ && ::getpid() == pid_) {  // a forked child leaves its parent's journal alone
+  const bool owner = ::getpid() == pid_;  // a forked child leaves its parent's journal and locks alone
+  if (!abandoned_ && owner) {
     bool synced = end_ <= kFileHeader;
     if (!synced) synced = ::fsync(target_fd_) == 0;
     if (synced) ::unlink(path_.c_str());  // else it stays, and the next opener replays it
   }
-  ::close(fd_);  // drops the lock
+  ::close(fd_);  // drops the journal's lock
+  if (owner) {
+    (void)::flock(target_fd_, LOCK_UN);  // and the file's (Note [One journal per file])
+    std::lock_guard lock(holders_lock());
+    holders().erase({dev_, ino_});
+  }
 }
 
 void Journal::write_header() {
@@ -341,8 +482,9 @@ JournalStats Journal::stats() const {
 void Journal::check_none_pending(const std::string& target, const char* what) {
   const std::string path = path_for(target);
   struct stat st;
-  if (::stat(path.c_str(), &st) < 0 || st.st_size <= kFileHeader) return;
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // Never through a symlink (Note [One journal per file]): a writable opener refuses one; nothing to replay here.
+  if (::lstat(path.c_str(), &st) < 0 || !S_ISREG(st.st_mode) || st.st_size <= kFileHeader) return;
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
   if (fd < 0) return;
   std::array<uint64_t, 4> h{};
   struct stat target_st;

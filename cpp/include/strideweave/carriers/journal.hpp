@@ -61,11 +61,14 @@ uint32_t crc32c(const void* data, size_t bytes, uint32_t crc = 0);
 
 class Journal {
  public:
-  // Where the journal of `target` lives: beside it, "<target>.swjournal".
+  // Where the journal of `target` lives: beside its canonical path (symlinks, ".." and "." resolved; Note [One
+  // journal per file] in journal.cpp), "<realpath(target)>.swjournal"; beside `target` when it does not resolve.
   static std::string path_for(const std::string& target);
 
   // Opens (creating it when absent) the journal of `target`, which the caller has open read-write as `target_fd`,
-  // and locks it (flock) for this process: RuntimeError when another crash-safe tier holds it. Complete records a
+  // and locks it and the file (flock) for this process: RuntimeError naming the file and the other opener when
+  // another crash-safe tier holds the file through any name, and naming the journal when it is not a regular file
+  // with one name owned by this user (a symlink is never followed). Complete records a
   // crash left are replayed into the file, which is then fsynced, and the journal emptied. `what` names the tier
   // in messages ("FileBacked", "checkpoint"). RuntimeError naming the journal, the file and the tile when a record
   // is damaged while later records follow (that tile cannot be repaired), or when the journal is not one.
@@ -97,6 +100,7 @@ class Journal {
   void set_limit(int64_t bytes) { limit_ = bytes; }
 
  private:
+  void open_journal();  // fd_, checked (Note [One journal per file])
   void replay();
   void reset_locked();
   void write_header();
