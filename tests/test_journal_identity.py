@@ -279,3 +279,19 @@ def test_a_journal_owned_by_another_user_is_refused(tmp_path):
     assert str(journal) in str(info.value), str(info.value)
     assert journal.read_bytes() == b"" and journal.stat().st_uid == 4321
     assert np.array_equal(on_file(path), values)
+
+
+def test_a_checkpoint_through_a_snapshot_symlink_and_its_blob_share_one_journal(tmp_path, names):
+    """The Hugging Face layout: a crash-safe checkpoint tier through the snapshot's symlink holds the blob."""
+    real, link, _ = names
+    w = np.arange(2 * 1024, dtype=np.float32).reshape(2, 1024)
+    sw.safetensors.save(real, {f"w.{i}": sw.friendly.tensor(w[i]) for i in range(2)})
+    before = open(real, "rb").read()
+    ck = sw.safetensors.open(link)
+    t = ck.tiled(["w.0", "w.1"], mutable=True, crash_safe=True)
+    assert journals(tmp_path) == ["blobs/weights.f32.swjournal"]
+    with pytest.raises(RuntimeError, match="in use by another crash-safe tier") as info:
+        sw.FileBacked(real, crash_safe=True)
+    assert real in str(info.value) and link in str(info.value), str(info.value)
+    assert open(real, "rb").read() == before
+    t.carrier.release()
