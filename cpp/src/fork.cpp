@@ -1,6 +1,8 @@
 // Note [Fork safety] (fork.hpp): the ordered pthread_atfork steps and the striped small locks.
 #include "strideweave/fork.hpp"
 
+#include "strideweave/errors.hpp"
+
 #include <pthread.h>
 
 #include <array>
@@ -109,6 +111,27 @@ void on_fork(ForkLevel level, void (*prepare)(), void (*parent)(), void (*child)
   r.parent.store(parent, std::memory_order_relaxed);
   r.child.store(child, std::memory_order_relaxed);
   r.prepare.store(prepare, std::memory_order_release);
+}
+
+// ---------------------------------------------------------------- CallMutex (Note [Locks held for a whole call])
+
+void CallMutex::lock() {
+  const uint32_t mine = 1 + static_cast<uint32_t>(fork_generation() & 0x7FFFFFFF);
+  for (;;) {
+    uint32_t seen = 0;
+    if (state_.compare_exchange_weak(seen, mine, std::memory_order_acquire, std::memory_order_relaxed)) return;
+    if (seen != 0 && seen != mine)
+      raise<RuntimeError>(what_, ": a call of this ", what_, " was running on another thread when this process was "
+                          "forked; that call runs only in the parent and left the ", what_, " half-way through it, "
+                          "so it cannot be used in this child process (created before fork): make a new one in "
+                          "the child");
+    if (seen != 0) state_.wait(seen, std::memory_order_relaxed);  // futex wait until it changes
+  }
+}
+
+void CallMutex::unlock() noexcept {
+  state_.store(0, std::memory_order_release);
+  state_.notify_all();
 }
 
 namespace detail {

@@ -85,4 +85,32 @@ std::mutex& carrier_state_lock(const void* object) noexcept;
 std::mutex& budget_lock(const void* object) noexcept;
 }  // namespace detail
 
+// Note [Locks held for a whole call]: some objects run one call at a time (a SparseMoE's forward, backward and
+// prefetch), under a lock held for the whole call, across tile I/O and waits for other requests. fork()'s
+// prepare step cannot take such a lock (fork() would wait for a whole call, or for ever for a call that waits
+// on the forking thread), and a std::mutex that another thread held at the fork stays locked in the child, where
+// that thread does not exist: the child's first call on the object blocked for ever (seen: a child forked
+// while a daemon thread ran an offloaded model's forward). A CallMutex records which process took it (its fork
+// generation). In a child, one taken by another thread of an ancestor is never released, and the call that
+// would wait for it raises RuntimeError "created before fork" instead: like a request in flight at the fork
+// (above), that call's work exists only in the parent and left the object half-way through it, so the object
+// cannot be used in the child; the child makes its own. One that was free at the fork works as a plain mutex in
+// the child (one the forking thread itself held is released there by that thread; until then other threads of
+// the child get the error too).
+class CallMutex {
+ public:
+  // `what` names the object in the error, e.g. "SparseMoE".
+  explicit CallMutex(const char* what) noexcept : what_(what) {}
+  CallMutex(const CallMutex&) = delete;
+  CallMutex& operator=(const CallMutex&) = delete;
+
+  void lock();  // raises RuntimeError in a child when another thread of an ancestor held it at the fork
+  void unlock() noexcept;
+
+ private:
+  // 0: free; else which process took it: 1 + its fork generation (31 bits: a futex word).
+  std::atomic<uint32_t> state_{0};
+  const char* what_;
+};
+
 }  // namespace sw

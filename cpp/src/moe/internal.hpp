@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "strideweave/completion.hpp"
+#include "strideweave/fork.hpp"
 #include "strideweave/moe.hpp"
 #include "strideweave/ops.hpp"
 #include "strideweave/tiled/data.hpp"
@@ -35,7 +36,8 @@ struct MoEShared {
   std::shared_ptr<ResidencyBudget> budget;
   int64_t expert_bytes = 0;  // the three weight tiles of one expert
 
-  std::mutex call_mutex;     // one call (forward, backward, prefetch) at a time
+  // One call (forward, backward, prefetch) at a time; a forked child never waits for a parent's call (fork.hpp).
+  CallMutex call_mutex{"SparseMoE"};
   mutable std::mutex stats_mutex;
   MoEStats stats;
   // Prefetch requests still in flight: work on their tiles waits for them first (a tile in a residency request
