@@ -165,6 +165,7 @@ std::string Carrier::owner_description() const {
 
 void Carrier::check_live(const char* action) const {
   if (is_released()) raise<RuntimeError>(kind_name(), " carrier is released; cannot ", action);
+  check_borrowed_memory(action);
 }
 
 namespace {

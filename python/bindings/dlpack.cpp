@@ -253,25 +253,106 @@ void consumed_legacy_destructor(PyObject* capsule) {
   if (m && m->deleter) m->deleter(m);
 }
 
+// The DLPack capsule of obj: obj itself, or what its __dlpack__ returns. The protocol's answers are checked
+// before they are used: __dlpack_device__ must give a (device_type, device_id) tuple of ints and __dlpack__ a
+// capsule (TypeError naming the producer's type and what it returned otherwise).
 nb::object take_capsule(nb::handle obj) {
   if (PyCapsule_CheckExact(obj.ptr())) return nb::borrow(obj);
+  const std::string type_name = nb::type_name(obj.type()).c_str();
   if (!nb::hasattr(obj, "__dlpack__"))
     sw::raise<sw::TypeError>("from_dlpack: expected an object with __dlpack__ (a NumPy array, a torch.Tensor) or a "
-                             "DLPack capsule, got ", nb::type_name(obj.type()).c_str());
+                             "DLPack capsule, got ", type_name);
   if (nb::hasattr(obj, "__dlpack_device__")) {
     nb::object device = obj.attr("__dlpack_device__")();
-    const int64_t type = nb::cast<int64_t>(device[0]), id = nb::cast<int64_t>(device[1]);
+    // The protocol's answer is a tuple; a list of the same two ints is read the same.
+    nb::object pair = PyList_Check(device.ptr()) ? nb::steal(PyList_AsTuple(device.ptr())) : device;
+    if (!pair.is_valid()) throw nb::python_error();
+    if (!int_pair(pair))
+      sw::raise<sw::TypeError>("from_dlpack: ", type_name, ".__dlpack_device__() must return a (device_type, "
+                               "device_id) tuple of two ints, got ", nb::cast<std::string>(nb::repr(device)));
+    const int64_t type =
+        index_value(PyTuple_GET_ITEM(pair.ptr(), 0), "from_dlpack: the device_type of __dlpack_device__()");
+    const int64_t id = index_value(PyTuple_GET_ITEM(pair.ptr(), 1), "from_dlpack: the device_id of __dlpack_device__()");
     if (type != kDLCPU)
-      buffer_error("from_dlpack: the " + std::string(nb::type_name(obj.type()).c_str()) + " lives on " +
-                   dl_device_name(type, id) + "; StrideWeave imports CPU memory only (copy it to the CPU first)");
+      buffer_error("from_dlpack: the " + type_name + " lives on " + dl_device_name(type, id) +
+                   "; StrideWeave imports CPU memory only (copy it to the CPU first)");
   }
   // A producer that predates max_version refuses the keyword with TypeError: ask again without it.
+  nb::object capsule;
   try {
-    return obj.attr("__dlpack__")(nb::arg("max_version") = nb::make_tuple(1, 0));
+    capsule = obj.attr("__dlpack__")(nb::arg("max_version") = nb::make_tuple(1, 0));
   } catch (nb::python_error& e) {
     if (!e.matches(PyExc_TypeError)) throw;
   }
-  return obj.attr("__dlpack__")();
+  if (!capsule.is_valid()) capsule = obj.attr("__dlpack__")();
+  if (!PyCapsule_CheckExact(capsule.ptr()))
+    sw::raise<sw::TypeError>("from_dlpack: ", type_name, ".__dlpack__() must return a DLPack capsule, got ",
+                             nb::type_name(capsule.type()).c_str());
+  return capsule;
+}
+
+// Note [Borrowed memory] (native.cpp): PyTorch can free the memory of a storage it lent, in place
+// (x.resize_ past the storage's size reallocates it, x.untyped_storage().resize_ too). A CPU carrier over a
+// torch.Tensor's memory therefore holds the tensor's storage object (so x.set_(other) leaves the imported bytes
+// alive and unchanged) and, before each use, checks that the storage still has the data pointer and at least the
+// size it had at the import: a storage that moved fails the use with RuntimeError, never a read of freed memory.
+class TorchStorageCheck final : public sw::BorrowedMemoryCheck {
+ public:
+  TorchStorageCheck(nb::object storage, uintptr_t base, uint64_t need, std::string what)
+      : storage_(std::make_unique<GilObject>(std::move(storage))), base_(base), need_(need), what_(std::move(what)) {}
+
+  void check(const char* action) const override {
+    call_into_python([&] {
+      uintptr_t now = 0;
+      uint64_t bytes = 0;
+      std::string failure;
+      try {
+        now = nb::cast<uintptr_t>(storage_->obj.attr("data_ptr")());
+        bytes = nb::cast<uint64_t>(storage_->obj.attr("nbytes")());
+      } catch (const std::exception& e) {
+        failure = e.what();
+      }
+      if (!failure.empty())
+        sw::raise<sw::RuntimeError>("cannot ", action, ": the storage of ", what_,
+                                    " that this CPU tensor borrows could not be checked (", failure, ")");
+      if (now == base_ && bytes >= need_) return;
+      sw::raise<sw::RuntimeError>(
+          "cannot ", action, ": the storage of ", what_, " that this CPU tensor borrows was resized or freed by "
+          "PyTorch after the import (its memory moved from ", reinterpret_cast<const void*>(base_), ", ", need_,
+          " bytes used, to ", reinterpret_cast<const void*>(now), ", ", bytes, " bytes), so the borrowed memory is "
+          "gone; import the tensor again after resizing it (docs/guide.md, \"PyTorch\")");
+    });
+  }
+
+ private:
+  std::unique_ptr<GilObject> storage_;  // the UntypedStorage: dropped with the GIL taken, from any thread
+  uintptr_t base_;                      // its data pointer at the import
+  uint64_t need_;                       // the bytes of it the carrier reaches (from the storage's start)
+  std::string what_;                    // "a torch.Tensor (torch.float32, shape (2, 3))"
+};
+
+// The check of a torch.Tensor's storage when obj is one (torch already imported: nothing imports it here), else
+// null. `data` and `bytes` are the memory the carrier borrows, which lies inside the storage; `extents` its shape.
+std::shared_ptr<const sw::BorrowedMemoryCheck> torch_storage_check(nb::handle obj, const std::byte* data,
+                                                                   size_t bytes, const std::vector<int64_t>& extents) {
+  PyObject* torch = PyDict_GetItemString(PyImport_GetModuleDict(), "torch");  // borrowed
+  if (!torch || PyCapsule_CheckExact(obj.ptr())) return nullptr;
+  nb::object tensor_type = nb::borrow(torch).attr("Tensor");
+  const int is = PyObject_IsInstance(obj.ptr(), tensor_type.ptr());
+  if (is < 0) throw nb::python_error();
+  if (!is) return nullptr;
+  nb::object storage = obj.attr("untyped_storage")();
+  const auto base = nb::cast<uintptr_t>(storage.attr("data_ptr")());
+  const auto size = nb::cast<uint64_t>(storage.attr("nbytes")());
+  const auto at = reinterpret_cast<uintptr_t>(data);
+  if (at < base || at - base + bytes > size)  // not the storage's memory after all: nothing to compare it with
+    buffer_error("from_dlpack: the memory the " + std::string(nb::type_name(obj.type()).c_str()) +
+                 " exports is not inside its untyped_storage()");
+  std::string what = "a torch.Tensor (" + nb::cast<std::string>(nb::repr(obj.attr("dtype"))) + ", shape (";
+  const size_t rank = extents.size();
+  for (size_t k = 0; k < rank; ++k) what += std::to_string(extents[k]) + (k + 1 < rank ? ", " : rank == 1 ? "," : "");
+  what += "))";
+  return std::make_shared<TorchStorageCheck>(std::move(storage), base, at - base + bytes, std::move(what));
 }
 
 nb::object from_dlpack(nb::handle obj) {
@@ -341,6 +422,8 @@ nb::object from_dlpack(nb::handle obj) {
     buffer_error("from_dlpack: the data address is not aligned to the " + std::to_string(w) + "-byte elements of " +
                  dtype->name() + " (import an aligned copy)");
   sw::Layout layout(sw::Shape(sw::IntTuple::tuple(std::move(shape))), sw::Stride(sw::IntTuple::tuple(std::move(strides))));
+  std::shared_ptr<const sw::BorrowedMemoryCheck> moved = torch_storage_check(
+      obj, data, static_cast<size_t>(layout.cosize()) * w, std::vector<int64_t>(dl->shape, dl->shape + rank));
 
   // Consume: the capsule is renamed (its destructor then leaves the tensor alone) and its contents move into a
   // capsule of ours that calls the producer's deleter when the last holder of the memory lets go.
@@ -349,7 +432,8 @@ nb::object from_dlpack(nb::handle obj) {
   if (PyCapsule_SetName(capsule.ptr(), versioned ? kUsedVersionedName : kUsedLegacyName) != 0) throw nb::python_error();
   PyCapsule_SetDestructor(keeper.ptr(), versioned ? consumed_versioned_destructor : consumed_legacy_destructor);
   auto owner = std::make_shared<GilObject>(std::move(keeper));
-  auto carrier = std::make_shared<sw::CPUCarrier>(data, layout.cosize(), *dtype, !read_only, std::move(owner));
+  auto carrier =
+      std::make_shared<sw::CPUCarrier>(data, layout.cosize(), *dtype, !read_only, std::move(owner), std::move(moved));
   return nb::cast(std::make_shared<TensorImpl>(std::move(carrier), 0, std::move(layout)));
 }
 

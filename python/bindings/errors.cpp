@@ -2,12 +2,26 @@
 #include <atomic>
 #include <chrono>
 #include <new>
+#include <typeinfo>
 #include <thread>
 
 #include "common.hpp"
 #include "strideweave/errors.hpp"
 
 namespace swpy {
+
+namespace {
+// Note [No C++ type names]: a conversion that nanobind could not make (nb::cast of an argument: a value of another
+// type, an int beyond the C++ integer's range, a str with lone surrogates that has no UTF-8 form) throws
+// nb::cast_error, which is std::bad_cast, whose what() is the C++ type name "std::bad_cast". Every argument the
+// bindings convert is meant to be checked first, with a message naming it; this is the backstop for one that was
+// not: a TypeError that says what failed instead of a RuntimeError naming a C++ type.
+void set_cast_error() {
+  PyErr_SetString(PyExc_TypeError,
+                  "an argument could not be converted to what this call expects (a value of another type, an int "
+                  "out of range, or a str that has no UTF-8 form); see the function's signature");
+}
+}  // namespace
 
 void set_python_error(std::exception_ptr p) {
   try {
@@ -29,6 +43,8 @@ void set_python_error(std::exception_ptr p) {
     PyErr_SetString(type, e.what());
   } catch (const std::bad_alloc&) {
     PyErr_NoMemory();
+  } catch (const std::bad_cast&) {
+    set_cast_error();
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
   } catch (...) {
@@ -110,6 +126,8 @@ void bind_errors(nb::module_& m) {
       std::rethrow_exception(p);
     } catch (const sw::Error&) {
       set_python_error(p);
+    } catch (const std::bad_cast&) {  // Note [No C++ type names]
+      set_cast_error();
     }
   });
 }

@@ -443,8 +443,22 @@ void bind_tiled(nb::module_& m) {
                                   "TiledEvictable drawing from it (weights and their gradients together).")
       .def("__init__", [](sw::ResidencyBudget* self, nb::handle max_bytes) {
         if (PyBool_Check(max_bytes.ptr()) || !PyLong_Check(max_bytes.ptr()))
-          sw::raise<sw::TypeError>("ResidencyBudget: max_bytes must be an int");
-        new (self) sw::ResidencyBudget(nb::cast<int64_t>(max_bytes));
+          sw::raise<sw::TypeError>("ResidencyBudget: max_bytes must be an int, got ", class_name(max_bytes));
+        // An int beyond int64 is refused by its sign, with the accepted range, before any conversion.
+        int overflow = 0;
+        const long long n = PyLong_AsLongLongAndOverflow(max_bytes.ptr(), &overflow);
+        if (overflow) {
+          const size_t bits = _PyLong_NumBits(max_bytes.ptr());  // a long int is not printed whole
+          const std::string got = bits <= 256 ? std::string(nb::str(max_bytes).c_str())
+                                              : (overflow < 0 ? "a negative int of " : "an int of ") +
+                                                    std::to_string(bits) + " bits";
+          if (overflow > 0)
+            sw::raise<sw::OverflowError>("ResidencyBudget: max_bytes must be a byte count from 1 to ", INT64_MAX,
+                                         ", got ", got);
+          sw::raise<sw::ValueError>("ResidencyBudget: max_bytes must be >= 1 (a byte count from 1 to ", INT64_MAX,
+                                    "), got ", got);
+        }
+        new (self) sw::ResidencyBudget(n);
       }, nb::arg("max_bytes"), nb::sig("def __init__(self, max_bytes: int) -> None"))
       .def_prop_ro("max_bytes", &sw::ResidencyBudget::max_bytes)
       .def("stats", [](const sw::ResidencyBudget& b) {

@@ -73,7 +73,9 @@ def from_torch(x: "_torch_module.Tensor") -> Tensor:
     """A StrideWeave ``Tensor`` over ``x``'s memory, no copy: same data pointer, shape and strides.
 
     The tensor lives on a ``CPU`` carrier that borrows the memory and keeps ``x``'s storage alive. ``x`` must be
-    a dense (strided) CPU tensor of a dtype that travels, with no zero extent, and must not require grad.
+    a dense (strided) CPU tensor of a dtype that travels, with no zero extent, and must not require grad. Once
+    PyTorch moves or frees the storage's memory (a ``resize_`` past its size), every use of the tensor raises
+    RuntimeError; ``x.set_`` leaves it over the imported bytes (docs/guide.md, "PyTorch").
 
     TypeError when ``x`` is not a ``torch.Tensor`` or its dtype has no StrideWeave counterpart; ValueError when it
     requires grad; BufferError when its memory cannot be shared (another device, a sparse layout, an empty shape).

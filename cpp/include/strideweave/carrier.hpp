@@ -165,6 +165,11 @@ class Carrier : public std::enable_shared_from_this<Carrier> {
   // to check. One check (a system call or two) covers a batch of writes: callers check once per eviction
   // request, move or public slot write, never per slot (Note [Files changed under a carrier] in storage.cpp).
   virtual void check_storage_intact(const char* /*action*/) const {}
+  // Memory another library owns (a DLPack import: Note [Borrowed memory] in native.cpp) checks that its owner
+  // still keeps it where it was imported, and raises RuntimeError naming the owner and `action` otherwise; other
+  // carriers have nothing to check. check_live() calls it, so every entry point that reads or writes a carrier
+  // checks it first.
+  virtual void check_borrowed_memory(const char* /*action*/) const {}
   // Raw pointer to slot 0 for native host memory, else nullptr: for reading.
   virtual const std::byte* native_data() const noexcept { return nullptr; }
   // The same memory for writing. A carrier that shares its memory copy-on-write

@@ -620,6 +620,16 @@ void CPUCarrier::do_release() { set_buffer(std::make_shared<AlignedBuffer>()); }
 // like any other (Note [Exports outlive release] in carrier.hpp), so the owner outlives them all. The producer
 // may write the memory at any time, as an export may, so a borrowed buffer is never shared copy-on-write
 // (share_snapshot() refuses it). Writes and grow() behave as for owned memory; a released carrier drops its hold.
+//
+// Holding the owner keeps the memory alive only while the owner does not move it. A PyTorch tensor's storage is
+// held by the capsule, yet torch frees its bytes in place when it is resized (x.resize_ past its size,
+// x.untyped_storage().resize_): the storage object lives on over new memory, and the borrowed pointer dangles.
+// DLPack has no way to forbid that, so such an import carries a BorrowedMemoryCheck (the bindings': the storage's
+// data pointer and size against those imported), which check_live() runs through check_borrowed_memory() before
+// every use (an operation, an element read or write, an export, a save): a moved storage fails the use with
+// RuntimeError naming it, and nothing reads the freed bytes. What the check cannot see is a move while a use is
+// under way on another thread, or through an export (a NumPy or torch view of the carrier) taken before the
+// move: docs/guide.md ("PyTorch") says what is safe.
 std::shared_ptr<AlignedBuffer> AlignedBuffer::borrow(std::byte* data, size_t bytes, std::shared_ptr<const void> owner) {
   SW_ASSERT(owner != nullptr, "borrowed memory needs an owner");
   auto b = std::make_shared<AlignedBuffer>();
@@ -693,8 +703,8 @@ CPUCarrier::CPUCarrier(std::shared_ptr<AlignedBuffer> buffer, int64_t slots, con
 }
 
 CPUCarrier::CPUCarrier(std::byte* data, int64_t slots, const DType& dtype, bool is_mutable,
-                       std::shared_ptr<const void> owner)
-    : Carrier(&cpu_kind(), dtype, is_mutable), slots_(slots) {
+                       std::shared_ptr<const void> owner, std::shared_ptr<const BorrowedMemoryCheck> moved)
+    : Carrier(&cpu_kind(), dtype, is_mutable), slots_(slots), moved_(std::move(moved)) {
   check_slots("CPU", slots);
   check_storage_dtype("CPU", dtype);
   const size_t w = slot_bytes(dtype);

@@ -116,14 +116,26 @@ class GenericCarrier final : public Carrier {
   std::vector<Value> values_;  // one converted Value per slot: obviously correct, deliberately simple
 };
 
+// What the owner of borrowed memory can tell about it (Note [Borrowed memory] in native.cpp): a producer that
+// can move or free the memory it lent (PyTorch's resize_) checks, before each use, that the memory is still the
+// one imported.
+class BorrowedMemoryCheck {
+ public:
+  virtual ~BorrowedMemoryCheck() = default;
+  // RuntimeError naming the owner and `action` when the memory is no longer where it was imported.
+  virtual void check(const char* action) const = 0;
+};
+
 class CPUCarrier final : public Carrier {
  public:
   CPUCarrier(int64_t slots, const DType& dtype, bool is_mutable, bool empty);
   // A carrier over `slots` elements of `dtype` at `data`, memory it does not
   // own and never frees: valid while `owner` (never null) lives, which this
   // carrier and every export of it hold (Note [Borrowed memory] in native.cpp).
-  // ValueError when `data` is not aligned to the dtype's itemsize.
-  CPUCarrier(std::byte* data, int64_t slots, const DType& dtype, bool is_mutable, std::shared_ptr<const void> owner);
+  // ValueError when `data` is not aligned to the dtype's itemsize. `moved`, when given, is asked before each
+  // use whether the owner still keeps the memory in place (check_borrowed_memory).
+  CPUCarrier(std::byte* data, int64_t slots, const DType& dtype, bool is_mutable, std::shared_ptr<const void> owner,
+             std::shared_ptr<const BorrowedMemoryCheck> moved = nullptr);
   // A carrier owning `buffer` (AlignedBuffer::map_file), which holds at least `slots` elements of `dtype`
   // aligned to the itemsize.
   CPUCarrier(std::shared_ptr<AlignedBuffer> buffer, int64_t slots, const DType& dtype, bool is_mutable);
@@ -142,6 +154,9 @@ class CPUCarrier final : public Carrier {
   const std::byte* native_data() const noexcept override { return buffer_->data(); }
   std::byte* mutable_native_data() override;
   std::shared_ptr<const void> native_owner() const noexcept override { return buffer_; }
+  void check_borrowed_memory(const char* action) const override {
+    if (moved_) moved_->check(action);
+  }
   Value read_value(int64_t slot) const override;
   void write_value(int64_t slot, const Value& v) override;
   bool can_grow() const override { return true; }
@@ -162,6 +177,7 @@ class CPUCarrier final : public Carrier {
 
   int64_t slots_;
   std::shared_ptr<AlignedBuffer> buffer_ = std::make_shared<AlignedBuffer>();  // never null
+  const std::shared_ptr<const BorrowedMemoryCheck> moved_;  // borrowed memory whose owner can move it, else null
 };
 
 }  // namespace sw
