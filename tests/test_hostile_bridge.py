@@ -224,3 +224,19 @@ def test_a_conversion_the_bindings_did_not_check_is_a_type_error_without_a_cpp_n
         c.dispatch_op("add\ud800")  # a lone surrogate: a str with no UTF-8 form
     assert "std::" not in str(e.value) and "bad_cast" not in str(e.value)
     assert c.dispatch_op("add") is not None  # the carrier is as it was
+
+
+@pytest.mark.parametrize("value, shown", [
+    (2**70, "1180591620717411303424"),
+    (-(2**63) - 1, "-9223372036854775809"),
+    (10**5000, r"\(an int of 16610 bits\)"),
+    (-(10**5000), r"\(a negative int of 16610 bits\)"),
+], ids=["2**70", "-2**63-1", "10**5000", "-10**5000"])
+def test_an_int_beyond_int64_is_a_value_error_with_the_range(value, shown):
+    c = sw.CPU(4)
+    c[0] = 1.0
+    t = sw.Tensor(c, 0, sw.friendly.column_major(4))
+    with pytest.raises(ValueError, match=rf"^coordinate {shown} is out of range \(an int64: from "
+                                         r"-9223372036854775808 to 9223372036854775807\)$"):
+        t[(value,)]
+    assert [c[i] for i in range(4)] == [1.0, 0.0, 0.0, 0.0]

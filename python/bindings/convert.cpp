@@ -61,7 +61,15 @@ int64_t index_value(nb::handle h, const char* what) {
   if (!v.is_valid()) throw nb::python_error();
   int overflow = 0;
   long long x = PyLong_AsLongLongAndOverflow(v.ptr(), &overflow);
-  if (overflow) sw::raise<sw::ValueError>(what, " ", nb::str(v).c_str(), " is out of range");
+  if (overflow) {
+    // An int too long to print (CPython refuses str() past 4300 digits) is named by its size.
+    const size_t bits = _PyLong_NumBits(v.ptr());
+    const std::string shown = bits <= 256 ? std::string(nb::str(v).c_str())
+                                          : (overflow < 0 ? "(a negative int of " : "(an int of ") +
+                                                std::to_string(bits) + " bits)";
+    sw::raise<sw::ValueError>(what, " ", shown, " is out of range (an int64: from -9223372036854775808 to "
+                              "9223372036854775807)");
+  }
   return x;
 }
 
