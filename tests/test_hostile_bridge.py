@@ -14,12 +14,19 @@ ValueError / OverflowError naming what was expected, never a C++ type name such 
 
 from __future__ import annotations
 
+import gc
+import os
+
 import numpy as np
 import pytest
 import torch
 
 import strideweave as sw
 from strideweave.torch import from_torch, to_torch
+
+# Under AddressSanitizer (make sanitize-py) freed memory stays mapped in quarantine, and ASan itself reports any read
+# of it: the page probes below are left to it there.
+SANITIZED = os.environ.get("SW_SANITIZED") == "1"
 
 MOVED = r"the storage of a torch\.Tensor \(torch\.float32, shape \(6,\)\) that this CPU tensor borrows was " \
         r"resized or freed by PyTorch"
@@ -93,15 +100,14 @@ def test_set_leaves_the_imported_bytes_alive_and_unchanged():
     t = from_torch(x)
     address = x.data_ptr()
     x.set_(torch.full((8,), 7.0).untyped_storage())  # x lets go of the storage the import borrows
-    assert mapped(address) and mapped(address + 4 * n - 4096)  # still held, by the import
+    assert SANITIZED or (mapped(address) and mapped(address + 4 * n - 4096))  # still held, by the import
     assert [t[(i,)] for i in range(6)] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
     t[(0,)] = 9.0  # the import's own memory, no longer x's
     assert t[(0,)] == 9.0 and x.tolist() == [7.0] * 8
     assert np.asarray(t).ctypes.data == address
     del t
-    import gc
     gc.collect()
-    assert not mapped(address)  # the last holder gone, the storage is freed as before
+    assert SANITIZED or not mapped(address)  # the last holder gone, the storage is freed as before
 
 
 def test_set_to_an_empty_storage_leaves_the_import_valid():
