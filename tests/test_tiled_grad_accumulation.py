@@ -332,7 +332,14 @@ def test_backward_holds_the_gradient_tiles_it_adds_into(rng, held_io):
     g = full.grad.carrier  # a reference taken while the sum runs, as another thread would
     states = [g.tile_state((0, e)) for e in range(E)]
     with pytest.raises(RuntimeError, match="being added into by a gradient sum.*wait"):
-        g.evict(TileSet([(0, 3)]))
+        g.evict_async(TileSet([(0, 3)]))
+    limit = sw.turn_wait_limit()
+    sw.set_turn_wait_limit(0.05)  # the blocking form waits in turn (Note [Taking turns]), then refuses
+    try:
+        with pytest.raises(RuntimeError, match=r"waited 0.05 s for tile \(0, 3\).*holds \(a gradient sum"):
+            g.evict(TileSet([(0, 3)]))
+    finally:
+        sw.set_turn_wait_limit(limit)
     with pytest.raises(RuntimeError, match="wait"):
         g.promote_async(TileSet([(0, 1)]))
     with pytest.raises(RuntimeError, match="wait"):

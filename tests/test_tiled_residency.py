@@ -1019,14 +1019,21 @@ CONFLICTS = {
 @pytest.mark.parametrize("request_kind", list(CONFLICTS))
 @pytest.mark.parametrize("pending_kind", ["promote", "evict"])
 def test_overlapping_request_is_refused_while_another_is_incomplete(pending_kind, request_kind):
+    """The asynchronous forms refuse at once; the blocking forms wait in turn (Note [Taking turns]) and, past the
+    wait limit (here 0.05 s), refuse the same way."""
     c, h = _conflict_fixture(pending_kind)
     before = snapshot(c, secondary_values=False, skip={(0,), (1,)})
     overlapping = TileSet([(1,), (2,), (3,)])  # tile 1 pending; 2 and 3 are free
-    with pytest.raises(RuntimeError, match="wait"):
-        CONFLICTS[request_kind](c, overlapping)
-    with pytest.raises(RuntimeError, match="wait"):
-        CONFLICTS[request_kind](c, TileSelection([[0, 3]]))
-    # Refused before anything changed, without waiting for or joining the pending request.
+    limit = sw.turn_wait_limit()
+    sw.set_turn_wait_limit(0.05)
+    try:
+        with pytest.raises(RuntimeError, match="waited 0.05 s for tile" if "async" not in request_kind else "wait"):
+            CONFLICTS[request_kind](c, overlapping)
+        with pytest.raises(RuntimeError, match="wait"):
+            CONFLICTS[request_kind](c, TileSelection([[0, 3]]))
+    finally:
+        sw.set_turn_wait_limit(limit)
+    # Refused before anything changed, without joining the pending request.
     assert not h.done
     assert snapshot(c, secondary_values=False, skip={(0,), (1,)}) == before
     core._io_unhold()

@@ -7,6 +7,8 @@
 
 #include <cmath>
 #include <random>
+#include <thread>
+#include <future>
 
 #include "strideweave/carriers/storage.hpp"
 #include "strideweave/errors.hpp"
@@ -199,7 +201,8 @@ TEST(Optimizer, ATightBudgetGivesTheUnboundedValues) {
   EXPECT_GT(budget->stats().evictions, 0);
 }
 
-TEST(Optimizer, ATileThatOtherWorkPinsIsRefusedWithNothingChanged) {
+// Note [Taking turns]: the step waits for other work on its tiles, for at most the wait limit.
+TEST(Optimizer, ATileThatOtherWorkPinsPastTheWaitLimitIsRefusedWithNothingChanged) {
   std::mt19937 rng(static_cast<uint32_t>(test_seed()));
   Weight w = make_weight();
   optim::Optimizer opt(optim::Algorithm::SGD, {w.full}, {});
@@ -209,17 +212,48 @@ TEST(Optimizer, ATileThatOtherWorkPinsIsRefusedWithNothingChanged) {
   const auto before = tile_values(*w.carrier, 1);
   WorkToken pin = TiledInternals::begin_work(w.carrier, {1}, "projection");  // another caller's running work
   pin.ready()->value();
+  const double limit = TiledEvictable::turn_wait_limit();
+  TiledEvictable::set_turn_wait_limit(0.05);
   try {
     opt.step();
     ADD_FAILURE() << "no error";
   } catch (const RuntimeError& e) {
-    EXPECT_TRUE(contains(e.what(), "SGD.step: tile (1,) of the weight could not be held")) << e.what();
+    EXPECT_TRUE(contains(e.what(), "SGD.step (the weight): waited 0.05 s for tile (1,)")) << e.what();
+    EXPECT_TRUE(contains(e.what(), "pins (running tiled work)")) << e.what();
   }
+  TiledEvictable::set_turn_wait_limit(limit);
   EXPECT_TRUE(bitwise_equal(tile_values(*w.carrier, 1), before));
   EXPECT_EQ(opt.state(w.full).steps, (std::vector<int64_t>(kE, 0)));
   EXPECT_EQ(opt.stats().tiles_stepped, 0);
   ASSERT_EQ(pin.end(), nullptr);
   opt.step();  // the work ended: now it steps
+  EXPECT_EQ(opt.state(w.full).steps, (std::vector<int64_t>{0, 1, 1, 0, 0}));
+}
+
+TEST(Optimizer, AStepWaitsForOtherWorkOnItsTilesToEnd) {
+  std::mt19937 rng(static_cast<uint32_t>(test_seed()));
+  Weight w = make_weight();
+  optim::Optimizer opt(optim::Algorithm::SGD, {w.full}, {});
+  std::vector<std::vector<float>> g(kE);
+  for (auto& t : g) t = randoms(rng, kN);
+  w.full->grad = gradient(w, {1, 2}, g);
+  auto pin = std::make_unique<WorkToken>(TiledInternals::begin_work(w.carrier, {1}, "projection"));
+  pin->ready()->value();
+  std::promise<void> started;
+  std::exception_ptr error;
+  std::thread stepper([&] {
+    started.set_value();
+    try {
+      opt.step();
+    } catch (...) {
+      error = std::current_exception();
+    }
+  });
+  started.get_future().wait();
+  // The step cannot finish while the pin lives; the pin's end lets it through (it waited rather than refused).
+  ASSERT_EQ(pin->end(), nullptr);
+  stepper.join();
+  EXPECT_EQ(error, nullptr);
   EXPECT_EQ(opt.state(w.full).steps, (std::vector<int64_t>{0, 1, 1, 0, 0}));
 }
 

@@ -576,17 +576,42 @@ void bind_tiled(nb::module_& m) {
       .def("evict_async", [](std::shared_ptr<TiledEvictable> c, nb::handle tiles) {
         return residency_handle(c->evict_async(bind_tiles(*c, tiles, "evict_async")));
       }, nb::arg("tiles"), nb::sig("def evict_async(self, tiles: " TILES ") -> AwaitResidency"))
+      // Note [Taking turns] (cpp/src/tiled/residency.cpp): the blocking forms wait in line for tiles other work
+      // holds, without the GIL, instead of refusing.
       .def("promote", [](std::shared_ptr<TiledEvictable> c, nb::handle tiles) {
-        wait_for(residency_handle(c->promote_async(bind_tiles(*c, tiles, "promote_async"))));
+        std::vector<int64_t> idx = bind_tiles(*c, tiles, "promote_async");
+        sw::CompletionPtr<std::monostate> done;
+        {
+          nb::gil_scoped_release nogil;
+          done = c->promote_in_turn(idx);
+        }
+        wait_for(residency_handle(std::move(done)));
       }, nb::arg("tiles"), nb::sig("def promote(self, tiles: " TILES ") -> None"),
-         "Exactly ``promote_async(tiles).wait()``.")
+         "``promote_async(tiles).wait()``, except that tiles under another caller's incomplete request, or held by "
+         "a gradient sum or an optimizer step, are waited for in turn (first come, first served among the callers "
+         "that wait; at most ``strideweave.turn_wait_limit()`` seconds, then RuntimeError) instead of refused.")
       .def("evict", [](std::shared_ptr<TiledEvictable> c, nb::handle tiles) {
-        wait_for(residency_handle(c->evict_async(bind_tiles(*c, tiles, "evict_async"))));
+        std::vector<int64_t> idx = bind_tiles(*c, tiles, "evict_async");
+        sw::CompletionPtr<std::monostate> done;
+        {
+          nb::gil_scoped_release nogil;
+          done = c->evict_in_turn(idx);
+        }
+        wait_for(residency_handle(std::move(done)));
       }, nb::arg("tiles"), nb::sig("def evict(self, tiles: " TILES ") -> None"),
-         "Exactly ``evict_async(tiles).wait()``.")
-      .def("flush", [](std::shared_ptr<TiledEvictable> c) { wait_for(residency_handle(c->flush_async())); },
-           "Exactly ``flush_async().wait()``: every dirty tile is in the secondary tier, durably, and clean (still "
-           "resident).")
+         "``evict_async(tiles).wait()``, except that tiles another caller's request, a sum, a step or running "
+         "tiled work holds are waited for in turn (at most ``strideweave.turn_wait_limit()`` seconds, then "
+         "RuntimeError) instead of refused.")
+      .def("flush", [](std::shared_ptr<TiledEvictable> c) {
+        sw::CompletionPtr<std::monostate> done;
+        {
+          nb::gil_scoped_release nogil;
+          done = c->flush_in_turn();
+        }
+        wait_for(residency_handle(std::move(done)));
+      }, "``flush_async().wait()``, waiting in turn for tiles under other requests, sums or steps (at most "
+         "``strideweave.turn_wait_limit()`` seconds) instead of refusing: every dirty tile is in the secondary tier, "
+         "durably, and clean (still resident).")
       .def("flush_async", [](std::shared_ptr<TiledEvictable> c) { return residency_handle(c->flush_async()); },
            nb::sig("def flush_async(self) -> AwaitResidency"),
            "Writes every dirty tile to the secondary tier, makes that tier durable (fsync of its file or device) and "
@@ -648,6 +673,13 @@ void bind_tiled(nb::module_& m) {
         "The kernel that copies tiles' runs: 'avx512f' or 'portable' (internal: tests and benchmarks).");
   m.def("_force_portable_run_copies", [](bool portable) { return sw::force_portable_run_copies(portable); },
         nb::arg("portable"), "Makes every tile run copy a memcpy; returns the previous setting (internal).");
+  m.def("set_turn_wait_limit", [](double seconds) { TiledEvictable::set_turn_wait_limit(seconds); },
+        nb::arg("seconds"),
+        "The longest one blocking residency call (TiledEvictable promote / evict / flush) or an optimizer step waits "
+        "in turn for tiles that other work holds, in seconds (default 60), process-wide; then RuntimeError, nothing "
+        "changed. ValueError unless positive and finite.");
+  m.def("turn_wait_limit", [] { return TiledEvictable::turn_wait_limit(); },
+        "The bound, in seconds, set by set_turn_wait_limit.");
   m.def("_set_caller_gather_bytes", [](int64_t bytes) { return sw::set_caller_gather_bytes(bytes); }, nb::arg("bytes"),
         "The largest projection copy gathered before project returns (0: every gather on the selection threads); "
         "returns the previous (internal: tests and benchmarks).");

@@ -36,7 +36,9 @@ from ._core import (
     relu,
     set_mapping_cache_decay,
     set_mapping_cache_limit,
+    set_turn_wait_limit,
     sub,
+    turn_wait_limit,
     # activations
     sigmoid,
     silu,
@@ -114,6 +116,8 @@ __all__ = [
     "set_grad_enabled",
     "set_mapping_cache_decay",
     "set_mapping_cache_limit",
+    "set_turn_wait_limit",
+    "turn_wait_limit",
     "sub",
     # activations
     "sigmoid",

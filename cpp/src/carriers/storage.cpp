@@ -576,6 +576,11 @@ void EvictableCarrier::do_release() {
 // fsync makes it survive a crash. Kept apart from the I/O paths above: only an explicit flush pays for it.
 void FileBackedCarrier::flush() {
   check_live("flush");
+  // Claimed while it syncs (the caller may have released the GIL): another thread's release() raises "... owned
+  // by FileBacked.flush (wait for it)" instead of closing the file or dropping the journal under the fsync.
+  // (A carrier no shared_ptr owns, as on a C++ caller's stack, has no other thread to race with.)
+  Claim hold;
+  if (!weak_from_this().expired()) hold = claim("FileBacked.flush of '" + path_ + "'");
   if (journal_) journal_->sync_target();  // fsync, then the journal's records are needed no longer
   else io::fsync_file(fd_, path_);
 }
@@ -584,6 +589,8 @@ void BlockDevice::sync() { io::fsync_file(fd_, path_); }
 
 void BlockDeviceCarrier::flush() {
   check_live("flush");
+  Claim hold;  // as FileBackedCarrier::flush
+  if (!weak_from_this().expired()) hold = claim("BlockDeviceCarrier.flush");
   device_->sync();
 }
 

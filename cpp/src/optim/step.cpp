@@ -18,17 +18,14 @@ namespace {
 using Hold = std::unique_ptr<TiledInternals::TileWrite>;
 
 // Tile `i` of `c` resident (promoted through the residency path: admitted under a budget; an implicit tile becomes
-// a zero buffer) and held for an in-place update. Another thread's work may take the tile between the promotion
-// and the hold: tried three times, then RuntimeError.
+// a zero buffer) and held for an in-place update. Other work on the tile is waited for in turn (Note [Taking
+// turns] in cpp/src/tiled/residency.cpp): a loop evicting or promoting the same tiles cannot starve the step, nor
+// the step the loop. RuntimeError after the wait limit, or when the tile's primary tier has no host memory.
 Hold hold_resident(TiledEvictable& c, int64_t i, const char* what, const char* name) {
-  const TileCoord coord = c.tile_coord(i);
-  for (int attempt = 0; attempt < 3; ++attempt) {
-    if (c.tile_state(coord).location != TileLocation::Primary) c.promote_async({i})->value();
-    if (Hold h = TiledInternals::hold_tile_for_update(c, i)) return h;
-  }
-  raise<RuntimeError>(name, ".step: tile ", coord_str(coord), " of the ", what,
-                      " could not be held for its update: other work pins it or a request is moving it (or its "
-                      "primary tier has no host memory); wait for that work and step again");
+  const std::string label = std::string(name) + ".step (the " + what + ")";
+  if (Hold h = TiledInternals::hold_in_turn(c, i, label.c_str())) return h;
+  raise<RuntimeError>(name, ".step: tile ", coord_str(c.tile_coord(i)), " of the ", what,
+                      " could not be held for its update: its primary tier has no host memory");
 }
 
 }  // namespace
@@ -93,6 +90,15 @@ void Optimizer::step_slot(Slot& s, const TensorPtr& grad) {
   const char* name = algorithm_name(algorithm_);
   const DTypeId wd = s.param->dtype().id(), gd = grad->dtype().id();
   if (!s.tiled) {  // a dense parameter: one tile, its memory updated in place
+    // The step runs without the GIL: each carrier it reads or writes is claimed for the update, so another
+    // thread's release() raises "... owned by <name>.step (wait for it)" instead of freeing the memory under it
+    // (a carrier already released is refused here, naming it, before anything changes).
+    const std::string owner = std::string(name) + ".step";
+    std::vector<Carrier::Claim> claims;
+    claims.push_back(s.param->carrier->claim(owner));
+    claims.push_back(grad->carrier->claim(owner));
+    if (s.state1) claims.push_back(s.state1->carrier->claim(owner));
+    if (s.state2) claims.push_back(s.state2->carrier->claim(owner));
     const int64_t n = s.param->layout.cosize();
     auto* w = s.param->carrier->mutable_native_data() + s.param->offset * static_cast<int64_t>(slot_bytes(s.param->dtype()));
     const auto* g = grad->carrier->native_data() + grad->offset * static_cast<int64_t>(slot_bytes(grad->dtype()));

@@ -37,14 +37,15 @@ CompletionPtr<std::monostate> TiledEvictable::flush_async() { return flush_tiles
 
 void TiledEvictable::flush() { flush_tiles(true)->value(); }
 
-CompletionPtr<std::monostate> TiledEvictable::flush_tiles(bool inline_) {
+CompletionPtr<std::monostate> TiledEvictable::flush_tiles(bool inline_, Turn* turn) {
   check_live("flush");
   auto r = std::make_shared<Request>();
   r->promote = false;
   r->flush = true;
   {
-    std::lock_guard lock(mutex_);
+    std::unique_lock lock(mutex_);
     check_live("flush");  // again under the lock: see Note [Release races with requests]
+    if (turn) wait_turn(lock, *turn, /*pins_block=*/false, "flush");
     for (int64_t i = 0; i < tile_count(); ++i)
       if (tiles_[i].pending) pending_conflict(i, "flushing");
     for (int64_t i = 0; i < tile_count(); ++i) {
@@ -99,6 +100,7 @@ void TiledEvictable::do_release() {
   secondary_claim_.end();
   primary_->release();
   secondary_->release();
+  idle_cv_.notify_all();  // callers waiting in turn see the release (Note [Taking turns])
 }
 
 // ---------------------------------------------------------------- dirty tiles at release, collection and exit

@@ -165,6 +165,12 @@ struct TiledInternals {
   static std::unique_ptr<TileWrite> hold_tile_for_update(TiledEvictable& c, int64_t index) {
     return c.hold_tile_for_update(index);
   }
+  // hold_tile_for_update of a tile promoted first, waiting in turn (Note [Taking turns]) for other work to let go
+  // of it: a hold, or nullptr when the resident tile is not in native memory; RuntimeError naming `what` after the
+  // wait limit, nothing changed.
+  static std::unique_ptr<TileWrite> hold_in_turn(TiledEvictable& c, int64_t index, const char* what) {
+    return c.hold_in_turn(index, what);
+  }
   // Whether `self` (a reference to c) is the only one apart from those its own incomplete residency requests hold
   // while their transfers run: then nobody else can observe or change its tiles, and a gradient sum may add into
   // tiles no request is transitioning (Note [Requests' own references]).

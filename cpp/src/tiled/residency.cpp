@@ -2,6 +2,8 @@
 // the I/O threads (Note [One writer per file]) and the all-or-nothing commit (Note [Letting go before completing]).
 // A flush is a request too; it is built in durability.cpp.
 #include <algorithm>
+#include <chrono>
+#include <cmath>
 #include <functional>
 #include <sstream>
 
@@ -32,15 +34,17 @@ CompletionPtr<std::monostate> TiledEvictable::promote_async(const std::vector<in
   return promote_tiles(tiles, false);
 }
 
-CompletionPtr<std::monostate> TiledEvictable::promote_tiles(const std::vector<int64_t>& tiles, bool inline_) {
+CompletionPtr<std::monostate> TiledEvictable::promote_tiles(const std::vector<int64_t>& tiles, bool inline_,
+                                                            Turn* turn) {
   check_live("promote tiles");
   check_tile_indices(tiles, geometry_, "promote");
   admit(tiles, "promotion");  // under a budget: room first (Note [One residency budget])
   auto r = std::make_shared<Request>();
   r->promote = true;
   {
-    std::lock_guard lock(mutex_);
+    std::unique_lock lock(mutex_);
     check_live("promote tiles");  // again under the lock: see Note [Release races with requests]
+    if (turn) wait_turn(lock, *turn, /*pins_block=*/false, "promote");
     std::vector<int64_t> uniq = tiles;
     std::sort(uniq.begin(), uniq.end());
     uniq.erase(std::unique(uniq.begin(), uniq.end()), uniq.end());
@@ -71,14 +75,15 @@ CompletionPtr<std::monostate> TiledEvictable::evict_async(const std::vector<int6
   return evict_tiles(tiles, false);
 }
 
-CompletionPtr<std::monostate> TiledEvictable::evict_tiles(const std::vector<int64_t>& tiles, bool inline_) {
+CompletionPtr<std::monostate> TiledEvictable::evict_tiles(const std::vector<int64_t>& tiles, bool inline_, Turn* turn) {
   check_live("evict tiles");
   check_tile_indices(tiles, geometry_, "evict");
   auto r = std::make_shared<Request>();
   r->promote = false;
   {
-    std::lock_guard lock(mutex_);
+    std::unique_lock lock(mutex_);
     check_live("evict tiles");  // again under the lock: see Note [Release races with requests]
+    if (turn) wait_turn(lock, *turn, /*pins_block=*/true, "evict");
     prepare_eviction(tiles, *r, /*deferred=*/false);
     if (r->tiles.empty()) {
       r->done->set_value({});
@@ -112,6 +117,166 @@ void TiledEvictable::prepare_eviction(std::vector<int64_t> tiles, Request& r, bo
   r.id = next_request_++;
   for (int64_t i : r.tiles) tiles_[i].pending = r.id;
   active_requests_++;
+}
+
+// ---------------------------------------------------------------- waiting in turn
+
+// Note [Taking turns]: the residency requests refuse a tile that other work is transitioning, holding or (for an
+// eviction) reading, with RuntimeError asking the caller to wait (the asynchronous forms must not block on another
+// caller's work: tiled-carrier-composition, "Residency transitions"). Two loops that both retry on that refusal
+// can starve each other: an optimizer stepping tiles while another thread evicts, flushes and promotes them let no
+// step through in 60 tries, each side always finding the other's request or hold in the way. So the blocking
+// forms (promote, evict, flush from Python, and an optimizer's step, which holds one tile at a time) wait instead
+// of refusing, and wait in line: a caller that must wait takes a turn (TurnEntry, appended to turns_) for its
+// tiles and proceeds once (1) no turn taken before it wants any of those tiles and (2) none of them is pending
+// (under a request, or held by a sum or a step) or, for an eviction or a hold, pinned by running work. It marks
+// its tiles (pending, or held) in the same critical section that saw them free, and only then leaves the line,
+// so the next in line sees the marks and waits for them to end. Every end of a request, work, hold or turn
+// notifies idle_cv_. First come, first served among the waiters: whoever waits longest for a tile gets it next,
+// so neither loop can starve the other. A turn can span several requests (a step promotes a tile and then holds
+// it: nobody who waits can take it in between). The asynchronous forms and work requests never wait: they still
+// refuse a tile that is marked, and may overtake a waiter whose tiles are not yet free; the waiter then waits for
+// them in turn. A wait is bounded by turn_wait_limit() (60 s by default): after that it raises RuntimeError
+// asking to wait, and nothing has changed, so a cycle (two steps of one parameter holding each other's tiles)
+// ends in an error rather than a hang.
+
+namespace {
+std::atomic<double> g_turn_wait_limit{60.0};
+
+bool sorted_overlap(const std::vector<int64_t>& a, const std::vector<int64_t>& b) {
+  auto i = a.begin(), j = b.begin();
+  while (i != a.end() && j != b.end()) {
+    if (*i == *j) return true;
+    if (*i < *j) ++i;
+    else ++j;
+  }
+  return false;
+}
+}  // namespace
+
+void TiledEvictable::set_turn_wait_limit(double seconds) {
+  if (!(seconds > 0) || !std::isfinite(seconds))
+    raise<ValueError>("the wait limit must be a positive, finite number of seconds, got ", seconds);
+  g_turn_wait_limit.store(seconds);
+}
+
+double TiledEvictable::turn_wait_limit() noexcept { return g_turn_wait_limit.load(); }
+
+class TiledEvictable::Turn {
+ public:
+  Turn(TiledEvictable& owner, std::list<TurnEntry>::iterator entry)
+      : owner_(owner), entry_(entry),
+        deadline_(std::chrono::steady_clock::now() +
+                  std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                      std::chrono::duration<double>(turn_wait_limit()))) {}
+  Turn(const Turn&) = delete;
+  Turn& operator=(const Turn&) = delete;
+  ~Turn() {
+    {
+      std::lock_guard lock(owner_.mutex_);
+      // A child forked while this turn waited forgot the line (Note [Fork safety]); its entry went with it.
+      if (generation_ == fork_generation()) owner_.turns_.erase(entry_);
+    }
+    owner_.idle_cv_.notify_all();
+  }
+  const std::vector<int64_t>& tiles() const { return entry_->tiles; }
+
+ private:
+  friend class TiledEvictable;
+  TiledEvictable& owner_;
+  std::list<TurnEntry>::iterator entry_;
+  std::chrono::steady_clock::time_point deadline_;
+  uint64_t generation_ = fork_generation();
+};
+
+std::unique_ptr<TiledEvictable::Turn> TiledEvictable::take_turn(std::vector<int64_t> tiles) {
+  std::sort(tiles.begin(), tiles.end());
+  tiles.erase(std::unique(tiles.begin(), tiles.end()), tiles.end());
+  std::lock_guard lock(mutex_);
+  turns_.push_back(TurnEntry{std::move(tiles)});
+  return std::make_unique<Turn>(*this, std::prev(turns_.end()));
+}
+
+void TiledEvictable::wait_turn(std::unique_lock<std::mutex>& lock, const Turn& turn, bool pins_block,
+                               const char* what) {
+  const std::vector<int64_t>& mine = turn.tiles();
+  int64_t blocker = -1;  // a tile in the way, for the message
+  auto ready = [&] {
+    if (is_released()) return true;
+    for (auto e = turns_.begin(); e != turn.entry_; ++e)
+      if (sorted_overlap(e->tiles, mine)) {
+        blocker = -1;
+        return false;
+      }
+    for (int64_t i : mine) {
+      const Tile& t = tiles_[i];
+      if (t.pending || (pins_block && t.pins > 0)) {
+        blocker = i;
+        return false;
+      }
+    }
+    return true;
+  };
+  if (!idle_cv_.wait_until(lock, turn.deadline_, ready)) {
+    std::ostringstream msg;
+    msg << what << ": waited " << turn_wait_limit() << " s for ";
+    if (blocker >= 0)
+      msg << "tile " << coord_str(tile_coord(blocker)) << " of TiledEvictable, which other work still "
+          << (tiles_[blocker].pending & kSumHold ? "holds (a gradient sum or an optimizer step)"
+              : tiles_[blocker].pending          ? "moves (an incomplete residency request)"
+                                                 : "pins (running tiled work)");
+    else
+      msg << "its turn: another caller waits for the same tiles";
+    msg << "; nothing changed. Wait for that work and try again";
+    raise<RuntimeError>(msg.str());
+  }
+  check_live(what);
+}
+
+CompletionPtr<std::monostate> TiledEvictable::promote_in_turn(const std::vector<int64_t>& tiles) {
+  check_live("promote tiles");
+  check_tile_indices(tiles, geometry_, "promote");
+  auto turn = take_turn(tiles);
+  return promote_tiles(tiles, false, turn.get());
+}
+
+CompletionPtr<std::monostate> TiledEvictable::evict_in_turn(const std::vector<int64_t>& tiles) {
+  check_live("evict tiles");
+  check_tile_indices(tiles, geometry_, "evict");
+  auto turn = take_turn(tiles);
+  return evict_tiles(tiles, false, turn.get());
+}
+
+CompletionPtr<std::monostate> TiledEvictable::flush_in_turn() {
+  check_live("flush");
+  std::vector<int64_t> all(static_cast<size_t>(tile_count()));
+  for (int64_t i = 0; i < tile_count(); ++i) all[static_cast<size_t>(i)] = i;
+  auto turn = take_turn(std::move(all));
+  return flush_tiles(false, turn.get());
+}
+
+std::unique_ptr<TiledEvictable::TileWrite> TiledEvictable::hold_in_turn(int64_t index, const char* what) {
+  auto self = std::static_pointer_cast<TiledEvictable>(weak_from_this().lock());
+  SW_ASSERT(self, "hold_in_turn: the carrier must be held by a std::shared_ptr");
+  check_live(what);
+  auto turn = take_turn({index});
+  for (;;) {
+    {
+      std::unique_lock lock(mutex_);
+      wait_turn(lock, *turn, /*pins_block=*/true, what);
+      const Tile& t = tiles_[index];
+      if (t.loc == TileLocation::Primary) {
+        lock.unlock();
+        if (auto h = hold_tile_for_update(index)) return h;  // nobody in line can take it in between
+        // Not native memory: the caller reports it. (A request or work that does not wait may also have taken
+        // it in between: then wait again.)
+        lock.lock();
+        if (!tiles_[index].pending && tiles_[index].pins == 0) return nullptr;
+        continue;
+      }
+    }
+    promote_tiles({index}, false, turn.get())->value();  // in this turn: nobody who waits evicts it meanwhile
+  }
 }
 
 // Note [A read-only secondary tier]: a secondary tier created with mutable=False is read in place and never

@@ -173,6 +173,7 @@ void TiledEvictable::restart_tile_tables_in_child() {
     }
     c->active_requests_ = 0;
     c->active_work_ = 0;
+    c->turns_.clear();  // the threads waiting in turn are not in the child (Note [Taking turns])
     new (&c->idle_cv_) std::condition_variable();
   }
   unlock_tile_tables();

@@ -147,16 +147,16 @@ class TiledResidencyFacet(CarrierFacet):
         return self._carrier.evict_async(tiles)
 
     def promote(self, tiles: TileSet | TileSelection) -> None:
-        return self._carrier.promote_async(tiles).wait()
+        return self._carrier.promote(tiles)
 
     def evict(self, tiles: TileSet | TileSelection) -> None:
-        return self._carrier.evict_async(tiles).wait()
+        return self._carrier.evict(tiles)
 
     def flush_async(self) -> AwaitResidency:
         return self._carrier.flush_async()
 
     def flush(self) -> None:
-        return self._carrier.flush_async().wait()
+        return self._carrier.flush()
 
 
 def _unsupported(*_args: Any) -> None:

@@ -30,6 +30,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <functional>
+#include <list>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -162,6 +163,19 @@ class TiledEvictable final : public DependentCarrier {
   // Blocks: the tile-table lock, briefly.
   bool has_incomplete_work() const;
 
+  // -------- waiting in turn (Note [Taking turns] in cpp/src/tiled/residency.cpp)
+  // The blocking forms: promote_async / evict_async / flush_async, except that a tile under another request, held
+  // by a gradient sum or an optimizer's step, or (eviction) pinned by running work is waited for instead of
+  // refused, first come first served among the callers that wait, for at most turn_wait_limit() seconds (then
+  // RuntimeError asking to wait, nothing changed). The returned completion is the request's own.
+  // Blocks: until the tiles are free (or the limit), on the tile-table lock's condition.
+  CompletionPtr<std::monostate> promote_in_turn(const std::vector<int64_t>& tiles);
+  CompletionPtr<std::monostate> evict_in_turn(const std::vector<int64_t>& tiles);
+  CompletionPtr<std::monostate> flush_in_turn();
+  // The bound on one wait in turn, in seconds (default 60); process-wide. ValueError unless positive and finite.
+  static void set_turn_wait_limit(double seconds);
+  static double turn_wait_limit() noexcept;
+
   // -------- data access
   // Blocks: the tile-table lock; reads a secondary tile's slots from the secondary tier, in this thread (I/O).
   void read_slots(int64_t start, int64_t count, void* out) const override;
@@ -235,11 +249,23 @@ class TiledEvictable final : public DependentCarrier {
                             // (kSumHold set: Note [Gradient sums hold their tiles])
   };
   struct Request;
+  // A place in line for a set of tiles (Note [Taking turns]); leaves the line when destroyed.
+  class Turn;
+  struct TurnEntry {
+    std::vector<int64_t> tiles;  // sorted, unique
+  };
+  std::unique_ptr<Turn> take_turn(std::vector<int64_t> tiles);
+  // Under `lock` (mutex_): waits until no turn taken before `turn` wants any of its tiles and none of them is
+  // pending (or pinned, when `pins_block`); RuntimeError naming `what` after the limit, or when released.
+  void wait_turn(std::unique_lock<std::mutex>& lock, const Turn& turn, bool pins_block, const char* what);
+  // Holds tile `index` for an in-place update, promoting it first, waiting in turn (Note [Taking turns]).
+  std::unique_ptr<TileWrite> hold_in_turn(int64_t index, const char* what);
   // Runs the request's transfers on the I/O executor, or in this thread when `inline_`.
   void start_request(const std::shared_ptr<Request>& r, bool inline_ = false);
-  CompletionPtr<std::monostate> promote_tiles(const std::vector<int64_t>& tiles, bool inline_);
-  CompletionPtr<std::monostate> evict_tiles(const std::vector<int64_t>& tiles, bool inline_);
-  CompletionPtr<std::monostate> flush_tiles(bool inline_);
+  // With a `turn`, conflicts are waited for in that turn instead of refused.
+  CompletionPtr<std::monostate> promote_tiles(const std::vector<int64_t>& tiles, bool inline_, Turn* turn = nullptr);
+  CompletionPtr<std::monostate> evict_tiles(const std::vector<int64_t>& tiles, bool inline_, Turn* turn = nullptr);
+  CompletionPtr<std::monostate> flush_tiles(bool inline_, Turn* turn = nullptr);
   // Under mutex_: validates an eviction of `tiles` and marks those that need a transfer pending for `r` (left
   // empty when none does). `deferred` (a policy's eviction after work): tiles that are pinned, pending or not
   // resident are left out instead of refused.
@@ -292,7 +318,8 @@ class TiledEvictable final : public DependentCarrier {
   // References to this carrier that queued requests hold (Request::owner); shared with them, so a request
   // can uncount its reference after dropping it (Note [Requests' own references]).
   std::shared_ptr<std::atomic<int64_t>> request_refs_ = std::make_shared<std::atomic<int64_t>>(0);
-  std::condition_variable idle_cv_;  // notified when active_requests_ or active_work_ drops
+  std::condition_variable idle_cv_;  // notified when active_requests_ or active_work_ drops, or a turn ends
+  std::list<TurnEntry> turns_;       // callers waiting in turn, in the order they came (Note [Taking turns])
   // The secondary tier's file name when the user named it (empty otherwise), and what release() discarded
   // (Note [Dirty tiles are never discarded silently]).
   std::string named_file_;
