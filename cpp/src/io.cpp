@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/file.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -174,14 +175,62 @@ void check_path(const std::string& path, const char* what) {
                     " contains an embedded NUL byte (at position ", nul, ")");
 }
 
-int try_open_file(const std::string& path, int flags, int mode) {
-  check_path(path, "path");
-  pass_gate(Op::Open);
-  if (int e = injected(Op::Open)) return -e;
+namespace {
+// What kind of file a FIFO or socket is, for the message below; nullptr for any other kind.
+const char* unseekable_kind(mode_t mode) {
+  if (S_ISFIFO(mode)) return "a FIFO (named pipe)";
+  if (S_ISSOCK(mode)) return "a socket";
+  return nullptr;
+}
+
+[[noreturn]] void refuse_unseekable(const std::string& path, const char* kind) {
+  raise<ValueError>(path, " is ", kind, ", not a regular file: a regular file was expected (StrideWeave reads and "
+                    "writes its files at offsets)");
+}
+
+int open_retrying(const std::string& path, int flags, int mode) {
   int fd;
   do fd = ::open(path.c_str(), flags | O_CLOEXEC, mode);
   while (fd < 0 && errno == EINTR);
   return fd < 0 ? -errno : fd;
+}
+}  // namespace
+
+// Note [Opening never blocks]: open(2) of a FIFO blocks until another process
+// opens its other end (forever, for a FIFO planted where a checkpoint or a
+// FileBacked file was expected), and a terminal or a serial line may block
+// until a carrier appears. Every file this library opens is read and written
+// at offsets, which none of those can serve. So every open asks O_NONBLOCK
+// (which changes nothing for a regular file or a block device), fstats what it
+// got, refuses a FIFO or socket with ValueError naming the path, and clears
+// O_NONBLOCK again before the descriptor is used. A write-only open of a FIFO
+// with no reader fails with ENXIO instead: the name is stat'ed to say why. A
+// lease held on a regular file (EWOULDBLOCK under O_NONBLOCK) is waited for as
+// before, with a blocking open once the name is seen to be a regular file.
+int try_open_file(const std::string& path, int flags, int mode) {
+  check_path(path, "path");
+  pass_gate(Op::Open);
+  if (int e = injected(Op::Open)) return -e;
+  if (flags & O_NONBLOCK) return open_retrying(path, flags, mode);  // the caller asked for it, and handles it
+  int fd = open_retrying(path, flags | O_NONBLOCK, mode);
+  if (fd == -ENXIO || fd == -EWOULDBLOCK) {
+    struct ::stat st {};
+    if (::stat(path.c_str(), &st) == 0) {
+      if (const char* kind = unseekable_kind(st.st_mode)) refuse_unseekable(path, kind);
+      if (fd == -EWOULDBLOCK && S_ISREG(st.st_mode)) fd = open_retrying(path, flags, mode);  // a lease: wait it out
+    }
+  }
+  if (fd < 0) return fd;
+  struct ::stat st {};
+  if (::fstat(fd, &st) == 0) {
+    if (const char* kind = unseekable_kind(st.st_mode)) {
+      ::close(fd);
+      refuse_unseekable(path, kind);
+    }
+  }
+  const int fl = ::fcntl(fd, F_GETFL);
+  if (fl >= 0 && (fl & O_NONBLOCK)) ::fcntl(fd, F_SETFL, fl & ~O_NONBLOCK);
+  return fd;
 }
 
 int open_file(const std::string& path, int flags, int mode) {

@@ -46,6 +46,8 @@ void check_path(const std::string& path, const char* what);
 int open_file(const std::string& path, int flags, int mode = 0644);
 // As open_file, but a failure returns -errno instead of raising (for callers
 // that handle one errno themselves); raise_failure raises the usual error.
+// Neither blocks in open(2): a FIFO or a socket at `path` is a ValueError
+// naming it (Note [Opening never blocks] in io.cpp).
 int try_open_file(const std::string& path, int flags, int mode = 0644);
 [[noreturn]] void raise_failure(Op op, const std::string& what, int error);
 // Reads `bytes` at `offset`; the end of the file before the last of them is an error (RuntimeError naming the

@@ -9,8 +9,8 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <functional>
 #include <nlohmann/json.hpp>
-#include <set>
 
 #include "strideweave/errors.hpp"
 #include "strideweave/io.hpp"
@@ -42,63 +42,213 @@ uint64_t read_le64(const char* p) {
   return v;
 }
 
-// Parses JSON, refusing a key that occurs twice in one object (nlohmann::json would keep the last silently, and a
-// hostile file could show one range to one reader and another to the next).
-json parse_json(std::string_view text, const std::string& where) {
-  std::vector<std::set<std::string>> keys;  // one set per open object
-  auto callback = [&](int depth, json::parse_event_t event, json& parsed) {
-    (void)depth;
-    switch (event) {
-      case json::parse_event_t::object_start: keys.emplace_back(); break;
-      case json::parse_event_t::object_end: keys.pop_back(); break;
-      case json::parse_event_t::key:
-        if (!keys.back().insert(parsed.get<std::string>()).second)
-          raise<ValueError>(where, ": the header names ", parsed.dump(), " twice");
-        break;
-      default: break;
+// Note [A header is parsed in linear time and bounded depth]: a header is
+// parsed by nlohmann::json's SAX parser (iterative: no recursion however deep
+// the text nests) into a document built here, not by its DOM parser with a
+// callback. That callback parser, after every object ends, scans the
+// enclosing object from its start for a discarded value: quadratic in the
+// number of tensors (20,000 tensors took 6 s to open, a crafted header of
+// 300,000 empty entries did not finish in 200 s). Building the document here
+// costs one map insertion per key, which also finds a key given twice (the
+// DOM parser would keep the last silently, and a hostile file could show one
+// range to one reader and another to the next). Nesting deeper than
+// kMaxJsonDepth is refused while parsing, before any value that deep exists:
+// every recursive walk of the document (dump, comparisons) is then bounded,
+// where a value nested 100,000 deep once overflowed the stack while its error
+// message was formatted. A well-formed safetensors header nests 3 deep (the
+// header, an entry, its shape), an index 3 (weight_map; metadata); the bound
+// is serde_json's, which the reference implementation parses with. Values
+// and names quoted in messages are cut to kQuoteChars (quote(), clip()).
+constexpr size_t kMaxJsonDepth = 128;
+constexpr size_t kQuoteChars = 200;
+
+// `text` cut to about kQuoteChars bytes at a UTF-8 character boundary, saying how much was left out.
+std::string clip(const std::string& text) {
+  if (text.size() <= kQuoteChars) return text;
+  size_t cut = kQuoteChars;
+  while (cut > 0 && (static_cast<unsigned char>(text[cut]) & 0xC0) == 0x80) --cut;  // not inside a character
+  return text.substr(0, cut) + "... (" + std::to_string(text.size()) + " bytes)";
+}
+
+// Appends at most about `limit` characters of `v` as JSON (ASCII only: non-ASCII characters escaped).
+void quote_into(const json& v, std::string& out, size_t limit) {
+  if (out.size() >= limit) return;
+  switch (v.type()) {
+    case json::value_t::object: {
+      out += '{';
+      bool first = true;
+      for (const auto& [k, x] : v.items()) {
+        if (out.size() >= limit) break;
+        if (!first) out += ", ";
+        first = false;
+        quote_into(json(k.size() > limit ? k.substr(0, limit) : k), out, limit);
+        out += ": ";
+        quote_into(x, out, limit);
+      }
+      out += '}';
+      return;
     }
-    return true;
-  };
-  try {
-    return json::parse(text.begin(), text.end(), callback);
-  } catch (const json::exception& e) {  // parse_error, and out_of_range for a number beyond double ("1E400")
-    raise<ValueError>(where, ": the header is not well-formed JSON (", e.what(), ")");
+    case json::value_t::array: {
+      out += '[';
+      bool first = true;
+      for (const json& x : v) {
+        if (out.size() >= limit) break;
+        if (!first) out += ", ";
+        first = false;
+        quote_into(x, out, limit);
+      }
+      out += ']';
+      return;
+    }
+    case json::value_t::string: {
+      const auto& str = v.get_ref<const std::string&>();
+      out += json(str.size() > limit ? str.substr(0, limit) : str).dump(-1, ' ', true, json::error_handler_t::replace);
+      return;
+    }
+    default: out += v.dump(); return;  // a number, a boolean or null: short
   }
 }
 
+// `v` as JSON for a message: at most about kQuoteChars characters ("..." where it was cut).
+std::string quote(const json& v) {
+  std::string out;
+  quote_into(v, out, kQuoteChars);
+  if (out.size() > kQuoteChars) {
+    out.resize(kQuoteChars);
+    out += "...";
+  }
+  return out;
+}
+
+// A member of the root object, handed over as soon as it is parsed (its key and value may be moved from).
+using MemberSink = std::function<void(std::string& key, json& value)>;
+
+// Builds the document of Note [A header is parsed in linear time and bounded depth]. With a MemberSink, the root
+// object's members are handed to it one by one and not kept in the root (a header's tensors go straight to their
+// TensorInfo: no document of 20,000 entries is built, sorted and destroyed); the sink then finds a key given twice.
+class HeaderBuilder final : public nlohmann::json_sax<json> {
+ public:
+  HeaderBuilder(json& root, const std::string& where, MemberSink sink)
+      : root_(root), where_(where), sink_(std::move(sink)) {}
+
+  bool null() override { return put(json(nullptr)); }
+  bool boolean(bool v) override { return put(json(v)); }
+  bool number_integer(number_integer_t v) override { return put(json(v)); }
+  bool number_unsigned(number_unsigned_t v) override { return put(json(v)); }
+  bool number_float(number_float_t v, const string_t&) override { return put(json(v)); }
+  bool string(string_t& v) override { return put(json(std::move(v))); }
+  bool binary(binary_t&) override { return false; }  // JSON text has none
+  bool start_object(std::size_t) override { return open(json::object()); }
+  bool start_array(std::size_t) override { return open(json::array()); }
+  bool end_object() override { return close(); }
+  bool end_array() override { return close(); }
+  bool key(string_t& k) override {
+    if (streaming()) {
+      member_key_ = std::move(k);
+      slot_ = &member_;
+      return true;
+    }
+    auto [it, fresh] = stack_.back()->get_ref<json::object_t&>().emplace(std::move(k), nullptr);
+    if (!fresh) raise<ValueError>(where_, ": the header names ", quote(json(it->first)), " twice");
+    slot_ = &it->second;
+    return true;
+  }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& e) override {
+    raise<ValueError>(where_, ": the header is not well-formed JSON (", clip(e.what()), ")");
+  }
+
+ private:
+  // Whether the value being parsed is a member of the root object that goes to the sink.
+  bool streaming() const { return sink_ && stack_.size() == 1 && stack_.back() == &root_ && root_.is_object(); }
+  // The place of the next value: the root, the slot of the last key, or a new element of the open array.
+  json& place() {
+    if (stack_.empty()) return root_;
+    json& top = *stack_.back();
+    if (top.is_array()) {
+      top.get_ref<json::array_t&>().emplace_back(nullptr);
+      return top.get_ref<json::array_t&>().back();
+    }
+    return *slot_;
+  }
+  bool put(json&& v) {
+    const bool member = streaming();
+    place() = std::move(v);
+    if (member) hand_over();
+    return true;
+  }
+  bool open(json&& v) {
+    if (stack_.size() >= kMaxJsonDepth)
+      raise<ValueError>(where_, ": the header nests objects and lists deeper than ", kMaxJsonDepth, " levels");
+    json& at = place();
+    at = std::move(v);
+    stack_.push_back(&at);  // stays valid: a value's address changes only while it is an open array's last element,
+    return true;            // and an open array gains no element while a value inside it is open
+  }
+  bool close() {
+    stack_.pop_back();
+    if (streaming()) hand_over();  // the member just closed was the root's
+    return true;
+  }
+  void hand_over() {
+    sink_(member_key_, member_);
+    member_ = json();
+  }
+
+  json& root_;
+  const std::string& where_;
+  MemberSink sink_;
+  std::vector<json*> stack_;  // the open objects and arrays, outermost first
+  json* slot_ = nullptr;      // the value of the open object's last key
+  std::string member_key_;    // with a sink: the root member being parsed
+  json member_;
+};
+
+// Parses `text` (ValueError naming `where` when it is not well-formed JSON, nests too deep, or gives a key twice;
+// with a sink, a key of the root object given twice is the sink's to find).
+json parse_json(std::string_view text, const std::string& where, MemberSink sink = nullptr) {
+  json root;
+  HeaderBuilder builder(root, where, std::move(sink));
+  try {
+    json::sax_parse(text.begin(), text.end(), &builder);
+  } catch (const json::exception& e) {
+    raise<ValueError>(where, ": the header is not well-formed JSON (", clip(e.what()), ")");
+  }
+  return root;
+}
+
 uint64_t unsigned_of(const json& v, const std::string& where, const char* what) {
-  if (!v.is_number_unsigned()) raise<ValueError>(where, ": ", what, " must be a non-negative integer, got ", v.dump());
+  if (!v.is_number_unsigned()) raise<ValueError>(where, ": ", what, " must be a non-negative integer, got ", quote(v));
   return v.get<uint64_t>();
 }
 
-TensorInfo tensor_of(const std::string& name, const json& entry, uint64_t data_size, const std::string& file) {
-  const std::string where = file + ": tensor '" + name + "'";
-  if (!entry.is_object()) raise<ValueError>(where, " must be an object, got ", entry.dump());
+// `name` is moved from.
+TensorInfo tensor_of(std::string& name, const json& entry, uint64_t data_size, const std::string& file) {
+  const std::string where = file + ": tensor '" + clip(name) + "'";
+  if (!entry.is_object()) raise<ValueError>(where, " must be an object, got ", quote(entry));
   for (const auto& [key, _] : entry.items())
     if (key != "dtype" && key != "shape" && key != "data_offsets")
-      raise<ValueError>(where, " has an unknown field '", key, "'");
+      raise<ValueError>(where, " has an unknown field '", clip(key), "'");
   for (const char* key : {"dtype", "shape", "data_offsets"})
     if (!entry.contains(key)) raise<ValueError>(where, " has no '", key, "'");
   TensorInfo t;
-  t.name = name;
   const json& dtype = entry["dtype"];
-  if (!dtype.is_string()) raise<ValueError>(where, ": dtype must be a string, got ", dtype.dump());
+  if (!dtype.is_string()) raise<ValueError>(where, ": dtype must be a string, got ", quote(dtype));
   t.dtype = dtype.get<std::string>();
   const ElementType* type = element_type(t.dtype);
-  if (!type) raise<ValueError>(where, " has an unknown dtype '", t.dtype, "'");
+  if (!type) raise<ValueError>(where, " has an unknown dtype '", clip(t.dtype), "'");
   t.itemsize = type->itemsize;
   const json& shape = entry["shape"];
-  if (!shape.is_array()) raise<ValueError>(where, ": shape must be a list, got ", shape.dump());
+  if (!shape.is_array()) raise<ValueError>(where, ": shape must be a list, got ", quote(shape));
   uint64_t bytes = static_cast<uint64_t>(t.itemsize);
   for (const json& e : shape) {
     uint64_t extent = unsigned_of(e, where, "a shape extent");
     if (extent > static_cast<uint64_t>(INT64_MAX) || __builtin_mul_overflow(bytes, extent, &bytes))
-      raise<ValueError>(where, ": shape ", shape.dump(), " holds more bytes than a file can");
+      raise<ValueError>(where, ": shape ", quote(shape), " holds more bytes than a file can");
     t.shape.push_back(static_cast<int64_t>(extent));
   }
   const json& offsets = entry["data_offsets"];
   if (!offsets.is_array() || offsets.size() != 2)
-    raise<ValueError>(where, ": data_offsets must be [begin, end], got ", offsets.dump());
+    raise<ValueError>(where, ": data_offsets must be [begin, end], got ", quote(offsets));
   uint64_t begin = unsigned_of(offsets[0], where, "data_offsets[0]");
   uint64_t end = unsigned_of(offsets[1], where, "data_offsets[1]");
   if (begin > end) raise<ValueError>(where, ": data_offsets [", begin, ", ", end, "] end before they begin");
@@ -106,10 +256,11 @@ TensorInfo tensor_of(const std::string& name, const json& entry, uint64_t data_s
     raise<ValueError>(where, ": data_offsets [", begin, ", ", end, "] run past the end of the data area (",
                       data_size, " bytes)");
   if (end - begin != bytes)
-    raise<ValueError>(where, ": shape ", shape.dump(), " of ", t.dtype, " needs ", bytes, " bytes but data_offsets [",
+    raise<ValueError>(where, ": shape ", quote(shape), " of ", t.dtype, " needs ", bytes, " bytes but data_offsets [",
                       begin, ", ", end, "] hold ", end - begin);
   t.begin = begin;
   t.end = end;
+  t.name = std::move(name);
   return t;
 }
 
@@ -147,28 +298,32 @@ Header parse_header(std::string_view prefix, uint64_t file_size, const std::stri
   if (n > file_size - 8)
     raise<ValueError>(path, ": the header length ", n, " runs past the end of the file (", file_size, " bytes)");
   if (prefix.size() < 8 + n) raise<ValueError>(path, ": the header was cut short while it was read");
-  json root = parse_json(prefix.substr(8, n), path);
-  if (!root.is_object()) raise<ValueError>(path, ": the header must be a JSON object, got ", root.type_name());
   Header h;
   h.path = path;
   h.file_size = file_size;
   h.data_start = 8 + n;
   const uint64_t data_size = file_size - h.data_start;
-  for (const auto& [key, value] : root.items()) {
+  bool has_metadata = false;
+  // Note [A header is parsed in linear time and bounded depth]: each entry is checked as soon as it is parsed.
+  json root = parse_json(prefix.substr(8, n), path, [&](std::string& key, json& value) {
     if (key == kMetadataKey) {
+      if (has_metadata) raise<ValueError>(path, ": the header names \"", kMetadataKey, "\" twice");
+      has_metadata = true;
       if (!value.is_object()) raise<ValueError>(path, ": __metadata__ must map strings to strings");
-      for (const auto& [mk, mv] : value.items()) {
+      for (auto& [mk, mv] : value.items()) {
         if (!mv.is_string())
-          raise<ValueError>(path, ": __metadata__ must map strings to strings; '", mk, "' holds ", mv.dump());
-        h.metadata.emplace(mk, mv.get<std::string>());
+          raise<ValueError>(path, ": __metadata__ must map strings to strings; '", clip(mk), "' holds ", quote(mv));
+        h.metadata.emplace(mk, std::move(mv.get_ref<std::string&>()));
       }
-      continue;
+      return;
     }
     h.tensors.push_back(tensor_of(key, value, data_size, path));
-  }
-  // nlohmann::json keeps object keys sorted, so tensors are sorted by name already; sort anyway so the
-  // lookup does not rest on a library detail.
+  });
+  if (!root.is_object()) raise<ValueError>(path, ": the header must be a JSON object, got ", root.type_name());
   std::sort(h.tensors.begin(), h.tensors.end(), [](const TensorInfo& a, const TensorInfo& b) { return a.name < b.name; });
+  for (size_t i = 1; i < h.tensors.size(); ++i)
+    if (h.tensors[i].name == h.tensors[i - 1].name)
+      raise<ValueError>(path, ": the header names ", quote(json(h.tensors[i].name)), " twice");
   std::vector<const TensorInfo*> by_offset;
   for (const TensorInfo& t : h.tensors)
     if (t.end > t.begin) by_offset.push_back(&t);
@@ -176,8 +331,8 @@ Header parse_header(std::string_view prefix, uint64_t file_size, const std::stri
             [](const TensorInfo* a, const TensorInfo* b) { return a->begin < b->begin; });
   for (size_t i = 1; i < by_offset.size(); ++i)
     if (by_offset[i]->begin < by_offset[i - 1]->end)
-      raise<ValueError>(path, ": tensors '", by_offset[i - 1]->name, "' [", by_offset[i - 1]->begin, ", ",
-                        by_offset[i - 1]->end, ") and '", by_offset[i]->name, "' [", by_offset[i]->begin, ", ",
+      raise<ValueError>(path, ": tensors '", clip(by_offset[i - 1]->name), "' [", by_offset[i - 1]->begin, ", ",
+                        by_offset[i - 1]->end, ") and '", clip(by_offset[i]->name), "' [", by_offset[i]->begin, ", ",
                         by_offset[i]->end, ") overlap");
   for (TensorInfo& t : h.tensors) {
     t.begin += h.data_start;
@@ -218,10 +373,11 @@ std::map<std::string, std::string> read_index(const std::string& path) {
     raise<ValueError>(path, ": an index must be a JSON object with a 'weight_map' object");
   std::map<std::string, std::string> out;
   for (const auto& [name, file] : root["weight_map"].items()) {
-    if (!file.is_string()) raise<ValueError>(path, ": weight_map['", name, "'] must be a file name, got ", file.dump());
+    if (!file.is_string()) raise<ValueError>(path, ": weight_map['", clip(name), "'] must be a file name, got ", quote(file));
     std::string f_name = file.get<std::string>();
     if (f_name.empty() || f_name.find('/') != std::string::npos || f_name == "." || f_name == "..")
-      raise<ValueError>(path, ": weight_map['", name, "'] must name a file in the index's folder, got '", f_name, "'");
+      raise<ValueError>(path, ": weight_map['", clip(name), "'] must name a file in the index's folder, got '",
+                        clip(f_name), "'");
     out.emplace(name, std::move(f_name));
   }
   return out;

@@ -14,7 +14,9 @@
 // leaves nothing mapped or open:
 //  * the file holds at least 8 bytes, and 8 + N <= file size (N <= 100 MiB,
 //    the bound the reference implementation uses);
-//  * the header is well-formed JSON (parsed by nlohmann::json), an object;
+//  * the header is well-formed JSON (parsed by nlohmann::json), an object,
+//    nesting at most 128 levels, with no key twice in one object (Note [A
+//    header is parsed in linear time and bounded depth] in safetensors.cpp);
 //  * "__metadata__", when present, maps strings to strings;
 //  * every tensor entry is an object with exactly a known "dtype", a "shape"
 //    of non-negative integers and "data_offsets" [begin, end], begin <= end;
