@@ -1,6 +1,6 @@
 """checkpoint: bf16 experts of a safetensors checkpoint, opened where they lie.
 
-Three cases, each a ratio ours / reference measured in interleaved pairs (bench/harness.py):
+Four cases, each a ratio ours / reference measured in interleaved pairs (bench/harness.py):
 
 * ``promote vs safe_open``: ``carrier.promote`` of 16 bf16 experts (1024 x 1024, 2 MiB each) of a
   safetensors file in the page cache, through ``sw.safetensors.open(path).tiled(names)``, against
@@ -9,6 +9,10 @@ Three cases, each a ratio ours / reference measured in interleaved pairs (bench/
   Target <= 1.0.
 * ``promote vs preadv``: the same promotion against one ``os.preadv`` of the same 16 byte ranges into 16
   touched buffers (the floor of any reader). Target <= 1.25.
+* ``open 20000 tensors``: ``sw.safetensors.open(path)`` of a file of 20,000 small bf16 tensors named as a
+  model's (a header of about 2.1 MB), with its keys listed, against ``safetensors.safe_open(path, "pt")`` and
+  ``keys()``: the cost of reading and validating a large header (Note [A header is parsed in linear time and
+  bounded depth] in cpp/src/checkpoint/safetensors.cpp). Target <= 2.0.
 * ``bf16 matmul``: ``sw.matmul`` of a (64 x 4096) bf16 activation by a (4096 x 4096) bf16 row-major
   PyTorch-style weight read as its transpose, against ``x @ w.T`` of PyTorch's bf16 CPU matmul with the
   same threads (``sw.matmul(x, w)`` contracts mode 1 of both operands: ``x @ w.T``). Each timed sample (eight
@@ -42,7 +46,8 @@ import strideweave as sw  # noqa: E402
 
 EXPERTS, OUT, IN = 16, 1024, 1024
 TOKENS, HIDDEN = 64, 4096
-TARGETS = {"promote vs safe_open": 1.0, "promote vs preadv": 1.25, "bf16 matmul": 1.0}
+MANY = 20_000  # tensors of the open case
+TARGETS = {"promote vs safe_open": 1.0, "promote vs preadv": 1.25, "open 20000 tensors": 2.0, "bf16 matmul": 1.0}
 
 
 def data_ranges(path: str, names: list[str]) -> list[tuple[int, int]]:
@@ -69,6 +74,11 @@ def main(argv=None) -> None:
     tmpdir = tempfile.mkdtemp(prefix="sw-bench-checkpoint-")
     path = os.path.join(tmpdir, "model.safetensors")
     save_file(weights, path)
+    many_path = os.path.join(tmpdir, "many.safetensors")
+    many = {f"model.layers.{i // 64}.mlp.experts.{i % 64}.w{i % 3 + 1}.weight": torch.full((4, 8), float(i)).bfloat16()
+            for i in range(MANY)}
+    save_file(many, many_path)
+    del many
     cases = []
     try:
         with open(path, "rb") as fh:  # the page cache holds the file for both sides
@@ -119,8 +129,27 @@ def main(argv=None) -> None:
         os.close(fd)
         carrier.release()
         del full, ckpt
+
+        # Opening a large header: both sides read and validate it and list its names.
+        with safe_open(many_path, "pt") as f:
+            want = sorted(f.keys())
+            want_shape = list(f.get_slice(want[-1]).get_shape())
+        many_ckpt = sw.safetensors.open(many_path)
+        if many_ckpt.keys() != want or list(many_ckpt.shape(want[-1])) != want_shape:
+            raise SystemExit("checkpoint: the 20000-tensor file opens with other names or shapes than safe_open's")
+        del many_ckpt
+
+        def open_many():
+            sw.safetensors.open(many_path).keys()
+
+        def safe_open_many():
+            with safe_open(many_path, "pt") as f:
+                f.keys()
+
+        cases.append(harness.compare("open 20000 tensors", open_many, safe_open_many, reps=max(reps // 4, 10),
+                                     warmup=3, inner=1, bytes=os.path.getsize(many_path), budget_s=budget))
     finally:
-        for p in (path,):
+        for p in (path, many_path):
             try:
                 os.unlink(p)
             except OSError:
