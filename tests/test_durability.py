@@ -248,7 +248,7 @@ def test_flush_is_refused_while_a_tile_is_in_flight_and_a_flush_in_flight_refuse
     core._io_hold("fsync")
     flush = sc.c.flush_async()
     held("fsync")
-    for refused in (lambda: sc.c.__setitem__(TILE + 1, 3.0), lambda: sc.c.evict(tiles(1)),
+    for refused in (lambda: sc.c.__setitem__(TILE + 1, 3.0), lambda: sc.c.evict_async(tiles(1)),
                     lambda: sc.c.flush_async(), lambda: sc.c.project(sc.full, TileSelection([[2]]))):
         with pytest.raises(RuntimeError, match="wait"):
             refused()
