@@ -56,6 +56,25 @@ def held(op, n=1):
         time.sleep(0.001)
 
 
+def started_waiting(call):
+    """Runs `call` in a thread and checks that it is still running (waiting, not refused) 0.2 s later: the thread
+    and its result dict ({"ok": True} or {"error": e} once it ends)."""
+    result = {}
+
+    def run():
+        try:
+            call()
+            result["ok"] = True
+        except Exception as e:  # noqa: BLE001 (reported by the caller)
+            result["error"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(0.2)
+    assert t.is_alive(), result
+    return t, result
+
+
 @pytest.fixture
 def wait_limit():
     """Restores the process-wide wait limit after the test."""
@@ -133,19 +152,8 @@ def test_blocking_form_waits_for_a_request_in_flight(held_io, blocking):
     held("pwrite")
     with pytest.raises(RuntimeError, match="wait"):
         (c.flush_async() if target is None else getattr(c, blocking + "_async")(target))
-    result = {}
-
-    def blocked():
-        try:
-            getattr(c, blocking)() if target is None else getattr(c, blocking)(target)
-            result["ok"] = True
-        except Exception as e:  # noqa: BLE001
-            result["error"] = e
-
-    t = threading.Thread(target=blocked)
-    t.start()
-    t.join(0.2)
-    assert t.is_alive(), result  # waiting, not refused
+    call = getattr(c, blocking)
+    t, result = started_waiting(lambda: call() if target is None else call(target))
     held_io._io_unhold()
     other.wait()
     t.join(30)
@@ -185,19 +193,7 @@ def test_step_waits_for_a_request_in_flight(held_io):
     held_io._io_hold("pwrite")
     other = c.evict_async(TileSet([(0, 0)]))
     held("pwrite")
-    result = {}
-
-    def step():
-        try:
-            opt.step()
-            result["ok"] = True
-        except Exception as e:  # noqa: BLE001
-            result["error"] = e
-
-    t = threading.Thread(target=step)
-    t.start()
-    t.join(0.2)
-    assert t.is_alive(), result
+    t, result = started_waiting(opt.step)
     held_io._io_unhold()
     other.wait()
     t.join(30)
