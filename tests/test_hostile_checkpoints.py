@@ -147,6 +147,7 @@ def test_an_in_place_tier_refuses_promotion_and_flush_once_its_file_was_replaced
         carrier.flush()
     print(info.value)
     assert str(path) in str(info.value) and "was replaced by another file" in str(info.value)
+    assert "cannot flush tiles to it" in str(info.value)  # a flush says it is a flush, not an eviction
     state = carrier.tile_state((0, 0, 0))
     assert state.location == "primary" and state.dirty  # the value is kept, not lost
     assert full[(0, 0, 0)] == 5.0

@@ -337,7 +337,7 @@ void TiledEvictable::start_request(const std::shared_ptr<Request>& r, bool inlin
     // Once per eviction request, before any tile is written: a named secondary file that was deleted, replaced
     // or truncated fails the whole request, which then changes nothing (Note [Files changed under a carrier]).
     try {
-      secondary_->check_storage_intact("evict tiles to it");
+      secondary_->check_storage_intact(r->flush ? "flush tiles to it" : "evict tiles to it");
     } catch (...) {
       r->error = std::current_exception();
       r->remaining.store(0);
