@@ -236,14 +236,13 @@ def test_saving_a_released_carrier_names_the_tensor(tmp_path):
 
 
 CHILD = textwrap.dedent("""
-    import sys, time, numpy as np, strideweave as sw
+    import sys, numpy as np, strideweave as sw
     from strideweave import friendly
     t = friendly.tensor(np.ones(1 << 18, np.float32))
     sw._core._io_hold("pwrite")
     import threading
     threading.Thread(target=sw.safetensors.save, args=(sys.argv[1], {"x": t}), daemon=True).start()
-    while sw._core._io_held_waiting("pwrite") < 1:
-        time.sleep(0.001)
+    assert sw._core._io_wait_held("pwrite", 1, 30.0), "the save did not reach the pwrite gate"
     print("held", flush=True)
     sys.stdin.read()  # until killed
 """)

@@ -10,22 +10,17 @@ Run: ``.venv/bin/python -m pytest -q tests/test_release_during_readers.py``.
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import pytest
 
 import strideweave as sw
 from strideweave import friendly
+from waiting import held
 
 pytestmark = pytest.mark.usefixtures("clear_io_faults")
 
 
-def held(op, n=1):
-    deadline = time.monotonic() + 30
-    while sw._core._io_held_waiting(op) < n:
-        assert time.monotonic() < deadline, f"no {op} reached the gate"
-        time.sleep(0.001)
 
 
 @pytest.mark.parametrize("crash_safe", [False, True])

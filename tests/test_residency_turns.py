@@ -16,13 +16,13 @@ Run: ``.venv/bin/python -m pytest -q tests/test_residency_turns.py``.
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import pytest
 
 import strideweave as sw
 from strideweave import friendly
+from waiting import held
 from strideweave.carriers.tiled_evictable import TiledEvictable, TileSelection, TileSet
 
 pytestmark = pytest.mark.usefixtures("grad_mode_on", "clear_io_faults")
@@ -48,12 +48,6 @@ def give_gradient(c, full, grads):
         sw.reduce_sum(sw.elementwise_mul(w, friendly.tensor(grads[e])), "o i ->").backward()
 
 
-def held(op, n=1):
-    """Waits (bounded) until `n` calls of `op` are blocked at the I/O gate: the request is in flight."""
-    deadline = time.monotonic() + 30
-    while sw._core._io_held_waiting(op) < n:
-        assert time.monotonic() < deadline, f"no {op} reached the gate"
-        time.sleep(0.001)
 
 
 def started_waiting(call):

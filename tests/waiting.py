@@ -25,5 +25,7 @@ def eventually(predicate: Callable[[], bool], what: str, timeout: float = DEADLI
 
 
 def held(op: str, n: int = 1, timeout: float = DEADLINE_S) -> None:
-    """Waits until `n` calls of the I/O operation `op` are blocked at the held gate (``_core._io_hold``)."""
-    eventually(lambda: sw._core._io_held_waiting(op) >= n, f"{n} {op} call(s) held at the I/O gate", timeout)
+    """Waits until `n` calls of the I/O operation `op` are blocked at the held gate (``_core._io_hold``): the gate
+    signals each call that starts waiting (``_core._io_wait_held``), so nothing polls."""
+    if not sw._core._io_wait_held(op, n, timeout):
+        raise AssertionError(f"not within {timeout} s: {n} {op} call(s) held at the I/O gate")

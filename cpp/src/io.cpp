@@ -163,6 +163,14 @@ int64_t held_waiting(Op op) {
   return g.waiting[static_cast<size_t>(op)];
 }
 
+bool wait_held(Op op, int64_t n, double timeout_s) {
+  Gate& g = gate();
+  const auto k = static_cast<size_t>(op);
+  std::unique_lock lock(g.m);
+  // pass_gate notifies the gate's condition each time a call starts waiting.
+  return g.cv.wait_for(lock, std::chrono::duration<double>(timeout_s), [&] { return g.waiting[k] >= n; });
+}
+
 int64_t calls(Op op) { return g_faults[static_cast<int>(op)].calls.load(); }
 
 void raise_failure(Op op, const std::string& what, int error) { fail(op, what, error); }

@@ -294,6 +294,12 @@ void bind_extension(nb::module_& m) {
     sw::io::unhold();
   });
   m.def("_io_held_waiting", [op_of](const std::string& op) { return sw::io::held_waiting(op_of(op)); }, nb::arg("op"));
+  // Test-only: blocks (without the GIL) until `n` calls of `op` wait at the gate; False after `timeout` seconds.
+  m.def("_io_wait_held", [op_of](const std::string& op, int64_t n, double timeout) {
+    const sw::io::Op o = op_of(op);
+    swpy::GilRelease nogil;
+    return sw::io::wait_held(o, n, timeout);
+  }, nb::arg("op"), nb::arg("n"), nb::arg("timeout"));
   // Test-only: calls of `op` so far (successful or injected), so a test can count the writes and syncs a request made.
   m.def("_io_calls", [op_of](const std::string& op) { return sw::io::calls(op_of(op)); }, nb::arg("op"));
 

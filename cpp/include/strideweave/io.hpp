@@ -39,6 +39,9 @@ int64_t calls(Op op);
 void hold(Op op);
 void unhold();
 int64_t held_waiting(Op op);
+// Blocks until at least `n` calls of `op` are blocked at the gate (true) or `timeout_s` seconds pass (false): a
+// test waits for its request to reach the gate without polling.
+bool wait_held(Op op, int64_t n, double timeout_s);
 
 // ValueError when `path` holds an embedded NUL byte (the kernel would see only the part before it, another
 // file); `what` names the argument ("FileBacked filename"). Every open below checks it too.
