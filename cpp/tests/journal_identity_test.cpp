@@ -52,16 +52,6 @@ struct Fd {
   ~Fd() { ::close(fd); }
 };
 
-template <class F>
-std::string runtime_error_of(F&& f) {
-  try {
-    f();
-  } catch (const RuntimeError& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "no RuntimeError";
-  return "";
-}
 
 bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 

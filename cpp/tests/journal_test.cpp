@@ -64,17 +64,6 @@ void crashed_unit(Journal& j, int64_t tile, char c, Journal::Crash crash) {
   EXPECT_THROW(write_unit(j, tile, c, crash), std::runtime_error);
 }
 
-// The message of a RuntimeError raised by `f`, or "" (with a test failure) when it raised none.
-template <class F>
-std::string runtime_error_of(F&& f) {
-  try {
-    f();
-  } catch (const RuntimeError& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "no RuntimeError";
-  return "";
-}
 
 bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 

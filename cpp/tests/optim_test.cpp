@@ -201,14 +201,20 @@ TEST(Optimizer, ATightBudgetGivesTheUnboundedValues) {
   EXPECT_GT(budget->stats().evictions, 0);
 }
 
-// Note [Taking turns]: the step waits for other work on its tiles, for at most the wait limit.
-TEST(Optimizer, ATileThatOtherWorkPinsPastTheWaitLimitIsRefusedWithNothingChanged) {
+// A weight whose tiles 1 and 2 have random gradients, for the contention tests below.
+Weight weight_with_gradients_on_tiles_1_and_2() {
   std::mt19937 rng(static_cast<uint32_t>(test_seed()));
   Weight w = make_weight();
-  optim::Optimizer opt(optim::Algorithm::SGD, {w.full}, {});
   std::vector<std::vector<float>> g(kE);
   for (auto& t : g) t = randoms(rng, kN);
   w.full->grad = gradient(w, {1, 2}, g);
+  return w;
+}
+
+// Note [Taking turns]: the step waits for other work on its tiles, for at most the wait limit.
+TEST(Optimizer, ATileThatOtherWorkPinsPastTheWaitLimitIsRefusedWithNothingChanged) {
+  Weight w = weight_with_gradients_on_tiles_1_and_2();
+  optim::Optimizer opt(optim::Algorithm::SGD, {w.full}, {});
   const auto before = tile_values(*w.carrier, 1);
   WorkToken pin = TiledInternals::begin_work(w.carrier, {1}, "projection");  // another caller's running work
   pin.ready()->value();
@@ -231,12 +237,8 @@ TEST(Optimizer, ATileThatOtherWorkPinsPastTheWaitLimitIsRefusedWithNothingChange
 }
 
 TEST(Optimizer, AStepWaitsForOtherWorkOnItsTilesToEnd) {
-  std::mt19937 rng(static_cast<uint32_t>(test_seed()));
-  Weight w = make_weight();
+  Weight w = weight_with_gradients_on_tiles_1_and_2();
   optim::Optimizer opt(optim::Algorithm::SGD, {w.full}, {});
-  std::vector<std::vector<float>> g(kE);
-  for (auto& t : g) t = randoms(rng, kN);
-  w.full->grad = gradient(w, {1, 2}, g);
   auto pin = std::make_unique<WorkToken>(TiledInternals::begin_work(w.carrier, {1}, "projection"));
   pin->ready()->value();
   std::promise<void> started;

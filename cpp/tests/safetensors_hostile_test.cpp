@@ -20,11 +20,6 @@ namespace st = sw::safetensors;
 
 namespace {
 
-std::string le64(uint64_t n) {
-  std::string out(8, '\0');
-  for (int i = 0; i < 8; ++i) out[static_cast<size_t>(i)] = static_cast<char>((n >> (8 * i)) & 0xff);
-  return out;
-}
 
 st::Header parse(const std::string& header) {
   const std::string bytes = le64(header.size()) + header;

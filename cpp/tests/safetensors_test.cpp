@@ -20,11 +20,6 @@ namespace st = sw::safetensors;
 
 namespace {
 
-std::string le64(uint64_t n) {
-  std::string out(8, '\0');
-  for (int i = 0; i < 8; ++i) out[static_cast<size_t>(i)] = static_cast<char>((n >> (8 * i)) & 0xff);
-  return out;
-}
 
 // A file of: the length of `header`, `header`, then `data_bytes` zero bytes.
 std::string file_bytes(const std::string& header, uint64_t data_bytes) {

@@ -435,5 +435,24 @@ inline std::vector<double> draw_eighths(Rng& rng, int64_t n, double lo, double h
   return v;
 }
 
+// The message of a RuntimeError raised by `f`, or "" (with a test failure) when it raised none.
+template <class F>
+std::string runtime_error_of(F&& f) {
+  try {
+    f();
+  } catch (const RuntimeError& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "no RuntimeError";
+  return "";
+}
+
+// `n` as 8 little-endian bytes (a safetensors header's length prefix).
+inline std::string le64(uint64_t n) {
+  std::string out(8, '\0');
+  for (int i = 0; i < 8; ++i) out[static_cast<size_t>(i)] = static_cast<char>((n >> (8 * i)) & 0xff);
+  return out;
+}
+
 }  // namespace testing_support
 }  // namespace sw
