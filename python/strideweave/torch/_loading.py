@@ -1,0 +1,130 @@
+"""``from_pretrained``: a transformers MoE model opened without ever allocating its experts (docs/guide.md,
+"Opening a Hugging Face MoE bigger than RAM").
+
+Note [Opening without the experts]
+transformers builds a model on the meta device and then loads the checkpoint's tensors into its parameters. While
+it builds the model, the experts classes' ``__init__`` is wrapped: after the class's own initialisation, the
+selected modules' weight parameters become plain meta tensors (not parameters), so transformers' loader has
+nothing to load them into: the checkpoint's expert tensors are left where they lie (transformers reports them as
+unexpected keys; we check that each one is a tensor a binding uses) and no expert weight is ever allocated or
+initialised. Everything else loads as transformers loads it (names converted, weights tied, buffers made). The
+modules are then bound to the checkpoint's tiles (``bind_all``). Which module is which is known from a first build
+of the same config on the meta device (it costs no memory): the experts modules are constructed in module order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging as _logging
+import os
+import warnings
+from typing import Any
+
+from ._bridge import _sw, _torch
+from ._offload import _budget_of, bind_all, experts_modules, select
+
+_WEIGHTS = {"Llama4TextExperts": ("gate_up_proj", "down_proj")}
+
+
+@contextlib.contextmanager
+def _without_weights(classes: dict, selected: set, order: list) -> Any:
+    """While active, the `order`-th constructed experts module whose path is in `selected` gets its weights as
+    plain meta tensors (Note [Opening without the experts])."""
+    counter = [0]
+    originals = {}
+
+    def wrap(cls: type, names: tuple, dbrx: bool) -> Any:
+        original = cls.__init__
+
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            original(self, *args, **kwargs)
+            i = counter[0]
+            counter[0] += 1
+            if i >= len(order) or order[i] not in selected:
+                return
+            owner = self.mlp if dbrx else self
+            meta = {}
+            for n in names:
+                t = getattr(owner, n)
+                delattr(owner, n)
+                placeholder = _torch().empty(tuple(t.shape), dtype=t.dtype, device="meta")
+                object.__setattr__(owner, n, placeholder)
+                meta[("mlp." + n) if dbrx else n] = placeholder
+            self.__dict__["_strideweave_meta"] = meta
+
+        return original, __init__
+
+    for cls in classes:
+        dbrx = cls.__name__ == "DbrxExperts"
+        names = ("w1", "v1", "w2") if dbrx else ("gate_up_proj", "down_proj")
+        originals[cls], cls.__init__ = wrap(cls, names, dbrx)
+    try:
+        yield
+    finally:
+        for cls, original in originals.items():
+            cls.__init__ = original
+
+
+def from_pretrained(path: Any, budget: Any, *, torch_dtype: Any = None, layers: Any = None, prefetch: bool = False,
+                    mutable: bool = False, **kwargs: Any) -> Any:
+    """The transformers ``*ForCausalLM`` of the checkpoint folder `path` (``AutoModelForCausalLM`` semantics,
+    `kwargs` passed on), with every MoE layer's experts bound to the checkpoint's tensors where they lie and never
+    allocated: opening costs the non-expert weights, plus what the budget lets the experts hold, plus a fixed
+    overhead (docs/guide.md).
+
+    ``budget``: a ``strideweave.ResidencyBudget`` or a byte count (every bound module's expert weights and their
+    gradients draw from it). ``torch_dtype``: the non-expert weights' dtype (default: the checkpoint's); the
+    experts are the checkpoint's and must be of it. ``layers``: the layers whose experts are bound (the others are
+    loaded by transformers, in RAM). ``prefetch`` and ``mutable``: as in ``offload_experts``.
+
+    Errors: TypeError for a model without an experts module StrideWeave knows (naming its class), arguments of the
+    wrong kind and dtype mismatches; ValueError for missing tensors and shape mismatches; IndexError for a layer
+    out of range.
+    """
+    torch = _torch()
+    import transformers
+    what = "from_pretrained"
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{what}: path must be a checkpoint folder, got {type(path).__name__}")
+    _budget_of(budget, what)
+    if not isinstance(prefetch, bool):
+        raise TypeError(f"{what}: prefetch must be a bool, got {type(prefetch).__name__}")
+    if not isinstance(mutable, bool):
+        raise TypeError(f"{what}: mutable must be a bool, got {type(mutable).__name__}")
+    if torch_dtype is not None and not isinstance(torch_dtype, torch.dtype):
+        raise TypeError(f"{what}: torch_dtype must be a torch.dtype or None, got {torch_dtype!r}")
+    folder = os.fspath(path)
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"{what}: {folder!r} is not a folder (a checkpoint as save_pretrained writes it)")
+    config_kwargs = {k: kwargs[k] for k in ("trust_remote_code", "revision") if k in kwargs}
+    config = kwargs.pop("config", None) or transformers.AutoConfig.from_pretrained(folder, **config_kwargs)
+    with torch.device("meta"):
+        probe = transformers.AutoModelForCausalLM.from_config(config)
+    selected = select(probe, layers, what)
+    order = [p for p, _, _, _ in experts_modules(probe)]
+    classes = {type(m): None for _, m, _, _ in experts_modules(probe)}
+    del probe
+    sw = _sw()
+    ckpt = sw.safetensors.open(folder)
+    hf_logger = _logging.getLogger("transformers")
+    level = hf_logger.level
+    hf_logger.setLevel(_logging.ERROR)  # the experts' tensors are unexpected keys by design; checked below
+    try:
+        with _without_weights(classes, {p for p, _, _, _ in selected}, order), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model, info = transformers.AutoModelForCausalLM.from_pretrained(
+                folder, config=config, dtype=torch_dtype if torch_dtype is not None else "auto",
+                output_loading_info=True, **kwargs)
+    finally:
+        hf_logger.setLevel(level)
+    selected = select(model, layers, what)
+    bindings = bind_all(model, selected, ckpt, budget, prefetch=prefetch, mutable=mutable, what=what)
+    used = {n for b in bindings for names in b.checkpoint_names.values() for n in names}
+    used |= {f"{b.name}.{p}" for b in bindings for p in b.parameter_names}  # as transformers names them
+    unexpected = [k for k in info.get("unexpected_keys", ()) if k not in used]
+    missing = [k for k in info.get("missing_keys", ())]
+    if unexpected or missing:
+        warnings.warn(f"{what}: {len(missing)} weights of {type(model).__name__} were not in the checkpoint "
+                      f"(initialised: {missing[:5]}) and {len(unexpected)} checkpoint tensors were not used "
+                      f"({unexpected[:5]})", stacklevel=2)
+    return model.eval()
