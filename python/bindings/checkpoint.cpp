@@ -114,7 +114,23 @@ void bind_checkpoint(nb::module_& m) {
          "The tensor over its byte range, of its own shape with row-major strides; no copy. Writes go to a scratch "
          "overlay, never to the file.")
       .def("tiled", [](Checkpoint& c, nb::handle names, nb::handle primary, nb::handle policy, bool is_mutable,
-                       bool crash_safe) {
+                       bool crash_safe, nb::handle tiles_arg) {
+        // tiles: how many equal slabs one tensor's first axis is split into (None: shape[0]). Checked before any
+        // file is opened; the count against the tensor's first extent in split_tier.
+        std::optional<int64_t> tiles;
+        if (!tiles_arg.is_none()) {
+          if (!PyLong_Check(tiles_arg.ptr()) || PyBool_Check(tiles_arg.ptr()))
+            sw::raise<sw::TypeError>("tiled: tiles must be an int or None, got ", nb::type_name(tiles_arg.type()).c_str());
+          if (!PyUnicode_Check(names.ptr()))
+            sw::raise<sw::TypeError>("tiled: tiles applies to one tensor name (a fused tensor split along its first "
+                                     "axis), not to a sequence of names (each name is one tile)");
+          int overflow = 0;
+          const long long n = PyLong_AsLongLongAndOverflow(tiles_arg.ptr(), &overflow);
+          if (overflow != 0)
+            sw::raise<sw::ValueError>("tiled: tiles=", nb::str(tiles_arg).c_str(), " is out of range for tensor '",
+                                      str_arg(names, "a tensor name"), "'");
+          tiles = static_cast<int64_t>(n);
+        }
         if (crash_safe && !is_mutable)
           sw::raise<sw::ValueError>("tiled(crash_safe=True) needs mutable=True: a read-only tier writes a scratch "
                                     "overlay, never the checkpoint's files");
@@ -127,9 +143,9 @@ void bind_checkpoint(nb::module_& m) {
           const std::string n = nb::cast<std::string>(names);
           {
             GilRelease nogil;
-            tier = c.split_tier(n, w);
+            tier = c.split_tier(n, w, tiles);
           }
-          shape.assign(c.info(n).shape.begin() + 1, c.info(n).shape.end());
+          shape = c.split_shape(n, tiles);
         } else {
           if (!nb::isinstance<nb::iterable>(names))
             sw::raise<sw::TypeError>("tiled takes a tensor name or a sequence of names, got ",
@@ -157,12 +173,14 @@ void bind_checkpoint(nb::module_& m) {
                                                             ints_tuple(v.tile), nb::arg("residency_policy") = policy);
         return sw::make_tensor(nb::cast<sw::CarrierPtr>(carrier), 0, v.layout);
       }, nb::arg("names"), nb::arg("primary") = nb::none(), nb::arg("residency_policy") = nb::none(),
-         nb::arg("mutable") = false, nb::arg("crash_safe") = false,
+         nb::arg("mutable") = false, nb::arg("crash_safe") = false, nb::kw_only(), nb::arg("tiles") = nb::none(),
          nb::sig("def tiled(self, names: str | collections.abc.Sequence[str], primary: Carrier | None = None, "
                  "residency_policy: strideweave.carriers.tiled_evictable.ResidencyPolicy | None = None, "
-                 "mutable: bool = False, crash_safe: bool = False) -> Tensor"),
+                 "mutable: bool = False, crash_safe: bool = False, *, tiles: int | None = None) -> Tensor"),
          "Same-shape, same-dtype tensors (or the first-axis slabs of one tensor, given its name alone) as the tiles "
-         "of one full tensor of shape (*shape, tiles) over a TiledEvictable; each tile's bytes where they lie.")
+         "of one full tensor of shape (*shape, tiles) over a TiledEvictable; each tile's bytes where they lie. "
+         "With one name, tiles=N splits its first axis into N equal slabs of shape (shape[0] / N, *shape[1:]), "
+         "or shape[1:] for slabs of one row (None: shape[0] slabs, one row each).")
       .def("__repr__", [](const Checkpoint& c) {
         return "Checkpoint(" + std::to_string(c.keys().size()) + " tensors)";
       });

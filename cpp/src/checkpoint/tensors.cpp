@@ -51,13 +51,36 @@ TiledView tiled_view(const std::vector<int64_t>& shape, int64_t tiles) {
   return v;
 }
 
-std::shared_ptr<CheckpointCarrier> Checkpoint::split_tier(const std::string& name, CheckpointCarrier::Writes writes) {
+namespace {
+
+// The number of slabs of `name` (shape `shape`) split along its first axis into `tiles` (std::nullopt: shape[0]).
+int64_t slab_count(const std::string& name, const std::vector<int64_t>& shape, std::optional<int64_t> tiles) {
+  if (shape.empty() || shape[0] < 1)
+    raise<ValueError>("tensor '", name, "' has ", shape.empty() ? "rank 0" : "a first axis of extent 0",
+                      ": it cannot be split into tiles along its first axis");
+  if (!tiles) return shape[0];
+  if (*tiles < 1) raise<ValueError>("tensor '", name, "' cannot be split into ", *tiles, " tiles: tiles must be >= 1");
+  if (shape[0] % *tiles != 0)
+    raise<ValueError>("tensor '", name, "' has a first axis of extent ", shape[0], ", which tiles=", *tiles,
+                      " does not divide: it cannot be split into ", *tiles, " equal slabs");
+  return *tiles;
+}
+
+}  // namespace
+
+std::vector<int64_t> Checkpoint::split_shape(const std::string& name, std::optional<int64_t> tiles) const {
+  const std::vector<int64_t>& s = info(name).shape;
+  const int64_t slabs = slab_count(name, s, tiles);
+  std::vector<int64_t> shape(s.begin() + 1, s.end());
+  if (s[0] / slabs > 1) shape.insert(shape.begin(), s[0] / slabs);  // a slab of one row is that row
+  return shape;
+}
+
+std::shared_ptr<CheckpointCarrier> Checkpoint::split_tier(const std::string& name, CheckpointCarrier::Writes writes,
+                                                          std::optional<int64_t> tiles) {
   const TensorInfo& t = info(name);
   const DType& d = dtype(name);
-  if (t.shape.empty() || t.shape[0] < 1)
-    raise<ValueError>("tensor '", name, "' has ", t.shape.empty() ? "rank 0" : "a first axis of extent 0",
-                      ": it cannot be split into tiles along its first axis");
-  const int64_t slabs = t.shape[0], slab = t.elements() / slabs;
+  const int64_t slabs = slab_count(name, t.shape, tiles), slab = t.elements() / slabs;
   const auto f = file(where_.at(name), writes == CheckpointCarrier::Writes::InPlace, "make a tier over it");
   std::vector<CheckpointCarrier::Range> ranges;
   ranges.reserve(static_cast<size_t>(slabs));
@@ -82,10 +105,9 @@ TensorPtr Checkpoint::tiled(const std::vector<std::string>& names, CarrierPtr pr
 }
 
 TensorPtr Checkpoint::tiled_split(const std::string& name, CarrierPtr primary, std::shared_ptr<ResidencyPolicy> policy,
-                                  CheckpointCarrier::Writes writes) {
-  auto t = split_tier(name, writes);
-  const std::vector<int64_t>& s = info(name).shape;
-  return tiled_over(std::move(t), std::vector<int64_t>(s.begin() + 1, s.end()), std::move(primary), std::move(policy));
+                                  CheckpointCarrier::Writes writes, std::optional<int64_t> tiles) {
+  auto t = split_tier(name, writes, tiles);
+  return tiled_over(std::move(t), split_shape(name, tiles), std::move(primary), std::move(policy));
 }
 
 }  // namespace sw::safetensors

@@ -31,6 +31,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -140,9 +141,17 @@ class Checkpoint {
   // The checkpoint tier over `names`, one range per name in the order given (slot order). The tensors must share
   // shape and dtype (ValueError naming the first that differs); `names` must be non-empty and distinct.
   std::shared_ptr<CheckpointCarrier> tier(const std::vector<std::string>& names, CheckpointCarrier::Writes writes);
-  // The checkpoint tier over one tensor split along its first axis: one range per slab (index i of that axis), each
-  // contiguous in the file, in index order. ValueError for a tensor of rank 0 or with a first axis of extent 0.
-  std::shared_ptr<CheckpointCarrier> split_tier(const std::string& name, CheckpointCarrier::Writes writes);
+  // The checkpoint tier over one tensor split along its first axis into `tiles` equal slabs (std::nullopt: shape[0]
+  // slabs, one per index of that axis): range i covers rows [i R, (i + 1) R) of that axis (R = shape[0] / tiles),
+  // contiguous in the file, in index order. ValueError for a tensor of rank 0 or with a first axis of extent 0, for
+  // tiles < 1, and for a first extent `tiles` does not divide (naming the tensor, its first extent and tiles); no
+  // file is opened then.
+  std::shared_ptr<CheckpointCarrier> split_tier(const std::string& name, CheckpointCarrier::Writes writes,
+                                                std::optional<int64_t> tiles = std::nullopt);
+  // The shape of one slab of split_tier(name, writes, tiles), the tile shape of tiled_split: (R, *shape[1:]) for
+  // slabs of R = shape[0] / tiles > 1 rows, shape[1:] for slabs of one row (one index of the first axis, the axis
+  // dropped), so tiles == shape[0] is the default. The same errors as split_tier.
+  std::vector<int64_t> split_shape(const std::string& name, std::optional<int64_t> tiles = std::nullopt) const;
   // Bytes read from the checkpoint's files so far (all tiers over it).
   uint64_t bytes_read() const;
 
@@ -155,10 +164,11 @@ class Checkpoint {
   // writes) (tiled_layout); `primary` an empty carrier (nullptr: an empty allocatable CPU carrier).
   TensorPtr tiled(const std::vector<std::string>& names, CarrierPtr primary, std::shared_ptr<ResidencyPolicy> policy,
                   CheckpointCarrier::Writes writes);
-  // The same over split_tier(name, writes): shape (*shape[1:], shape[0]), the same logical shape as one tensor per
-  // slab.
+  // The same over split_tier(name, writes, tiles): shape (*split_shape(name, tiles), tiles), the same logical shape
+  // as one tensor per slab: (*shape[1:], shape[0]) without `tiles`; (E I, H) with tiles = E gives (I, H, E), tile e
+  // the rows [e I, (e + 1) I), as DBRX's fused experts are stored ((H, E) when I = 1).
   TensorPtr tiled_split(const std::string& name, CarrierPtr primary, std::shared_ptr<ResidencyPolicy> policy,
-                        CheckpointCarrier::Writes writes);
+                        CheckpointCarrier::Writes writes, std::optional<int64_t> tiles = std::nullopt);
 
  private:
   Checkpoint() = default;
