@@ -212,8 +212,9 @@ class OffloadedExperts:
         self.expert_bytes = sum(_prod(s) for s in self.tile_shapes.values()) * (sw_dtype.bits // 8)
         self._moes: dict = {}
         # The C++ SparseMoE computes SwiGLU experts stored per expert, without bias, with the default gate.
-        self.native = (not self.fused and spec.silu and spec.default_gate and not spec.has_bias
-                       and spec.outside != "llama4")
+        # (A down projection stored (I, H), DBRX's, is not a view SparseMoE can take of a tiled tensor.)
+        self.native = (not self.fused and not form.down_transposed and spec.silu and spec.default_gate
+                       and not spec.has_bias and spec.outside != "llama4")
         if not self.native:
             for t in self.tiled.values():
                 t.carrier.set_residency_budget(budget)
@@ -231,8 +232,6 @@ class OffloadedExperts:
         if moe is None:
             sw = _sw()
             w1, w3, w2 = self.tiled["gate"], self.tiled["up"], self.tiled["down"]
-            if self.form.down_transposed:
-                w2 = sw.permute(w2, [1, 0, 2])
             moe = sw.moe.SparseMoE(w1, w2, w3, k, normalize=False, routing_dtype=_sw_dtype(routing_dtype),
                                    budget=self.budget)
             self._moes[key] = moe
@@ -540,8 +539,9 @@ def attach(module: Any, binding: OffloadedExperts) -> None:
                 delattr(mlp, n)
             # A meta placeholder (not a parameter): transformers' init code may still touch it.
             object.__setattr__(mlp, n, torch.empty(spec.shapes["mlp." + n], dtype=spec.dtype, device="meta"))
+        # DbrxExperts.forward: the interface's arguments, (batch, seq, H) in and out.
         module.forward = lambda hidden_states, top_k_index, top_k_weights: binding(
-            hidden_states, top_k_index, top_k_weights)
+            hidden_states, top_k_index, top_k_weights).view(hidden_states.shape[0], -1, spec.hidden)
     else:
         for n in ("gate_up_proj", "down_proj"):
             if n in module._parameters or n in module.__dict__:
