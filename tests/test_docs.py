@@ -56,3 +56,32 @@ def test_python_snippets_run(document, tmp_path, monkeypatch):
     finally:
         namespace.clear()
         gc.collect()
+
+
+def test_the_family_table_is_the_declared_families():
+    """docs/guide.md's family table ("Opening a Hugging Face MoE bigger than RAM") lists exactly the families of
+    strideweave.torch.families, in order; a family is "yes" under Tested exactly when tests/hf_families.py's zoo
+    (which tests/test_hf_families.py runs) has a model of it; its on-disk form names the tensors the declaration
+    looks for."""
+    import sys
+    from strideweave.torch import families
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import hf_families
+
+    with open(os.path.join(ROOT, "docs", "guide.md"), encoding="utf-8") as fh:
+        text = fh.read()
+    start = text.index("| Family | Tested | On-disk form |")
+    rows = []
+    for line in text[start:].splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    assert [r[0] for r in rows] == [f.name for f in families.FAMILIES]
+    for (name, tested, form), family in zip(rows, families.FAMILIES):
+        in_zoo = any(t in hf_families.ZOO for t in family.model_types)
+        assert tested == ("yes" if in_zoo else "no"), name
+        declared = family.forms[0]
+        first = declared.gate if isinstance(declared, families.Separate) else declared.gate_up
+        # the name of the gate (or fused gate/up) tensor, without the expert index and ".weight"
+        stem = first.replace("{e}.", "").replace(".weight", "")
+        assert f"`{stem}`" in form or f"`{stem}`/" in form or stem in form, (name, stem, form)
