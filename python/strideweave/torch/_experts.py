@@ -274,6 +274,24 @@ class OffloadedExperts:
         out.add_(routed)
         return out, router_logits
 
+    def llama4_experts(self, routed_in: Any) -> Any:
+        """Llama4TextExperts.forward: (E * T, H) inputs, expert e's rows e*T..(e+1)*T already scaled by its score
+        (0 for a token that did not pick it), to (E * T, H) outputs. A zero row's output is zero (no bias; silu(0)
+        = 0), so only nonzero rows are computed, which is what the dense computation gives."""
+        torch = _torch()
+        E = self.spec.experts
+        x = routed_in.reshape(-1, self.spec.hidden)
+        T = x.shape[0] // E
+        with torch.no_grad():
+            nonzero = (x != 0).any(dim=-1).reshape(E, T)
+            groups = []
+            for e in range(E):
+                rows = nonzero[e].nonzero().squeeze(-1) + e * T
+                if rows.numel():
+                    groups.append((e, rows, rows))
+        ones = torch.ones(x.shape[0], dtype=x.dtype)
+        return _classes()["Math"].apply(x, ones, None, None, self, groups, False)
+
     # ---- per-expert projections --------------------------------------------------------------------------------
 
     def _start(self, e: int, record: bool) -> dict:
@@ -547,6 +565,8 @@ def attach(module: Any, binding: OffloadedExperts) -> None:
             if n in module._parameters or n in module.__dict__:
                 delattr(module, n)
             object.__setattr__(module, n, torch.empty(spec.shapes[n], dtype=spec.dtype, device="meta"))
+        if spec.outside == "llama4":
+            module.forward = binding.llama4_experts
         if spec.outside is None:
             config = copy.copy(module.config)
             config._experts_implementation = IMPLEMENTATION
