@@ -214,6 +214,17 @@ void bind_checkpoint(nb::module_& m) {
     sw::safetensors::save(path, list, meta);
   }, nb::arg("path"), nb::arg("tensors"), nb::arg("metadata").none(),
      nb::sig("def _safetensors_save(path: str | bytes, tensors: object, metadata: object | None) -> None"));
+
+  m.def("_install_folder", [](nb::handle temp, nb::handle target) {
+    const std::string t = path_arg(temp, "the temporary folder"), g = path_arg(target, "the target folder");
+    GilRelease nogil;
+    sw::safetensors::install_folder(t, g);
+  }, nb::arg("temp"), nb::arg("target"), nb::sig("def _install_folder(temp: str | bytes, target: str | bytes) -> None"));
+  m.def("_remove_stale_folders", [](nb::handle target) {
+    const std::string g = path_arg(target, "the target folder");
+    GilRelease nogil;
+    sw::safetensors::remove_stale_folders(g);
+  }, nb::arg("target"), nb::sig("def _remove_stale_folders(target: str | bytes) -> None"));
 }
 
 }  // namespace swpy

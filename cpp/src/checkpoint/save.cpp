@@ -2,6 +2,8 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <stdio.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -50,28 +52,38 @@ struct TempFile {
   }
 };
 
+// ".<filename>.tmp-<pid>-<n>" of a writer that is gone (kill(pid, 0) says ESRCH; this process's own and a live
+// writer's are not).
+bool dead_writers_temporary(std::string_view name, const std::string& prefix) {
+  if (name.size() <= prefix.size() || name.substr(0, prefix.size()) != prefix) return false;
+  const std::string_view rest = name.substr(prefix.size());
+  const size_t dash = rest.find('-');
+  if (dash == 0 || dash == std::string_view::npos || dash > 9 || dash + 1 == rest.size()) return false;
+  auto digits = [](std::string_view v) {
+    return std::all_of(v.begin(), v.end(), [](char c) { return c >= '0' && c <= '9'; });
+  };
+  if (!digits(rest.substr(0, dash)) || !digits(rest.substr(dash + 1))) return false;
+  const pid_t pid = static_cast<pid_t>(std::stol(std::string(rest.substr(0, dash))));
+  if (pid <= 0 || pid == ::getpid()) return false;
+  return ::kill(pid, 0) != 0 && errno == ESRCH;
+}
+
 // Removes ".<filename>.tmp-<pid>-<n>" in `dir` for every pid that is not a live process.
 void remove_stale_temporaries(const std::string& dir, const std::string& filename) {
   const std::string prefix = "." + filename + ".tmp-";
   DIR* d = ::opendir(dir.c_str());
   if (!d) return;  // the open of the temporary reports a folder that cannot be used
-  const pid_t self = ::getpid();
-  while (const dirent* e = ::readdir(d)) {
-    const std::string_view name(e->d_name);
-    if (name.size() <= prefix.size() || name.substr(0, prefix.size()) != prefix) continue;
-    const std::string_view rest = name.substr(prefix.size());
-    const size_t dash = rest.find('-');
-    if (dash == 0 || dash == std::string_view::npos || dash > 9 || dash + 1 == rest.size()) continue;
-    auto digits = [](std::string_view v) {
-      return std::all_of(v.begin(), v.end(), [](char c) { return c >= '0' && c <= '9'; });
-    };
-    if (!digits(rest.substr(0, dash)) || !digits(rest.substr(dash + 1))) continue;
-    const pid_t pid = static_cast<pid_t>(std::stol(std::string(rest.substr(0, dash))));
-    if (pid <= 0 || pid == self) continue;
-    if (::kill(pid, 0) == 0 || errno != ESRCH) continue;  // alive, or not ours to tell (EPERM): left alone
-    ::unlinkat(::dirfd(d), e->d_name, 0);
-  }
+  while (const dirent* e = ::readdir(d))
+    if (dead_writers_temporary(e->d_name, prefix)) ::unlinkat(::dirfd(d), e->d_name, 0);
   ::closedir(d);
+}
+
+void sync_folder(const std::string& dir) {
+  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd >= 0) {
+    ::fsync(dfd);
+    ::close(dfd);
+  }
 }
 
 bool proc_fd_links() {
@@ -184,6 +196,87 @@ void save(const std::string& path, const std::vector<std::pair<std::string, Tens
   if (dfd >= 0) {  // the rename is durable once the folder is synced
     ::fsync(dfd);
     ::close(dfd);
+  }
+}
+
+// Note [Replacing a folder whole]: install_folder moves a finished temporary folder (written beside `target`, in
+// the same file system) to `target` in one rename, so `target` is at every moment either the old folder or the new
+// one, never a mix and never absent. A new target: renameat2(RENAME_NOREPLACE), which refuses to land on a folder
+// that appeared meanwhile (rename(2) would silently replace an empty one). An existing target folder:
+// renameat2(RENAME_EXCHANGE) swaps the two folders atomically; the old one, now under the temporary's name, is then
+// removed (a crash before that leaves it as a dead writer's temporary, removed by the next save of `target`). The
+// temporary and the parent are synced first and after, so the new folder is durable once this returns. A file
+// system without RENAME_EXCHANGE (EINVAL) gets two renames instead: the old folder to ".<name>.tmp-<pid>-<n>",
+// then the new one to `target`; a crash between them leaves no `target` (the old folder under that name, until
+// the next save of `target` removes it).
+void install_folder(const std::string& temp, const std::string& target) {
+  io::check_path(temp, "temporary folder");
+  io::check_path(target, "target folder");
+  const std::filesystem::path tpath(target);
+  const std::string parent = tpath.parent_path().empty() ? "." : tpath.parent_path().string();
+  sync_folder(temp);
+  if (::renameat2(AT_FDCWD, temp.c_str(), AT_FDCWD, target.c_str(), RENAME_NOREPLACE) == 0) {
+    sync_folder(parent);
+    return;
+  }
+  int e = errno;
+  if (e == EINVAL || e == ENOSYS) {  // no RENAME_NOREPLACE here: a target that exists is handled below
+    struct stat st;
+    if (::lstat(target.c_str(), &st) != 0 && errno == ENOENT) {
+      if (::rename(temp.c_str(), target.c_str()) != 0)
+        raise<RuntimeError>("rename of ", temp, " to ", target, " failed: ", std::strerror(errno));
+      sync_folder(parent);
+      return;
+    }
+    e = EEXIST;
+  }
+  if (e != EEXIST) raise<RuntimeError>("rename of ", temp, " to ", target, " failed: ", std::strerror(e));
+  struct stat st;
+  if (::lstat(target.c_str(), &st) != 0)
+    raise<RuntimeError>("stat of ", target, " failed: ", std::strerror(errno));
+  if (!S_ISDIR(st.st_mode))
+    raise<ValueError>(target, " exists and is not a folder; a checkpoint folder replaces only a folder");
+  if (::renameat2(AT_FDCWD, temp.c_str(), AT_FDCWD, target.c_str(), RENAME_EXCHANGE) == 0) {
+    sync_folder(parent);
+    std::error_code ec;
+    std::filesystem::remove_all(temp, ec);  // the old folder; a leftover is a dead writer's temporary later
+    return;
+  }
+  e = errno;
+  if (e != EINVAL && e != ENOSYS) raise<RuntimeError>("exchange of ", temp, " and ", target, " failed: ", std::strerror(e));
+  // The old folder's name follows the temporaries' pattern (a counter of its own, far above the callers'), so a
+  // crash that leaves it lets the next save remove it.
+  static std::atomic<uint64_t> olds{uint64_t{1} << 40};
+  const std::string old = (tpath.parent_path() / ("." + tpath.filename().string() + ".tmp-" +
+                                                  std::to_string(::getpid()) + "-" +
+                                                  std::to_string(olds.fetch_add(1)))).string();
+  std::error_code ec;
+  std::filesystem::remove_all(old, ec);
+  if (::rename(target.c_str(), old.c_str()) != 0)
+    raise<RuntimeError>("rename of ", target, " to ", old, " failed: ", std::strerror(errno));
+  if (::rename(temp.c_str(), target.c_str()) != 0) {
+    e = errno;
+    ::rename(old.c_str(), target.c_str());  // the old folder back
+    raise<RuntimeError>("rename of ", temp, " to ", target, " failed: ", std::strerror(e));
+  }
+  sync_folder(parent);
+  std::filesystem::remove_all(old, ec);
+}
+
+void remove_stale_folders(const std::string& target) {
+  io::check_path(target, "target folder");
+  const std::filesystem::path tpath(target);
+  const std::string dir = tpath.parent_path().empty() ? "." : tpath.parent_path().string();
+  const std::string prefix = "." + tpath.filename().string() + ".tmp-";
+  std::vector<std::string> stale;
+  if (DIR* d = ::opendir(dir.c_str())) {
+    while (const dirent* e = ::readdir(d))
+      if (dead_writers_temporary(e->d_name, prefix)) stale.emplace_back(e->d_name);
+    ::closedir(d);
+  }
+  for (const std::string& name : stale) {
+    std::error_code ec;
+    std::filesystem::remove_all(std::filesystem::path(dir) / name, ec);  // best effort: another may remove it too
   }
 }
 

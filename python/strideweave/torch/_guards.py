@@ -6,8 +6,9 @@ RAM"):
   them would copy every expert. The check runs before anything converts (the ``_apply`` of the model and of every
   module above a bound experts module probes the conversion on an empty tensor), so a refused call changes
   nothing.
-* ``state_dict()`` (and so the model's own ``save_pretrained``): the experts are not parameters, and a state dict
-  without them would save a model whose experts are lost; ``strideweave.torch.save_pretrained`` writes them.
+* ``state_dict()`` and the model's own ``save_pretrained`` (refused before it writes anything): the experts are not
+  parameters, and a state dict without them would save a model whose experts are lost;
+  ``strideweave.torch.save_pretrained`` writes them.
 """
 
 from __future__ import annotations
@@ -38,6 +39,15 @@ def _state_dict_hook(module: Any, prefix: str, keep_vars: bool) -> None:
     raise RuntimeError(f"state_dict: the experts of {b.name if b else prefix.rstrip('.')} are offloaded to a "
                        "checkpoint's tiles and are not parameters; a state dict would silently leave them out. "
                        "strideweave.torch.save_pretrained(model, folder) writes the whole model, experts "
+                       "included")
+
+
+def _refused_save_pretrained(self: Any, *args: Any, **kwargs: Any) -> None:
+    """The model's own ``save_pretrained`` while experts are bound: refused before it writes anything (it would
+    write the config, then fail at the state dict)."""
+    raise RuntimeError(f"{type(self).__name__}.save_pretrained: its experts are offloaded to a checkpoint's tiles and "
+                       "are not parameters, so transformers would save the model without them (nothing was "
+                       "written); strideweave.torch.save_pretrained(model, folder) writes the whole model, experts "
                        "included")
 
 
@@ -72,6 +82,8 @@ def install_guards(model: Any) -> None:
         if path in guarded and "_strideweave_dtype" not in m.__dict__:
             m.__dict__["_strideweave_dtype"] = dtype
             m._apply = types.MethodType(_guarded_apply, m)
+    if hasattr(model, "save_pretrained") and "save_pretrained" not in model.__dict__:
+        model.save_pretrained = types.MethodType(_refused_save_pretrained, model)
     for m in bound.values():
         if not m.__dict__.get("_strideweave_state_hook"):
             m.register_state_dict_pre_hook(_state_dict_hook)

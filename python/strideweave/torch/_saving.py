@@ -1,9 +1,296 @@
-"""``save_pretrained``: the whole model written back as a Hugging Face checkpoint (docs/guide.md)."""
+"""``save_pretrained``: the whole model written back as a Hugging Face checkpoint (docs/guide.md, "Opening a Hugging
+Face MoE bigger than RAM").
+
+Note [Saving a model whose experts are tiles]
+A model whose experts are bound to a checkpoint's tiles has no expert parameters, so transformers' own
+``save_pretrained`` cannot write it (it is refused, ``_guards``). ``save_pretrained`` here writes what transformers
+would write for the untouched model, from two sources:
+
+* the non-expert weights: the model's state dict (read inside ``_guards.saving_state``, which lets it through),
+  tied weights removed and names converted back to the checkpoint's by transformers' own functions
+  (``remove_tied_weights_from_state_dict``, ``revert_weight_conversion``: Mixtral's ``.mlp.`` back to
+  ``.block_sparse_moe.``, Phi-MoE's router, any family's renames), exactly as ``PreTrainedModel.save_pretrained``
+  does. The tensors cross to StrideWeave without a copy (``from_torch``); an experts module left in RAM (``layers=``)
+  is converted back by transformers like any other weight.
+* the experts: each binding's tiled tensors, under the checkpoint's own names and layout (``checkpoint_names``):
+  one ``(rows, cols)`` matrix per expert and projection, one ``(E, rows, cols)`` tensor for fused forms, DBRX's
+  ``(E * rows, cols)``. Each is a tensor over the tiles' carrier in the file's row-major order (a tile's bytes are
+  contiguous slots of the carrier), so ``strideweave.safetensors.save`` (C++) reads it in bounded chunks, tile range
+  by tile range: a resident tile from memory (its fine-tuned values), any other from its tier (the checkpoint, or
+  the overlay holding its evicted writes) without promoting it. No expert is ever gathered whole.
+
+Memory: the non-expert tensors are the model's own (no copy; only a conversion that builds new tensors, rare for
+non-expert weights, allocates), and the experts cost the writer's chunk buffer (8 MiB), well inside the residency
+budget, which saving leaves untouched.
+
+Layout of the folder (what transformers writes, always the sharded form): ``config.json`` (with ``dtype`` and
+``architectures`` set as transformers sets them, the model's config itself unchanged), ``generation_config.json``
+when the model can generate, ``model-0000i-of-0000n.safetensors`` (metadata ``{"format": "pt"}``) and
+``model.safetensors.index.json`` (``metadata``: ``total_size`` in bytes and ``total_parameters``; ``weight_map``),
+also for a single shard, and never a ``model.safetensors`` (transformers would prefer it to the index). Tensors are
+ordered by transformers' natural key of their names (a layer's weights together) and packed greedily into shards of
+at most ``max_shard_size`` bytes (huggingface_hub's rule; a tensor larger than that gets a shard of its own).
+
+Atomicity (Note [Replacing a folder whole] in cpp/src/checkpoint/save.cpp): everything is written into a new
+folder ``.<name>.tmp-<pid>-<n>`` beside the target (same file system), every file synced, and the folder is then
+moved to the target in one rename: a new target by a rename that never replaces, an existing target folder by
+``renameat2(RENAME_EXCHANGE)``, after which the old folder (now under the temporary's name) is removed. The target
+is therefore at every moment the old folder or the new one. An error removes the temporary folder (and the parent
+folders this call created) and leaves the target as it was; a process killed part-way leaves its temporary folder,
+which the next save to the same target removes (its process is gone). Saving into the folder the model was opened
+from works: the open checkpoint keeps reading its files, which stay alive (open or mapped) after the old folder is
+removed.
+"""
 
 from __future__ import annotations
 
+import copy
+import errno
+import itertools
+import json
+import os
+import shutil
 from typing import Any
+
+from ._bridge import _sw, _torch, from_torch
+
+WEIGHTS_PATTERN = "model-{index:05d}-of-{count:05d}.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+_COUNTER = itertools.count(1)
+
+
+def shard_size(max_shard_size: Any, what: str = "save_pretrained") -> int:
+    """`max_shard_size` in bytes: an int, or a string as transformers takes it ("5GB" = 5 * 10**9, "500MiB" =
+    500 * 2**20; huggingface_hub's parser). TypeError for another type, ValueError for a string that is no size or
+    a size <= 0."""
+    if isinstance(max_shard_size, bool) or not isinstance(max_shard_size, (int, str)):
+        raise TypeError(f"{what}: max_shard_size must be a byte count (int) or a size string such as \"5GB\", got "
+                        f"{type(max_shard_size).__name__}")
+    if isinstance(max_shard_size, str):
+        from huggingface_hub.serialization._base import parse_size_to_int
+        try:
+            size = parse_size_to_int(max_shard_size)
+        except ValueError as e:
+            raise ValueError(f"{what}: max_shard_size {max_shard_size!r} is not a size ({e})") from None
+    else:
+        size = max_shard_size
+    if size <= 0:
+        raise ValueError(f"{what}: max_shard_size must be > 0 bytes, got {max_shard_size!r}")
+    return int(size)
+
+
+def _write_shard(path: str, tensors: dict, metadata: dict) -> None:
+    """Writes one shard (strideweave.safetensors.save: C++, tiled tensors read tile range by tile range)."""
+    _sw().safetensors.save(path, tensors, metadata)
+
+
+def _strides(layout: Any) -> list:
+    """The stride of each top-level mode of a flat layout (its value at the unit coordinates)."""
+    rank = layout.rank
+    origin = layout([0] * rank)
+    return [layout([1 if j == k else 0 for j in range(rank)]) - origin for k in range(rank)]
+
+
+def expert_tensors(binding: Any) -> dict:
+    """{checkpoint name: StrideWeave tensor} of one binding's experts, in the checkpoint's own shape and row-major
+    order, each a view of the tiles' carrier (no value read, nothing copied)."""
+    sw = _sw()
+    out = {}
+    for role, names in binding.checkpoint_names.items():
+        t = binding.tiled[role]
+        if t.layout.rank != 3:
+            raise TypeError(f"{binding.name}: the {role} tiles have layout {t.layout}; (rows, cols, experts) expected")
+        rows, cols, experts = (int(x) for x in t.shape.extents)
+        s_rows, s_cols, s_tile = _strides(t.layout)
+        if binding.fused:  # (E, rows, cols)
+            layout = sw.Layout(sw.Shape(experts, rows, cols), sw.Stride(s_tile, s_rows, s_cols))
+            out[names[0]] = sw.Tensor(t.carrier, t.offset, layout)
+        elif len(names) == 1 and experts > 1:  # DBRX's split form: (E * rows, cols), expert e the rows [e*rows, ..)
+            layout = sw.Layout(sw.Shape([rows, experts], cols), sw.Stride([s_rows, s_tile], s_cols))
+            out[names[0]] = sw.Tensor(t.carrier, t.offset, layout)
+        else:  # one (rows, cols) matrix per expert
+            if len(names) != experts:
+                raise ValueError(f"{binding.name}: {len(names)} checkpoint names for {experts} {role} tiles")
+            layout = sw.Layout(sw.Shape(rows, cols), sw.Stride(s_rows, s_cols))
+            for e, name in enumerate(names):
+                out[name] = sw.Tensor(t.carrier, t.offset + e * s_tile, layout)
+    return out
+
+
+def _nbytes(t: Any) -> int:
+    n = 1
+    for d in t.shape.extents:
+        n *= int(d)
+    return n * (t.dtype().bits // 8)
+
+
+def non_expert_tensors(model: Any) -> dict:
+    """{checkpoint name: torch tensor} of the model's weights other than its bound experts, as transformers'
+    ``save_pretrained`` names and keeps them (tied weights removed, conversions reverted)."""
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+    from ._guards import saving_state
+    with saving_state():
+        state = model.state_dict()
+    for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
+        state.pop(key, None)
+    state = remove_tied_weights_from_state_dict(state, model)
+    return revert_weight_conversion(model, state)
+
+
+def _natural_key(name: str) -> Any:
+    from transformers.core_model_loading import dot_natural_key
+    return dot_natural_key(name)
+
+
+def plan(model: Any, max_shard_size: int, what: str) -> tuple:
+    """(shards: [[(name, StrideWeave tensor)]], total bytes, total parameters); checks everything, writes nothing."""
+    from ._offload import offloaded_experts
+    bindings = offloaded_experts(model)
+    if not bindings:
+        raise TypeError(f"{what}: {type(model).__name__} has no experts bound to checkpoint tiles; open it with "
+                        "strideweave.torch.from_pretrained or bind them with strideweave.torch.offload_experts "
+                        "(a model in RAM saves with its own save_pretrained)")
+    tensors: dict = {}
+    params = 0
+    for name, value in non_expert_tensors(model).items():
+        torch = _torch()
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{what}: the state dict entry {name!r} is a {type(value).__name__}, not a tensor")
+        try:
+            tensors[name] = from_torch(value.detach())
+        except (TypeError, ValueError, BufferError) as e:
+            raise TypeError(f"{what}: {name!r} ({value.dtype}, shape {tuple(value.shape)}) cannot be written: "
+                            f"{e}") from None
+    for b in bindings.values():
+        for name, t in expert_tensors(b).items():
+            if name in tensors:
+                raise ValueError(f"{what}: {name!r} is both a weight of the model and an expert tensor of {b.name}")
+            tensors[name] = t
+        params += sum(n for n in (_prod(s) for s in b.spec.shapes.values()))
+    params += model.num_parameters() if hasattr(model, "num_parameters") else 0
+    shards: list = []
+    current: list = []
+    size = total = 0
+    for name in sorted(tensors, key=_natural_key):  # huggingface_hub's greedy rule, in transformers' order
+        t = tensors[name]
+        n = _nbytes(t)
+        total += n
+        if n > max_shard_size:
+            shards.append([(name, t)])
+            continue
+        if current and size + n > max_shard_size:
+            shards.append(current)
+            current, size = [], 0
+        current.append((name, t))
+        size += n
+    if current:
+        shards.append(current)
+    return shards, total, params
+
+
+def _prod(shape: tuple) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_into(model: Any, tmp: str, shards: list, total: int, params: int) -> None:
+    """Writes the whole checkpoint into the (new, empty) folder `tmp`."""
+    config = copy.deepcopy(model.config)  # transformers sets these on the model's config; we leave it unchanged
+    config.dtype = str(model.dtype).split(".")[1]
+    config.architectures = [type(model).__name__.removeprefix("FSDP")]
+    if getattr(model, "is_remote_code", lambda: False)():
+        from transformers.dynamic_module_utils import custom_object_save
+        custom_object_save(model, tmp, config=config)
+    config.save_pretrained(tmp)
+    written = ["config.json"]
+    if getattr(model, "can_generate", lambda: False)() and getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(tmp)
+        written.append("generation_config.json")
+    weight_map = {}
+    count = len(shards)
+    for i, shard in enumerate(shards):
+        filename = WEIGHTS_PATTERN.format(index=i + 1, count=count)
+        _write_shard(os.path.join(tmp, filename), dict(shard), {"format": "pt"})
+        weight_map.update({name: filename for name, _ in shard})
+    index = {"metadata": {"total_parameters": params, "total_size": total}, "weight_map": weight_map}
+    with open(os.path.join(tmp, INDEX_NAME), "w", encoding="utf-8") as f:
+        f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    for name in written:
+        path = os.path.join(tmp, name)
+        if os.path.isfile(path):
+            _fsync(path)
 
 
 def save_pretrained(model: Any, folder: Any, *, max_shard_size: Any = "5GB") -> None:
-    raise NotImplementedError("save_pretrained is not written yet")
+    """Writes `model` (its experts bound by ``from_pretrained`` or ``offload_experts``) as a complete Hugging Face
+    checkpoint in `folder`: config, every non-expert weight under the names transformers' ``save_pretrained`` would
+    write, every expert streamed from its tiles (their current, fine-tuned values) in the checkpoint's own names and
+    layout, sharded by ``max_shard_size`` (bytes, or a string such as ``"5GB"``) with
+    ``model.safetensors.index.json``. transformers' ``from_pretrained`` loads it with nothing missing.
+
+    The folder is written beside `folder` and moved into place at the end in one rename; an existing `folder` is
+    replaced whole (Note [Saving a model whose experts are tiles]). Memory: the non-expert weights are written from
+    the model's own tensors, the experts through an 8 MiB buffer; nothing is gathered.
+
+    Errors leave `folder` as it was and nothing beside it: TypeError for a model without bound experts (pointing to
+    ``offload_experts``/``from_pretrained``), a `folder` that is not a path or a ``max_shard_size`` that is neither
+    an int nor a size string; ValueError for a ``max_shard_size`` <= 0 or not a size; an OSError
+    (``NotADirectoryError``, ``PermissionError``, ...) for a `folder` that cannot be written.
+    """
+    what = "save_pretrained"
+    torch = _torch()
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{what}: expected a transformers model (a torch.nn.Module), got {type(model).__name__}")
+    if not isinstance(folder, (str, os.PathLike)):
+        raise TypeError(f"{what}: folder must be a path, got {type(folder).__name__}")
+    limit = shard_size(max_shard_size, what)
+    target = os.path.realpath(os.fspath(folder))
+    if os.path.lexists(target) and not os.path.isdir(target):
+        raise NotADirectoryError(errno.ENOTDIR, f"{what}: exists and is not a folder (nothing was written)", target)
+    shards, total, params = plan(model, limit, what)
+    sw = _sw()
+    parent, name = os.path.split(target)
+    created = []  # parent folders made by this call, removed again on error
+    probe = parent
+    while probe and not os.path.isdir(probe):
+        if os.path.lexists(probe):
+            raise NotADirectoryError(errno.ENOTDIR, f"{what}: not a folder (nothing was written)", probe)
+        created.append(probe)
+        probe = os.path.dirname(probe)
+    tmp = None
+    try:
+        for path in reversed(created):
+            os.mkdir(path)
+        sw._core._remove_stale_folders(target)
+        while tmp is None:
+            candidate = os.path.join(parent, f".{name}.tmp-{os.getpid()}-{next(_COUNTER)}")
+            try:
+                os.mkdir(candidate)
+                tmp = candidate
+            except FileExistsError:
+                continue
+        _write_into(model, tmp, shards, total, params)
+        sw._core._install_folder(tmp, target)
+        tmp = None
+    except BaseException:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        for path in created:  # innermost first
+            try:
+                os.rmdir(path)
+            except OSError:
+                break
+        raise

@@ -221,4 +221,12 @@ std::string_view element_type_of(const DType& dtype);
 void save(const std::string& path, const std::vector<std::pair<std::string, TensorPtr>>& tensors,
           const std::map<std::string, std::string>& metadata);
 
+// Moves the finished folder `temp` (beside `target`, same file system) to `target` atomically: a new target by a
+// rename that refuses to replace, an existing target folder by exchanging the two and removing the old one
+// (Note [Replacing a folder whole] in save.cpp). ValueError when `target` exists and is not a folder,
+// RuntimeError for a failed rename (`target` left as it was).
+void install_folder(const std::string& temp, const std::string& target);
+// Removes the folders ".<name of target>.tmp-<pid>-<n>" beside `target` left by writers that are gone.
+void remove_stale_folders(const std::string& target);
+
 }  // namespace sw::safetensors
