@@ -16,6 +16,9 @@ Tiny models built from a config with seeded random weights (nothing is downloade
 * ``test_finetuned``: after three SGD steps (``sw.optim.SGD`` on the tiles, ``torch.optim.SGD`` on the rest, a
   budget that evicts dirty tiles) the reloaded model is the fine-tuned one, bit for bit; saving into the folder the
   model was opened from works and the model keeps working.
+* ``test_partly_offloaded``: one layer bound, the other in RAM (converted back by transformers).
+* ``test_save_memory``: in a fresh process, saving 100 MB of experts grows the peak RSS by at most the budget plus
+  the writer's chunk and a fixed overhead (reading them into RAM, the control, grows it by their size).
 * atomicity and errors: a failure on the second shard leaves the previous folder byte for byte and no temporary;
   an existing folder is replaced whole; dead writers' temporaries are removed; the model's own
   ``save_pretrained`` is refused before it writes anything; wrong arguments leave nothing behind.
@@ -262,6 +265,19 @@ def test_finetuned(family, experts_in_budget, tmp_path):
     assert temporaries(tmp_path) == []
 
 
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_partly_offloaded(family, tmp_path):
+    """With one layer's experts bound (layers=[1]) and the other's loaded by transformers, the experts in RAM are
+    converted back by transformers' own reverse conversion and the bound ones streamed: the same keys as the
+    original checkpoint, bit-identical on reload."""
+    original, src = saved(family, tmp_path / "src")
+    model = swt.from_pretrained(src, 1 << 22, layers=[1])
+    assert len(swt.offloaded_experts(model)) == 1
+    swt.save_pretrained(model, tmp_path / "out", max_shard_size="100KB")
+    assert checkpoint_keys(tmp_path / "out").keys() == checkpoint_keys(src).keys()
+    assert_same_weights(dict(original.named_parameters()), reload(tmp_path / "out"), f"{family} layers=[1]")
+
+
 # ------------------------------------------------------------------------------------------ atomicity, errors
 
 
@@ -365,3 +381,60 @@ def test_errors_leave_nothing(tmp_path):
             call()
         assert sorted(os.listdir(tmp_path)) == listing
         assert folder_digest(out) == digest
+
+
+_MEMORY_CHILD = r"""
+import json, os, sys, tempfile
+import torch, strideweave as sw, strideweave.torch as swt
+
+def rss():
+    with open("/proc/self/status") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
+
+def reset_peak():
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
+
+src, out, budget = sys.argv[1], sys.argv[2], int(sys.argv[3])
+model = swt.from_pretrained(src, budget)
+swt.save_pretrained(model, out + "-warm")  # imports and first-call allocations out of the way
+growth = {}
+reset_peak()
+before, _ = rss()
+swt.save_pretrained(model, out, max_shard_size="20MB")
+growth["save"] = rss()[1] - before
+from safetensors import safe_open
+reset_peak()
+before, _ = rss()
+held = []  # the control: the saved experts read into RAM
+for f in sorted(os.listdir(out)):
+    if f.endswith(".safetensors"):
+        with safe_open(os.path.join(out, f), "pt") as h:
+            held += [h.get_tensor(k).clone() for k in h.keys() if ".experts." in k]
+growth["control"] = rss()[1] - before
+print(json.dumps(growth))
+"""
+
+
+def test_save_memory(tmp_path):
+    """Saving costs the writer's chunk, not the experts: in a fresh process, a model whose experts are 100 MB
+    (2 layers x 8 experts x 3 x 256 x 2048 Float32) is saved under an 8 MiB budget with its peak RSS growth
+    (VmHWM reset through /proc/self/clear_refs, second save so imports are done) at most budget + the 8 MiB chunk
+    + 24 MiB of fixed overhead (Python objects, the index, transformers' config writer), while reading the saved
+    experts into RAM (the control, showing the measure sees them) grows it by at least their bytes."""
+    if not os.path.exists("/proc/self/clear_refs"):
+        pytest.skip("needs /proc/self/clear_refs to reset the peak RSS")
+    original, src = saved("mixtral", tmp_path / "src", hidden_size=256, intermediate_size=2048,
+                          num_attention_heads=4, num_key_value_heads=2)
+    expert_bytes = sum(p.numel() * p.element_size() for n, p in original.named_parameters() if ".experts." in n)
+    assert expert_bytes == 2 * 8 * 3 * 256 * 2048 * 4
+    del original
+    budget = 8 << 20  # one expert is 6 MiB
+    child = subprocess.run([sys.executable, "-c", _MEMORY_CHILD, src, os.fspath(tmp_path / "out"), str(budget)],
+                           capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-3000:]
+    growth = json.loads(child.stdout.strip().splitlines()[-1])
+    print(f"expert bytes {expert_bytes}, peak RSS growth {growth}")
+    assert growth["control"] >= expert_bytes
+    assert growth["save"] <= budget + (8 << 20) + (24 << 20), growth
