@@ -151,10 +151,11 @@ def plan(model: Any, max_shard_size: int, what: str) -> tuple:
         raise TypeError(f"{what}: {type(model).__name__} has no experts bound to checkpoint tiles; open it with "
                         "strideweave.torch.from_pretrained or bind them with strideweave.torch.offload_experts "
                         "(a model in RAM saves with its own save_pretrained)")
+    torch = _torch()
     tensors: dict = {}
-    params = 0
+    # transformers' count for the untouched model: its parameters (tied ones once) plus the bound experts'
+    params = model.num_parameters() if hasattr(model, "num_parameters") else 0
     for name, value in non_expert_tensors(model).items():
-        torch = _torch()
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{what}: the state dict entry {name!r} is a {type(value).__name__}, not a tensor")
         try:
@@ -167,8 +168,7 @@ def plan(model: Any, max_shard_size: int, what: str) -> tuple:
             if name in tensors:
                 raise ValueError(f"{what}: {name!r} is both a weight of the model and an expert tensor of {b.name}")
             tensors[name] = t
-        params += sum(n for n in (_prod(s) for s in b.spec.shapes.values()))
-    params += model.num_parameters() if hasattr(model, "num_parameters") else 0
+        params += sum(_prod(shape) for shape in b.spec.shapes.values())
     shards: list = []
     current: list = []
     size = total = 0
