@@ -103,6 +103,9 @@ class ExpertsSpec:
             raise TypeError(f"{self.module_class}'s experts are {self.dtype}; StrideWeave's experts take "
                             "torch.float32, torch.bfloat16 or torch.float16")
         self.shapes = {n: tuple(p.shape) for n, p in self.params.items()}
+        # Names only from here: holding the module's Parameters would keep the in-RAM experts alive after
+        # offload_experts drops them from the module.
+        self.params = dict.fromkeys(self.params)
         custom_gate = type(module).__dict__.get("_apply_gate") or getattr(type(module), "_apply_gate", None)
         self.default_gate = outside is not None or custom_gate is None or custom_gate is _default_gate()
         act_name = type(self.act).__name__ if self.act is not None else None
