@@ -146,7 +146,7 @@ sys.path.insert(0, TESTS)
 import hf_models
 import strideweave as sw
 from strideweave import friendly
-from strideweave.torch import offload_experts
+from strideweave.torch import offload_experts, offloaded_experts
 import numpy as np
 
 folder = os.path.join(tempfile.mkdtemp(), "mixtral")
@@ -154,11 +154,15 @@ hf_models.save_model(hf_models.build_model("mixtral", seed=0), folder)
 
 def offloaded():
     model = hf_models.load_model("mixtral", folder, experts_implementation="eager")
-    offload_experts(model, folder, budget=1 << 30)
+    bindings = offload_experts(model, folder, budget=1 << 30)
+    assert len(bindings) == 2 and all(b.native for b in bindings)  # the C++ SparseMoE computes the experts
     return model.train()
 
 models = [offloaded() for _ in range(3)]  # one per thread, and one for the children
 ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(0))
+with torch.no_grad():
+    models[2](input_ids=ids)  # the children's model makes its SparseMoEs in the parent, before the fork
+assert all(b._moes for b in offloaded_experts(models[2]).values())
 stop = threading.Event()
 steps = [0, 0]
 
