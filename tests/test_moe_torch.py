@@ -481,14 +481,15 @@ def test_offloading_frees_the_experts_and_keeps_the_rest(saved):
         ref_experts = hf_models.moe_block(reference, layer).experts
         for name in EXPERT_PARAMS:  # the tiles are the checkpoint's: what transformers loaded, bit for bit
             assert torch.equal(binding.gather(name), getattr(ref_experts, name))
-    ids = input_ids(model.config)
-    with torch.no_grad():
-        model(input_ids=ids)
-    # The checkpoint's carriers, every tiled tensor's of every layer, draw from the budget.
-    for binding in bindings:
-        for role, t in binding.tiled.items():
-            assert t.carrier.residency_budget is budget, (binding.name, role)
-    assert budget.stats()["members"] == 2 * 3
+    # The checkpoint's carriers, every tiled tensor's of every layer, draw from the budget from the binding on,
+    # and still after a forward (SparseMoE joins the same budget).
+    for when in ("bound", "after a forward"):
+        for binding in bindings:
+            for role, t in binding.tiled.items():
+                assert t.carrier.residency_budget is budget, (when, binding.name, role)
+        assert budget.stats()["members"] == 2 * 3, when
+        with torch.no_grad():
+            model(input_ids=input_ids(model.config))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -582,7 +583,7 @@ def test_offload_experts_refuses_what_it_cannot_do(saved, tmp_path):
          lambda: offload_experts(model, path, 1.5)),
         (TypeError, "budget must be a strideweave.ResidencyBudget or a byte count, got bool",
          lambda: offload_experts(model, path, True)),
-        (ValueError, "budget must be a byte count >= 0, got -1", lambda: offload_experts(model, path, -1)),
+        (ValueError, "budget must be a byte count >= 1, got -1", lambda: offload_experts(model, path, -1)),
         (IndexError, "offload_experts: layer 2 is out of range (the model has 2 layers)",
          lambda: offload_experts(model, path, budget, layers=[0, 2])),
         (TypeError, "layers must be a list of layer indices", lambda: offload_experts(model, path, budget, layers="0")),
@@ -590,7 +591,7 @@ def test_offload_experts_refuses_what_it_cannot_do(saved, tmp_path):
         # one expert's three Float32 (96, 64) tiles must fit at once
         (ValueError, "a budget of 73727 bytes cannot hold one expert's weight tiles (73728 bytes)",
          lambda: offload_experts(model, path, 3 * 96 * 64 * 4 - 1)),
-        (ValueError, "max_bytes must be >= 1, got 0", lambda: offload_experts(model, path, 0)),
+        (ValueError, "offload_experts: budget must be a byte count >= 1, got 0", lambda: offload_experts(model, path, 0)),
         # a Qwen checkpoint for a Mixtral: none of the names is there
         (ValueError, f"the checkpoint has none of the tensors of {experts} (MixtralExperts): tried {w1}",
          lambda: offload_experts(model, saved["qwen3_moe"]["float32"], budget)),

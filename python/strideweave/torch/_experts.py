@@ -218,8 +218,8 @@ class OffloadedExperts:
         # (A down projection stored (I, H), DBRX's, is not a view SparseMoE can take of a tiled tensor.)
         self.native = (not self.fused and not form.down_transposed and spec.silu and spec.default_gate
                        and not spec.has_bias and spec.outside != "llama4")
-        if not self.native:
-            for t in self.tiled.values():
+        for t in self.tiled.values():  # the tiles draw from the budget from the start (SparseMoE joins it too)
+            if t.carrier.residency_budget is None:
                 t.carrier.set_residency_budget(budget)
         self._module_ref = module
         self.prefetch_next: Optional[OffloadedExperts] = None  # the binding whose backward runs after this one's
@@ -351,7 +351,7 @@ class OffloadedExperts:
     def gather(self, name: str, *, grad: bool = False) -> Any:
         """A torch COPY of transformers' parameter `name` (relative to the module, e.g. ``"gate_up_proj"``) in the
         module's own form and dtype, from the tiles; ``grad=True``: the accumulated gradient in that form (zeros
-        where no backward reached; Float32 for 16-bit weights). Reads every expert: for tests and small models."""
+        where no backward reached; the gradient tiles' dtype, the weights'). Reads every expert: for tests and small models."""
         torch = _torch()
         import numpy as np
         if name not in self.spec.shapes:
@@ -362,8 +362,7 @@ class OffloadedExperts:
             if grad:
                 g = t.grad
                 if g is None:
-                    return torch.zeros((self.spec.experts,) + self.tile_shapes[role], dtype=torch.float32
-                                       if self.spec.dtype != torch.float32 else self.spec.dtype)
+                    return torch.zeros((self.spec.experts,) + self.tile_shapes[role], dtype=self.spec.dtype)
                 t = g
             a = np.array(t)  # (rows, cols, E)
             if a.dtype.name == "bfloat16":

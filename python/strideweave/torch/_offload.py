@@ -59,8 +59,8 @@ def _budget_of(budget: Any, what: str) -> Any:
     if isinstance(budget, bool) or not isinstance(budget, (int, sw.ResidencyBudget)):
         raise TypeError(f"{what}: budget must be a strideweave.ResidencyBudget or a byte count, got "
                         f"{type(budget).__name__}")
-    if isinstance(budget, int) and budget < 0:
-        raise ValueError(f"{what}: budget must be a byte count >= 0, got {budget}")
+    if isinstance(budget, int) and budget < 1:
+        raise ValueError(f"{what}: budget must be a byte count >= 1, got {budget}")
     return budget
 
 
