@@ -153,7 +153,12 @@ bool wants_versioned(nb::handle max_version) {
   return index_value(PyTuple_GET_ITEM(max_version.ptr(), 0), "max_version major") >= 1;
 }
 
-nb::object dlpack(nb::handle self, nb::handle stream, nb::handle max_version, nb::handle dl_device, nb::handle copy) {
+// `read_only_view`: the export is marked read-only and shares the memory as it is, even that of a mutable tensor
+// whose memory is shared copy-on-write (which a writable export first makes private). For consumers that promise
+// not to write (the experts' per-expert arithmetic in strideweave.torch, Note [Experts on transformers'
+// interface]); a versioned capsule only, since a legacy one cannot say read-only.
+nb::object dlpack(nb::handle self, nb::handle stream, nb::handle max_version, nb::handle dl_device, nb::handle copy,
+                  bool read_only_view = false) {
   const TensorImpl& t = nb::cast<const TensorImpl&>(self);
   if (!stream.is_none())
     sw::raise<sw::ValueError>("Tensor.__dlpack__: stream must be None for CPU memory, got ",
@@ -199,7 +204,7 @@ nb::object dlpack(nb::handle self, nb::handle stream, nb::handle max_version, nb
     if (refusal)
       buffer_error("Tensor.__dlpack__: cannot export " + t.carrier->kind_name() + " tensor of layout " + l.str() +
                    " without a copy: " + refusal + " (pass copy=True for a copy, or move it to a CPU carrier)");
-    read_only = !t.is_mutable();
+    read_only = read_only_view || !t.is_mutable();
     if (read_only && !versioned)
       buffer_error("Tensor.__dlpack__: cannot export an immutable tensor as a legacy DLPack capsule, which cannot "
                    "mark it read-only (the consumer must pass max_version=(1, 0) or later)");
@@ -457,6 +462,13 @@ void bind_dlpack(nb::module_& m) {
                        nb::name("__dlpack_device__"), nb::is_method(),
                        nb::sig("def __dlpack_device__(self) -> tuple[int, int]"),
                        "(1, 0): DLPack's CPU device 0, where every export lives.");
+  m.def("_dlpack_read_only", [](nb::handle t) {
+          if (!nb::isinstance<TensorImpl>(t))
+            sw::raise<sw::TypeError>("_dlpack_read_only: expected a Tensor, got ", nb::type_name(t.type()).c_str());
+          return dlpack(t, nb::none(), nb::make_tuple(1, 0), nb::none(), nb::none(), true);
+        }, nb::arg("t"), nb::sig("def _dlpack_read_only(t: Tensor) -> typing_extensions.CapsuleType"),
+        "Internal: a versioned DLPack capsule of t's memory marked read-only, shared as it is (no private copy of "
+        "copy-on-write memory); for consumers that never write it.");
   m.def("from_dlpack", &from_dlpack, nb::arg("obj"),
         nb::sig("def from_dlpack(obj: object, /) -> Tensor"),
         "A Tensor over obj's memory, no copy: obj is an object with __dlpack__ (a NumPy array, a torch.Tensor) or a "

@@ -30,6 +30,7 @@ import copy
 import re
 from typing import Any, Optional
 
+from .._core import _dlpack_read_only
 from ._bridge import _sw, _sw_dtype, _torch, _torch_dtype, from_torch, to_torch
 from .families import COMMON_FORMS, Family, Fused, Separate, checkpoint_prefix
 
@@ -311,8 +312,12 @@ class OffloadedExperts:
     @staticmethod
     def _finish(pending: dict) -> tuple:
         """(role -> StrideWeave (rows, cols, 1) projection, role -> torch (rows, cols) view of it)."""
+        torch = _torch()
         compact = {r: p.wait() for r, p in pending.items()}
-        return compact, {r: to_torch(c)[..., 0] for r, c in compact.items()}
+        # Read-only views of the projections' memory: a one-tile projection shares the resident tile's memory
+        # (copy-on-write), which a writable export would first copy; the arithmetic only reads them (they are
+        # detached leaves), and they are dropped before the next expert.
+        return compact, {r: torch.from_dlpack(_dlpack_read_only(c))[..., 0] for r, c in compact.items()}
 
     def _depth(self, backward: bool) -> int:
         """Experts in flight beside the one computing: 1 when the budget holds two experts (with Float32
