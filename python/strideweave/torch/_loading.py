@@ -9,7 +9,10 @@ nothing to load them into: the checkpoint's expert tensors are left where they l
 unexpected keys; we check that each one is a tensor a binding uses) and no expert weight is ever allocated or
 initialised. Everything else loads as transformers loads it (names converted, weights tied, buffers made). The
 modules are then bound to the checkpoint's tiles (``bind_all``). Which module is which is known from a first build
-of the same config on the meta device (it costs no memory): the experts modules are constructed in module order.
+of the same config on the meta device (it costs no memory): the experts modules are constructed in module order
+(checked after loading). The wrap is on the classes for the duration of the call; it acts only in the calling
+thread (a model of the same classes built by another thread meanwhile is built as usual), and calls of
+``from_pretrained`` take turns (one lock).
 """
 
 from __future__ import annotations
@@ -17,13 +20,14 @@ from __future__ import annotations
 import contextlib
 import logging as _logging
 import os
+import threading
 import warnings
 from typing import Any
 
 from ._bridge import _sw, _torch
 from ._offload import _budget_of, bind_all, experts_modules, select
 
-_WEIGHTS = {"Llama4TextExperts": ("gate_up_proj", "down_proj")}
+_LOCK = threading.Lock()  # one from_pretrained at a time wraps the experts classes
 
 
 @contextlib.contextmanager
@@ -32,28 +36,32 @@ def _without_weights(classes: dict, selected: set, order: list) -> Any:
     plain meta tensors (Note [Opening without the experts])."""
     counter = [0]
     originals = {}
+    loader = threading.get_ident()
 
     def wrap(cls: type, names: tuple, dbrx: bool) -> Any:
         original = cls.__init__
 
         def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
             original(self, *args, **kwargs)
+            if threading.get_ident() != loader:
+                return
             i = counter[0]
             counter[0] += 1
             if i >= len(order) or order[i] not in selected:
                 return
-            owner = self.mlp if dbrx else self
+            holder = self.mlp if dbrx else self
             meta = {}
             for n in names:
-                t = getattr(owner, n)
-                delattr(owner, n)
+                t = getattr(holder, n)
+                delattr(holder, n)
                 placeholder = _torch().empty(tuple(t.shape), dtype=t.dtype, device="meta")
-                object.__setattr__(owner, n, placeholder)
+                object.__setattr__(holder, n, placeholder)
                 meta[("mlp." + n) if dbrx else n] = placeholder
             self.__dict__["_strideweave_meta"] = meta
 
         return original, __init__
 
+    own = {cls: "__init__" in cls.__dict__ for cls in classes}
     for cls in classes:
         dbrx = cls.__name__ == "DbrxExperts"
         names = ("w1", "v1", "w2") if dbrx else ("gate_up_proj", "down_proj")
@@ -62,7 +70,10 @@ def _without_weights(classes: dict, selected: set, order: list) -> Any:
         yield
     finally:
         for cls, original in originals.items():
-            cls.__init__ = original
+            if own[cls]:
+                cls.__init__ = original
+            else:
+                del cls.__init__  # it was inherited: the class is left as it was
 
 
 def from_pretrained(path: Any, budget: Any, *, torch_dtype: Any = None, layers: Any = None, prefetch: bool = False,
@@ -91,6 +102,11 @@ def from_pretrained(path: Any, budget: Any, *, torch_dtype: Any = None, layers: 
         raise TypeError(f"{what}: prefetch must be a bool, got {type(prefetch).__name__}")
     if not isinstance(mutable, bool):
         raise TypeError(f"{what}: mutable must be a bool, got {type(mutable).__name__}")
+    if "dtype" in kwargs:  # transformers' own name for it
+        if torch_dtype is not None:
+            raise TypeError(f"{what}: give torch_dtype or dtype, not both")
+        torch_dtype = kwargs.pop("dtype")
+        torch_dtype = None if torch_dtype == "auto" else torch_dtype
     if torch_dtype is not None and not isinstance(torch_dtype, torch.dtype):
         raise TypeError(f"{what}: torch_dtype must be a torch.dtype or None, got {torch_dtype!r}")
     folder = os.fspath(path)
@@ -110,7 +126,7 @@ def from_pretrained(path: Any, budget: Any, *, torch_dtype: Any = None, layers: 
     level = hf_logger.level
     hf_logger.setLevel(_logging.ERROR)  # the experts' tensors are unexpected keys by design; checked below
     try:
-        with _without_weights(classes, {p for p, _, _, _ in selected}, order), warnings.catch_warnings():
+        with _LOCK, _without_weights(classes, {p for p, _, _, _ in selected}, order), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model, info = transformers.AutoModelForCausalLM.from_pretrained(
                 folder, config=config, dtype=torch_dtype if torch_dtype is not None else "auto",
@@ -118,6 +134,12 @@ def from_pretrained(path: Any, budget: Any, *, torch_dtype: Any = None, layers: 
     finally:
         hf_logger.setLevel(level)
     selected = select(model, layers, what)
+    # The modules left without weights are exactly the selected ones (the probe built them in the same order).
+    chosen = {p for p, _, _, _ in selected}
+    for p, m, _, _ in experts_modules(model):
+        if ("_strideweave_meta" in m.__dict__) != (p in chosen):
+            raise RuntimeError(f"{what}: {type(model).__name__} built its experts modules in another order than "
+                               f"the same config on the meta device ({p}); nothing was bound")
     bindings = bind_all(model, selected, ckpt, budget, prefetch=prefetch, mutable=mutable, what=what)
     used = {n for b in bindings for names in b.checkpoint_names.values() for n in names}
     used |= {f"{b.name}.{p}" for b in bindings for p in b.parameter_names}  # as transformers names them
