@@ -20,7 +20,6 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import hf_models  # noqa: E402
-import strideweave as sw  # noqa: E402
 import strideweave.torch as swt  # noqa: E402
 
 FAMILY = "qwen3_moe"

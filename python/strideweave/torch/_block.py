@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._bridge import _sw, _torch, _torch_dtype, from_torch, to_torch
+from ._bridge import _leaf_grads, _sw, _torch, _torch_dtype, from_torch, to_torch
 
 # ---------------------------------------------------------------------------------------------------------------
 # A transformers sparse-MoE block over strideweave.moe.SparseMoE (docs/guide.md, "Offloading the experts of a
@@ -62,14 +62,7 @@ def _classes() -> dict:
             ctx.graph = None
             out.backward(from_torch(grad_out.detach().contiguous()))
             ctx.block._after_backward()
-            grads = []
-            for leaf, (shape, dtype), needed in zip((xs, rs), ctx.inputs, ctx.needs_input_grad[:2]):
-                grad = leaf.grad if needed else None
-                if grad is None:
-                    grads.append(torch.zeros(shape, dtype=dtype) if needed else None)
-                    continue
-                g = to_torch(grad)
-                grads.append(g if g.dtype == dtype else g.to(dtype))  # explicit: torch requires the input's dtype
+            grads = _leaf_grads((xs, rs), ctx.inputs, ctx.needs_input_grad[:2])
             return grads[0], grads[1], None
 
     class MoEBlock(torch.nn.Module):

@@ -13,7 +13,6 @@ its history), and ``to_torch`` gives a tensor that takes no part in StrideWeave'
 from __future__ import annotations
 
 import importlib
-import os
 from typing import TYPE_CHECKING, Any
 
 from .._core import Tensor, from_dlpack
@@ -114,3 +113,19 @@ def _sw_dtype(dtype: Any) -> Any:
         if dtype == getattr(torch, torch_name):
             return getattr(sw.DType, sw_name)
     return None
+
+
+def _leaf_grads(leaves: tuple, inputs: tuple, needed: tuple) -> list:
+    """torch gradients of a StrideWeave graph's leaves after its backward, for a torch.autograd.Function's
+    backward: per leaf, ``to_torch(leaf.grad)`` (no copy) in its torch input's dtype (converted explicitly: torch
+    requires it), zeros when StrideWeave left none, None when torch needs none. `inputs`: (shape, dtype) each."""
+    torch = _torch()
+    grads = []
+    for leaf, (shape, dtype), need in zip(leaves, inputs, needed):
+        g = leaf.grad if need else None
+        if g is None:
+            grads.append(torch.zeros(shape, dtype=dtype) if need else None)
+        else:
+            g = to_torch(g)
+            grads.append(g if g.dtype == dtype else g.to(dtype))
+    return grads

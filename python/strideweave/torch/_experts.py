@@ -27,11 +27,10 @@ expert at a time (the next one's projection in flight), and saving no weight for
 from __future__ import annotations
 
 import copy
-import re
 from typing import Any, Optional
 
 from .._core import _dlpack_read_only
-from ._bridge import _sw, _sw_dtype, _torch, _torch_dtype, from_torch, to_torch
+from ._bridge import _leaf_grads, _sw, _sw_dtype, _torch, from_torch, to_torch
 from .families import COMMON_FORMS, Family, Fused, Separate, checkpoint_prefix
 
 IMPLEMENTATION = "strideweave"
@@ -135,7 +134,6 @@ class OffloadedExperts:
 
     def __init__(self, module: Any, name: str, layer: Optional[int], family: Optional[Family], spec: ExpertsSpec,
                  ckpt: Any, budget: Any, mutable: bool) -> None:
-        sw = _sw()
         self.name, self.layer, self.spec = name, layer, spec
         self.family = family.name if family else "other"
         self.module_class = spec.module_class
@@ -460,14 +458,7 @@ def _classes() -> dict:
             if nxt is not None and nxt.native and nxt._last_index is not None:
                 k, dtype, index = nxt._last_index
                 nxt._sparse_moe(k, dtype).prefetch(index)  # arrives while torch runs the layer in between
-            grads = []
-            for leaf, (shape, dtype), needed in zip((xs, ws), ctx.inputs, ctx.needs_input_grad[:2]):
-                g = leaf.grad if needed else None
-                if g is None:
-                    grads.append(torch.zeros(shape, dtype=dtype) if needed else None)
-                else:
-                    g = to_torch(g)
-                    grads.append(g if g.dtype == dtype else g.to(dtype))
+            grads = _leaf_grads((xs, ws), ctx.inputs, ctx.needs_input_grad[:2])
             return grads[0], grads[1], None, None
 
     class _Math(torch.autograd.Function):
@@ -538,18 +529,6 @@ def _visit(binding: Any, groups: list, backward: bool, fn: Any) -> None:
         else:
             fn(W, e, tokens, pos)
         del compact, W
-
-
-def bind(module: Any, name: str, layer: Optional[int], family: Optional[Family], ckpt: Any, budget: Any,
-         mutable: bool = False) -> OffloadedExperts:
-    """Binds `module` (its weights not yet dropped) to the checkpoint's tiles: checks everything, then replaces
-    the weight parameters with the binding (Note [Experts on transformers' interface]). Nothing changes on
-    error."""
-    outside = family.outside if family else None
-    spec = ExpertsSpec(module, outside)
-    binding = OffloadedExperts(module, name, layer, family, spec, ckpt, budget, mutable)
-    attach(module, binding)
-    return binding
 
 
 def attach(module: Any, binding: OffloadedExperts) -> None:

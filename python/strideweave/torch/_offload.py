@@ -9,8 +9,8 @@ import re
 from typing import Any, Optional
 
 from ._bridge import _sw, _torch
-from ._experts import OffloadedExperts, bind
-from .families import Family, family_of
+from ._experts import OffloadedExperts
+from .families import family_of
 
 _LAYER = re.compile(r"(?:^|\.)(?:layers|blocks|h)\.(\d+)\.")
 
