@@ -222,3 +222,19 @@ def test_a_model_without_a_moe_layer_is_refused_naming_its_class(tmp_path):
     message = str(info.value)
     assert "from_pretrained: LlamaForCausalLM has no experts module" in message and "MoEBlock" in message, message
     assert sorted(os.listdir(folder)) == entries
+
+
+def test_model_zero_grad_drops_the_experts_gradients_too(tmp_path):
+    """transformers' Trainer and ordinary loops call model.zero_grad() between steps: the experts' tiled
+    gradients go with torch's, or they would accumulate across steps."""
+    folder = hf_models.saved_models(FAMILY, tmp_path)["float32"]
+    model = swt.from_pretrained(folder, 1 << 20)
+    ids = torch.arange(12).reshape(1, 12) % 100
+    model(input_ids=ids, labels=ids).loss.backward()
+    bindings = list(swt.offloaded_experts(model).values())
+    assert all(t.grad is not None for b in bindings for t in b.tiled.values())
+    for set_to_none in (True, False):
+        model(input_ids=ids, labels=ids).loss.backward()
+        model.zero_grad(set_to_none=set_to_none)
+        assert all(t.grad is None for b in bindings for t in b.tiled.values()), set_to_none
+        assert all(p.grad is None if set_to_none else not p.grad.any() for p in model.parameters()), set_to_none

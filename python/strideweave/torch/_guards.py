@@ -6,6 +6,8 @@ RAM"):
   them would copy every expert. The check runs before anything converts (the ``_apply`` of the model and of every
   module above a bound experts module probes the conversion on an empty tensor), so a refused call changes
   nothing.
+* ``model.zero_grad()`` drops the experts' tiled gradients too (an ordinary loop and transformers' ``Trainer``
+  call it between steps).
 * ``state_dict()`` and the model's own ``save_pretrained`` (refused before it writes anything): the experts are not
   parameters, and a state dict without them would save a model whose experts are lost;
   ``strideweave.torch.save_pretrained`` writes them.
@@ -67,6 +69,16 @@ def _guarded_apply(self: Any, fn: Any, recurse: bool = True) -> Any:
     return type(self)._apply(self, fn, recurse)
 
 
+def _zero_grad(self: Any, set_to_none: bool = True) -> None:
+    """``model.zero_grad()`` also drops the bound experts' tiled gradients (torch's alone does not reach them; an
+    implicit-zero tile and a zeroed one are the same gradient, so ``set_to_none=False`` drops them too)."""
+    type(self).zero_grad(self, set_to_none)
+    for m in self.modules():
+        b = m.__dict__.get("_strideweave")
+        if b is not None:
+            b.zero_grad()
+
+
 def install_guards(model: Any) -> None:
     """Installs the guards on `model`'s bound experts modules and every module above them."""
     bound = {path: m for path, m in model.named_modules() if "_strideweave" in m.__dict__}
@@ -82,6 +94,8 @@ def install_guards(model: Any) -> None:
         if path in guarded and "_strideweave_dtype" not in m.__dict__:
             m.__dict__["_strideweave_dtype"] = dtype
             m._apply = types.MethodType(_guarded_apply, m)
+    if "zero_grad" not in model.__dict__:
+        model.zero_grad = types.MethodType(_zero_grad, model)
     if hasattr(model, "save_pretrained") and "save_pretrained" not in model.__dict__:
         model.save_pretrained = types.MethodType(_refused_save_pretrained, model)
     for m in bound.values():
