@@ -42,6 +42,20 @@ double number_of(nb::handle v, const char* name, const char* what) {
   return PyFloat_AsDouble(v.ptr());
 }
 
+// The hyperparameters as a dict of Python values (betas as beta1 and beta2).
+nb::dict hyper_dict(const optim::Hyperparameters& h) {
+  nb::dict d;
+  d["lr"] = h.lr;
+  d["momentum"] = h.momentum;
+  d["dampening"] = h.dampening;
+  d["nesterov"] = h.nesterov;
+  d["beta1"] = h.beta1;
+  d["beta2"] = h.beta2;
+  d["eps"] = h.eps;
+  d["weight_decay"] = h.weight_decay;
+  return d;
+}
+
 nb::dict traffic(const optim::TierTraffic& t) {
   nb::dict d;
   d["promotions"] = t.promotions;
@@ -79,6 +93,35 @@ void bind_optim(nb::module_& m) {
            nb::sig("def __init__(self, algorithm: str, params: collections.abc.Iterable[Tensor], lr: float, "
                    "momentum: float, dampening: float, nesterov: bool, beta1: float, beta2: float, eps: float, "
                    "weight_decay: float) -> None"))
+      .def("hyperparameters", [](const optim::Optimizer& o) { return hyper_dict(o.hyperparameters()); },
+           nb::sig("def hyperparameters(self) -> dict[str, typing.Any]"),
+           "The current hyperparameters (lr, momentum, dampening, nesterov, beta1, beta2, eps, weight_decay).")
+      .def("set_hyperparameters", [](optim::Optimizer& o, nb::dict changes) {
+        // Every value converted and the whole set validated before anything changes.
+        const char* name = optim::algorithm_name(o.algorithm());
+        optim::Hyperparameters h = o.hyperparameters();
+        for (auto [k, v] : changes) {
+          const std::string key = nb::cast<std::string>(k);
+          if (key == "lr") h.lr = number_of(v, name, "lr");
+          else if (key == "momentum") h.momentum = number_of(v, name, "momentum");
+          else if (key == "dampening") h.dampening = number_of(v, name, "dampening");
+          else if (key == "beta1") h.beta1 = number_of(v, name, "betas[0]");
+          else if (key == "beta2") h.beta2 = number_of(v, name, "betas[1]");
+          else if (key == "eps") h.eps = number_of(v, name, "eps");
+          else if (key == "weight_decay") h.weight_decay = number_of(v, name, "weight_decay");
+          else if (key == "nesterov") {
+            if (!PyBool_Check(v.ptr()))
+              sw::raise<sw::TypeError>(name, ": nesterov must be a bool, got ", nb::type_name(v.type()).c_str());
+            h.nesterov = v.ptr() == Py_True;
+          } else {
+            sw::raise<sw::ValueError>(name, ": no hyperparameter named '", key, "'");
+          }
+        }
+        GilRelease nogil;
+        o.set_hyperparameters(h);
+      }, nb::arg("changes"), nb::sig("def set_hyperparameters(self, changes: dict[str, typing.Any]) -> None"),
+      "Replaces the named hyperparameters, validated together as the constructor validates them (ValueError, "
+      "nothing changed); the next step uses them.")
       .def("step", [](optim::Optimizer& o) {
         GilRelease nogil;
         o.step();

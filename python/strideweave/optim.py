@@ -18,10 +18,40 @@ from ._core import Tensor
 __all__ = ["SGD", "Adam", "AdamW"]
 
 
+# Hyperparameters by algorithm: reading or setting one that the optimizer's algorithm lacks is an AttributeError.
+_HYPERPARAMETERS = {"lr", "weight_decay", "momentum", "dampening", "nesterov", "betas", "eps"}
+
+
 class _Optimizer:
     """What the three share: the engine object and its methods."""
 
     _engine: _Engine
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _HYPERPARAMETERS and not hasattr(type(self), name):
+            raise AttributeError(f"{type(self).__name__} has no hyperparameter {name!r}")
+        object.__setattr__(self, name, value)
+
+    def _get(self, name: str) -> Any:
+        return self._engine.hyperparameters()[name]
+
+    @property
+    def lr(self) -> float:
+        """The learning rate; settable between steps (the next step uses it), validated as the constructor does."""
+        return self._get("lr")
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        self._engine.set_hyperparameters({"lr": value})
+
+    @property
+    def weight_decay(self) -> float:
+        """The weight decay (Adam: added to the gradient; SGD: too; AdamW: decoupled); settable between steps."""
+        return self._get("weight_decay")
+
+    @weight_decay.setter
+    def weight_decay(self, value: float) -> None:
+        self._engine.set_hyperparameters({"weight_decay": value})
 
     @property
     def params(self) -> list[Tensor]:
@@ -61,9 +91,61 @@ def _betas(betas: Iterable[float], name: str) -> tuple[float, float]:
     return values[0], values[1]
 
 
+class _AdamBase(_Optimizer):
+    """Adam's and AdamW's hyperparameters besides lr and weight_decay."""
+
+    @property
+    def betas(self) -> tuple[float, float]:
+        """``(beta1, beta2)``; settable between steps (a pair, each in [0, 1))."""
+        h = self._engine.hyperparameters()
+        return (h["beta1"], h["beta2"])
+
+    @betas.setter
+    def betas(self, value: Iterable[float]) -> None:
+        b1, b2 = _betas(value, self._engine.algorithm)
+        self._engine.set_hyperparameters({"beta1": b1, "beta2": b2})
+
+    @property
+    def eps(self) -> float:
+        """The term added to the denominator; settable between steps (>= 0)."""
+        return self._get("eps")
+
+    @eps.setter
+    def eps(self, value: float) -> None:
+        self._engine.set_hyperparameters({"eps": value})
+
+
 class SGD(_Optimizer):
     """``torch.optim.SGD``'s update, per tile: ``SGD(params, lr, momentum=0.0, dampening=0.0, weight_decay=0.0,
     nesterov=False)``."""
+
+    @property
+    def momentum(self) -> float:
+        """The momentum factor; settable between steps (>= 0; a tile's buffer starts from its gradient on its first
+        step with momentum, as torch's)."""
+        return self._get("momentum")
+
+    @momentum.setter
+    def momentum(self, value: float) -> None:
+        self._engine.set_hyperparameters({"momentum": value})
+
+    @property
+    def dampening(self) -> float:
+        """The dampening of the momentum; settable between steps (finite)."""
+        return self._get("dampening")
+
+    @dampening.setter
+    def dampening(self, value: float) -> None:
+        self._engine.set_hyperparameters({"dampening": value})
+
+    @property
+    def nesterov(self) -> bool:
+        """Nesterov momentum; settable between steps (needs momentum > 0 and dampening 0)."""
+        return self._get("nesterov")
+
+    @nesterov.setter
+    def nesterov(self, value: bool) -> None:
+        self._engine.set_hyperparameters({"nesterov": bool(value)})
 
     def __init__(self, params: Iterable[Tensor], lr: float, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False) -> None:
@@ -71,7 +153,7 @@ class SGD(_Optimizer):
                                weight_decay)
 
 
-class Adam(_Optimizer):
+class Adam(_AdamBase):
     """``torch.optim.Adam``'s update, per tile: ``Adam(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
     weight_decay=0.0)`` (weight decay added to the gradient)."""
 
@@ -81,7 +163,7 @@ class Adam(_Optimizer):
         self._engine = _Engine("Adam", params, lr, 0.0, 0.0, False, b1, b2, eps, weight_decay)
 
 
-class AdamW(_Optimizer):
+class AdamW(_AdamBase):
     """``torch.optim.AdamW``'s update, per tile: ``AdamW(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
     weight_decay=1e-2)`` (decoupled: the weight is scaled by ``1 - lr * weight_decay`` first)."""
 

@@ -46,6 +46,11 @@ struct Hyperparameters {
   double weight_decay = 0.0;
 };
 
+// The hyperparameter rules of the constructor (and of set_hyperparameters): ValueError naming the algorithm and the
+// value for lr < 0, weight_decay < 0; SGD: momentum < 0, a dampening that is not finite, nesterov without momentum
+// or with dampening; Adam/AdamW: betas outside [0, 1), eps < 0 (NaN fails every rule).
+void validate(Algorithm algorithm, const Hyperparameters& h);
+
 // Bytes moved between the tiers of one kind of carrier (weights, gradients or optimizer state): the carriers'
 // own TiledStats summed (a weight's counts include the transfers of its projections, not only the optimizer's).
 struct TierTraffic {
@@ -85,7 +90,15 @@ class Optimizer {
   Optimizer& operator=(const Optimizer&) = delete;
 
   Algorithm algorithm() const noexcept { return algorithm_; }
-  const Hyperparameters& hyperparameters() const noexcept { return h_; }
+  // A copy: set_hyperparameters may replace them from another thread. Blocks: waits for a running step.
+  Hyperparameters hyperparameters() const;
+  // Replaces the hyperparameters between steps; the next step uses them (torch's learning-rate schedulers change
+  // lr before every step). Validated as the constructor validates them (validate): ValueError, nothing changed.
+  // SGD: a momentum made nonzero on an optimizer built without one allocates the momentum buffers (implicit zeros);
+  // a tile's buffer starts as torch's does, as a copy of its gradient, on the tile's first step with momentum, and a
+  // momentum set back to 0 leaves the buffers as they are (unused) until it is nonzero again.
+  // Blocks: waits for a running step.
+  void set_hyperparameters(const Hyperparameters& h);
   const std::vector<TensorPtr>& params() const noexcept { return params_; }
 
   // One step over every parameter with a gradient, tile by tile (Note [Optimizers on tiled parameters]). Every
@@ -112,6 +125,9 @@ class Optimizer {
  private:
   struct Slot;
   void step_slot(Slot& s, const TensorPtr& grad);
+  TensorPtr make_state(const Slot& s) const;
+  // Whether a step reads and writes the first state tensor (SGD's momentum buffer only while momentum is nonzero).
+  bool uses_state1() const noexcept { return algorithm_ != Algorithm::SGD || h_.momentum != 0; }
   Algorithm algorithm_;
   Hyperparameters h_;
   std::vector<TensorPtr> params_;

@@ -28,8 +28,7 @@ bool compact(const TensorImpl& t) { return t.layout.size() == t.layout.cosize() 
 
 }  // namespace
 
-Optimizer::Optimizer(Algorithm algorithm, std::vector<TensorPtr> params, Hyperparameters h)
-    : algorithm_(algorithm), h_(h) {
+void validate(Algorithm algorithm, const Hyperparameters& h) {
   const char* name = algorithm_name(algorithm);
   auto bad = [&](const char* what, double v, const char* rule) {
     raise<ValueError>(name, ": invalid ", what, " ", v, " (", rule, ")");
@@ -47,6 +46,12 @@ Optimizer::Optimizer(Algorithm algorithm, std::vector<TensorPtr> params, Hyperpa
     if (!(h.beta1 >= 0 && h.beta1 < 1)) bad("beta at index 0:", h.beta1, "must be in [0, 1)");
     if (!(h.beta2 >= 0 && h.beta2 < 1)) bad("beta at index 1:", h.beta2, "must be in [0, 1)");
   }
+}
+
+Optimizer::Optimizer(Algorithm algorithm, std::vector<TensorPtr> params, Hyperparameters h)
+    : algorithm_(algorithm), h_(h) {
+  const char* name = algorithm_name(algorithm);
+  validate(algorithm, h);
   if (params.empty()) raise<ValueError>(name, ": got an empty parameter list");
   // Every parameter is checked before any state is allocated.
   for (size_t i = 0; i < params.size(); ++i) {
@@ -88,31 +93,52 @@ Optimizer::Optimizer(Algorithm algorithm, std::vector<TensorPtr> params, Hyperpa
     auto s = std::make_unique<Slot>();
     s->param = params[i];
     s->tiled = std::dynamic_pointer_cast<TiledEvictable>(params[i]->carrier);
-    auto make_state = [&]() -> TensorPtr {
-      const TensorPtr& p = params[i];
-      if (s->tiled) {
-        // Float32 tiles of the weight's geometry over the weight's primary kind and a scratch file of their own,
-        // every tile an implicit zero, under the weight's budget; no residency policy.
-        CarrierPtr primary = s->tiled->primary()->allocate_like(0, true, DType::Float32(), true);
-        CarrierPtr scratch = std::make_shared<FileBackedCarrier>(std::string(), DType::Float32(), true);
-        auto c = std::make_shared<TiledEvictable>(primary, scratch, s->tiled->grid_shape(), s->tiled->tile_shape(),
-                                                  nullptr, true);
-        TiledInternals::make_implicit_zeros(*c);
-        if (s->tiled->residency_budget()) c->set_residency_budget(s->tiled->residency_budget());
-        return make_tensor(c, p->offset, p->layout);
-      }
-      CarrierPtr c = p->carrier->allocate_like(p->layout.cosize(), true, DType::Float32(), false);  // zeros
-      return make_tensor(c, 0, p->layout);
-    };
-    if (has_state) s->state1 = make_state();
-    if (algorithm != Algorithm::SGD) s->state2 = make_state();
+    if (has_state) s->state1 = make_state(*s);
+    if (algorithm != Algorithm::SGD) s->state2 = make_state(*s);
     s->steps.assign(static_cast<size_t>(s->tiled ? s->tiled->tile_count() : 1), 0);
+    s->stateful.assign(s->steps.size(), 0);
     slots_.push_back(std::move(s));
   }
   params_ = std::move(params);
 }
 
 Optimizer::~Optimizer() = default;
+
+TensorPtr Optimizer::make_state(const Slot& s) const {
+  const TensorPtr& p = s.param;
+  if (s.tiled) {
+    // Float32 tiles of the weight's geometry over the weight's primary kind and a scratch file of their own,
+    // every tile an implicit zero, under the weight's budget; no residency policy.
+    CarrierPtr primary = s.tiled->primary()->allocate_like(0, true, DType::Float32(), true);
+    CarrierPtr scratch = std::make_shared<FileBackedCarrier>(std::string(), DType::Float32(), true);
+    auto c = std::make_shared<TiledEvictable>(primary, scratch, s.tiled->grid_shape(), s.tiled->tile_shape(),
+                                              nullptr, true);
+    TiledInternals::make_implicit_zeros(*c);
+    if (s.tiled->residency_budget()) c->set_residency_budget(s.tiled->residency_budget());
+    return make_tensor(c, p->offset, p->layout);
+  }
+  CarrierPtr c = p->carrier->allocate_like(p->layout.cosize(), true, DType::Float32(), false);  // zeros
+  return make_tensor(c, 0, p->layout);
+}
+
+Hyperparameters Optimizer::hyperparameters() const {
+  std::lock_guard lock(mutex_);
+  return h_;
+}
+
+void Optimizer::set_hyperparameters(const Hyperparameters& h) {
+  validate(algorithm_, h);
+  std::lock_guard lock(mutex_);
+  if (algorithm_ == Algorithm::SGD && h.momentum != 0) {
+    // The buffers of every slot allocated first (an allocation error leaves the optimizer as it was).
+    std::vector<TensorPtr> buffers(slots_.size());
+    for (size_t k = 0; k < slots_.size(); ++k)
+      if (!slots_[k]->state1) buffers[k] = make_state(*slots_[k]);
+    for (size_t k = 0; k < slots_.size(); ++k)
+      if (buffers[k]) slots_[k]->state1 = std::move(buffers[k]);
+  }
+  h_ = h;
+}
 
 void Optimizer::zero_grad() {
   for (const TensorPtr& p : params_) {

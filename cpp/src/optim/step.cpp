@@ -63,7 +63,8 @@ void Optimizer::step() {
                              : "a " + g->carrier->kind().name + " carrier");
       if (const auto& budget = s.tiled->residency_budget()) {
         const int64_t n = s.tiled->tile_size();
-        const int64_t need = s.tiled->tile_bytes() + gt->tile_bytes() + (s.state1 ? 4 * n : 0) + (s.state2 ? 4 * n : 0);
+        const bool state1 = s.state1 && uses_state1();
+        const int64_t need = s.tiled->tile_bytes() + gt->tile_bytes() + (state1 ? 4 * n : 0) + (s.state2 ? 4 * n : 0);
         if (need > budget->max_bytes())
           raise<ValueError>(name, ".step: one tile of parameter ", k, " with its gradient and state takes ", need,
                             " bytes, more than its ResidencyBudget's max_bytes ", budget->max_bytes(),
@@ -89,6 +90,8 @@ void Optimizer::step() {
 void Optimizer::step_slot(Slot& s, const TensorPtr& grad) {
   const char* name = algorithm_name(algorithm_);
   const DTypeId wd = s.param->dtype().id(), gd = grad->dtype().id();
+  // SGD with momentum 0 neither reads nor writes its buffers (kept from a step with momentum, as torch keeps them).
+  const TensorPtr state1 = uses_state1() ? s.state1 : nullptr;
   if (!s.tiled) {  // a dense parameter: one tile, its memory updated in place
     // The step runs without the GIL: each carrier it reads or writes is claimed for the update, so another
     // thread's release() raises "... owned by <name>.step (wait for it)" instead of freeing the memory under it
@@ -97,24 +100,26 @@ void Optimizer::step_slot(Slot& s, const TensorPtr& grad) {
     std::vector<Carrier::Claim> claims;
     claims.push_back(s.param->carrier->claim(owner));
     claims.push_back(grad->carrier->claim(owner));
-    if (s.state1) claims.push_back(s.state1->carrier->claim(owner));
+    if (state1) claims.push_back(state1->carrier->claim(owner));
     if (s.state2) claims.push_back(s.state2->carrier->claim(owner));
     const int64_t n = s.param->layout.cosize();
     auto* w = s.param->carrier->mutable_native_data() + s.param->offset * static_cast<int64_t>(slot_bytes(s.param->dtype()));
     const auto* g = grad->carrier->native_data() + grad->offset * static_cast<int64_t>(slot_bytes(grad->dtype()));
-    float* s1 = s.state1 ? reinterpret_cast<float*>(s.state1->carrier->mutable_native_data()) : nullptr;
+    float* s1 = state1 ? reinterpret_cast<float*>(state1->carrier->mutable_native_data()) : nullptr;
     float* s2 = s.state2 ? reinterpret_cast<float*>(s.state2->carrier->mutable_native_data()) : nullptr;
     const int64_t step = ++s.steps[0];
-    detail::update(algorithm_, h_, step, w, wd, g, gd, s1, s2, n);
+    const bool first = !s.stateful[0];
+    if (state1) s.stateful[0] = 1;
+    detail::update(algorithm_, h_, step, first, w, wd, g, gd, s1, s2, n);
     s.param->carrier->bump_version();
-    if (s.state1) s.state1->carrier->bump_version();
+    if (state1) state1->carrier->bump_version();
     if (s.state2) s.state2->carrier->bump_version();
     counts_.tiles_stepped++;
     return;
   }
   TiledEvictable& W = *s.tiled;
   auto G = std::static_pointer_cast<TiledEvictable>(grad->carrier);
-  TiledEvictable* S1 = s.state1 ? static_cast<TiledEvictable*>(s.state1->carrier.get()) : nullptr;
+  TiledEvictable* S1 = state1 ? static_cast<TiledEvictable*>(state1->carrier.get()) : nullptr;
   TiledEvictable* S2 = s.state2 ? static_cast<TiledEvictable*>(s.state2->carrier.get()) : nullptr;
   const TiledStats w0 = W.stats(), g0 = G->stats();
   // The tiles with a gradient, in canonical order; an implicit gradient tile is skipped (torch: .grad is None).
@@ -151,7 +156,9 @@ void Optimizer::step_slot(Slot& s, const TensorPtr& grad) {
       }
     }
     const int64_t step = ++s.steps[static_cast<size_t>(i)];
-    detail::update(algorithm_, h_, step, hw->data(), wd, hg->data(), gd, h1 ? h1->data() : nullptr,
+    const bool first = !s.stateful[static_cast<size_t>(i)];
+    if (S1) s.stateful[static_cast<size_t>(i)] = 1;
+    detail::update(algorithm_, h_, step, first, hw->data(), wd, hg->data(), gd, h1 ? h1->data() : nullptr,
            h2 ? h2->data() : nullptr, n);
     hw->commit();
     if (h1) h1->commit();

@@ -53,9 +53,9 @@ void widen(DTypeId d, const void* src, float* out, int64_t n) {
 
 }  // namespace
 
-void update(Algorithm a, const Hyperparameters& h, int64_t step, void* w, DTypeId wd, const void* g, DTypeId gd,
-            float* s1, float* s2, int64_t n) {
-  const SgdCoefficients sgd = sgd_coefficients(h, step == 1);
+void update(Algorithm a, const Hyperparameters& h, int64_t step, bool first, void* w, DTypeId wd, const void* g,
+            DTypeId gd, float* s1, float* s2, int64_t n) {
+  const SgdCoefficients sgd = sgd_coefficients(h, first);
   const AdamCoefficients adam = adam_coefficients(h, a, step);
   constexpr int64_t kChunk = 2048;  // 8 KiB of Float32 per operand: the pieces stay in L1/L2
   const int64_t wsize = wd == DTypeId::Float32 ? 4 : 2, gsize = gd == DTypeId::Float32 ? 4 : 2;

@@ -1,0 +1,250 @@
+"""Driving strideweave.optim from outside: hyperparameters changed between steps, the gradients' total norm and
+their scaling (clipping), and the optimizer state saved to and restored from a safetensors file.
+
+The comparisons with torch.optim follow tests/test_optim.py (their helpers are copied here): one nn.Parameter per
+expert on the torch side (grad None for an expert no backward touched), fed the values of the StrideWeave .grad, so
+both sides step from bit-identical inputs; torch's Tensor.sqrt replaced by the correctly rounded one. With those
+inputs the update is torch's operations in torch's order with torch's fusions: bound 0 (bit for bit), whatever the
+hyperparameters of each step, since they enter the arithmetic as the same Python floats rounded the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import strideweave as sw
+from strideweave import friendly
+from strideweave.carriers.tiled_evictable import TiledEvictable, TileSelection
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.usefixtures("grad_mode_on")
+BASE_SEED = 20270117
+
+OUT, IN, E = 8, 5, 6
+ROUTES = [[0, 2, 3], [2, 5], [0, 1, 2, 3, 4, 5], [4], [1, 2], [3, 5, 0]]
+
+
+def seed_of(name):
+    seed = BASE_SEED + sum(map(ord, name))
+    print(f"seed {seed}")
+    return seed
+
+
+def expert_weight(experts, dtype=sw.DType.Float32, budget=None):
+    """A TiledEvictable over a scratch-file tier of `experts` (E, OUT, IN), row-major tiles, and its full tensor."""
+    data = np.ascontiguousarray(experts).reshape(-1)
+    tier = sw.move(friendly.tensor(data), sw.FileBacked(dtype=dtype))
+    c = TiledEvictable(sw.CPU(0, dtype=dtype), tier.carrier, (1, E), (OUT, IN), residency_budget=budget)
+    return c, sw.Tensor(c, 0, sw.Layout(sw.Shape(OUT, [IN, E]), sw.Stride(IN, [1, OUT * IN])))
+
+
+def experts_of(full):
+    """The (E, OUT, IN) values of a full tensor (or its gradient), in its dtype."""
+    a = np.asarray(full)
+    return np.stack([a[:, IN * e:IN * (e + 1)] for e in range(E)])
+
+
+def backward_grads(c, full, grads):
+    """Drops full.grad and runs one backward per routed expert e: sum(w_e * grads[e]), whose gradient is grads[e]."""
+    full.grad = None
+    for e, g in grads.items():
+        w = c.project(full, TileSelection([[0], [e]])).wait()
+        sw.reduce_sum(sw.elementwise_mul(w, friendly.tensor(g)), "o i ->").backward()
+
+
+def routed(full):
+    g = full.grad
+    return [e for e in range(E) if g.carrier.tile_state((0, e)).location != "implicit"]
+
+
+def exact_sqrt(self):
+    """The correctly rounded square root of a Float32 tensor (through Float64: one rounding of an exact value)."""
+    return torch.sqrt(self.double()).to(self.dtype)
+
+
+@contextlib.contextmanager
+def correctly_rounded_sqrt():
+    original = torch.Tensor.sqrt
+    torch.Tensor.sqrt = exact_sqrt
+    try:
+        yield
+    finally:
+        torch.Tensor.sqrt = original
+
+
+def step_both(full, route, opt, params, ref):
+    """One step of both sides, torch's gradients the values of full.grad (None for an implicit tile)."""
+    assert routed(full) == sorted(route)
+    g = experts_of(full.grad)
+    for e, p in enumerate(params):
+        p.grad = torch.from_numpy(g[e].copy()) if e in route else None
+    opt.step()
+    with correctly_rounded_sqrt():
+        ref.step()
+
+
+def make_pair(kind, hyper, experts, dtype=sw.DType.Float32, budget=None):
+    """(sw carrier, full tensor, sw optimizer, torch parameters, torch optimizer) over the same initial experts."""
+    c, full = expert_weight(experts, dtype, budget)
+    opt = getattr(sw.optim, kind)([full], **hyper)
+    params = [torch.nn.Parameter(torch.from_numpy(experts[e].astype(np.float32))) for e in range(E)]
+    ref = getattr(torch.optim, kind)(params, foreach=False, **hyper)
+    return c, full, opt, params, ref
+
+
+def assert_same_weights(full, params, what):
+    got = experts_of(full)
+    want = np.stack([p.detach().numpy() for p in params])
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), \
+        f"{what}: max |diff| {np.max(np.abs(got - want))}"  # bound 0 (module docstring)
+
+
+# ---------------------------------------------------------------- 1. hyperparameters between steps
+
+# What torch's schedulers change: OneCycleLR changes lr every step and, with cycle_momentum, SGD's momentum or
+# Adam's beta1 too (nesterov stays off: it needs dampening 0, which this SGD case has not).
+SCHEDULE_CASES = [
+    ("SGD", dict(lr=0.05, momentum=0.9, dampening=0.2, weight_decay=0.01)),
+    ("SGD", dict(lr=0.05, momentum=0.9, nesterov=True)),
+    ("Adam", dict(lr=1e-2, betas=(0.9, 0.99), weight_decay=0.05)),
+    ("AdamW", dict(lr=3e-2, betas=(0.85, 0.995), weight_decay=0.1)),
+]
+
+
+@pytest.mark.parametrize("kind,hyper", SCHEDULE_CASES, ids=["SGD", "SGD-nesterov", "Adam", "AdamW"])
+def test_scheduled_hyperparameters_bit_exact_against_torch(kind, hyper):
+    """torch.optim.lr_scheduler.OneCycleLR drives torch's optimizer; its param group's values are copied onto the
+    sw optimizer before each step (as a torch-side wrapper does). Bound 0 (module docstring)."""
+    rng = np.random.default_rng(seed_of("sched" + kind + repr(hyper)))
+    experts = rng.standard_normal((E, OUT, IN)).astype(np.float32)
+    c, full, opt, params, ref = make_pair(kind, hyper, experts)
+    sched = torch.optim.lr_scheduler.OneCycleLR(ref, max_lr=hyper["lr"] * 4, total_steps=len(ROUTES) + 1,
+                                                base_momentum=0.5, max_momentum=0.95)
+    seen = set()
+    for route in ROUTES:
+        group = ref.param_groups[0]
+        opt.lr = group["lr"]
+        if kind == "SGD":
+            opt.momentum = group["momentum"]
+            assert opt.momentum == group["momentum"]
+        else:
+            opt.betas = group["betas"]
+            assert opt.betas == tuple(group["betas"])
+        assert opt.lr == group["lr"]
+        seen.add(opt.lr)
+        backward_grads(c, full, {e: rng.standard_normal((OUT, IN)).astype(np.float32) for e in route})
+        step_both(full, route, opt, params, ref)
+        assert_same_weights(full, params, f"{kind} at lr {opt.lr}")
+        sched.step()
+    assert len(seen) == len(ROUTES)  # the learning rate really changed at every step
+
+
+@pytest.mark.parametrize("kind,hyper,changes", [
+    # Momentum switched on with dampening at a step where most tiles have stepped before: their buffers start from
+    # the gradient (undampened), not from a zero buffer; then off (buffers kept, unused), on again, nesterov.
+    ("SGD", dict(lr=0.05), [dict(weight_decay=0.03, dampening=0.4), dict(momentum=0.9), dict(momentum=0.0),
+                            dict(momentum=0.7), dict(dampening=0.0, nesterov=True)]),
+    ("Adam", dict(lr=1e-2), [dict(eps=1e-3), dict(weight_decay=0.2), dict(betas=(0.3, 0.5)), dict(lr=0.05),
+                             dict(betas=(0.95, 0.9999), eps=0.0)]),
+    ("AdamW", dict(lr=1e-2), [dict(weight_decay=0.0), dict(weight_decay=0.3), dict(eps=1e-2),
+                              dict(betas=(0.5, 0.7)), dict(lr=0.0)]),
+], ids=["SGD", "Adam", "AdamW"])
+def test_every_hyperparameter_changed_between_steps_bit_exact(kind, hyper, changes):
+    """Each hyperparameter changed in turn (SGD's momentum switched on mid-run: each tile's buffer starts from its
+    gradient on its first step with momentum, as torch's None buffer does; switched off, kept, and on again). torch's
+    param group gets the same values. Bound 0."""
+    rng = np.random.default_rng(seed_of("each" + kind))
+    experts = rng.standard_normal((E, OUT, IN)).astype(np.float32)
+    c, full, opt, params, ref = make_pair(kind, hyper, experts)
+    for route, change in zip(ROUTES, [{}] + changes):
+        for name, value in change.items():
+            setattr(opt, name, value)
+            ref.param_groups[0][name] = value
+            assert getattr(opt, name) == value
+        backward_grads(c, full, {e: rng.standard_normal((OUT, IN)).astype(np.float32) for e in route})
+        step_both(full, route, opt, params, ref)
+        assert_same_weights(full, params, f"{kind} after {change}")
+    if kind == "SGD":  # the buffers kept across the momentum-0 step are torch's
+        got = experts_of(opt.state(full)["momentum_buffer"])
+        for e, p in enumerate(params):
+            if ref.state[p].get("momentum_buffer") is not None:
+                assert np.array_equal(got[e], ref.state[p]["momentum_buffer"].numpy())
+
+
+def test_dense_parameter_lr_changed_between_steps():
+    """A dense parameter (one tile) follows a changed lr and a momentum switched on at its second step (with
+    dampening: its buffer starts from the gradient, undampened, as torch's). Bound 0."""
+    rng = np.random.default_rng(seed_of("dense-lr"))
+    w0 = rng.standard_normal((4, 6)).astype(np.float32)
+    w = friendly.tensor(w0.copy())
+    opt = sw.optim.SGD([w], lr=0.1)
+    p = torch.nn.Parameter(torch.from_numpy(w0.copy()))
+    ref = torch.optim.SGD([p], lr=0.1, foreach=False)
+    for k, (lr, momentum) in enumerate([(0.1, 0.0), (0.02, 0.9), (0.3, 0.9), (0.05, 0.5)]):
+        opt.lr, opt.momentum, opt.dampening = lr, momentum, 0.3
+        ref.param_groups[0].update(lr=lr, momentum=momentum, dampening=0.3)
+        g = rng.standard_normal((4, 6)).astype(np.float32)
+        w.grad = friendly.tensor(g)
+        p.grad = torch.from_numpy(g.copy())
+        opt.step()
+        ref.step()
+        assert np.array_equal(np.asarray(w).view(np.uint32), p.detach().numpy().view(np.uint32)), k
+
+
+ABSENT = {"SGD": ["betas", "eps"], "Adam": ["momentum", "dampening", "nesterov"],
+          "AdamW": ["momentum", "dampening", "nesterov"]}
+
+
+@pytest.mark.parametrize("kind", ["SGD", "Adam", "AdamW"])
+def test_hyperparameter_the_algorithm_lacks_is_an_attribute_error(kind):
+    c, full = expert_weight(np.zeros((E, OUT, IN), np.float32))
+    opt = getattr(sw.optim, kind)([full], lr=0.1)
+    for name in ABSENT[kind]:
+        with pytest.raises(AttributeError):
+            getattr(opt, name)
+        with pytest.raises(AttributeError, match=f"no hyperparameter '{name}'"):
+            setattr(opt, name, 0.5)
+        assert name not in vars(opt)
+    assert opt.lr == 0.1
+
+
+SETTER_ERRORS = [
+    ("SGD", dict(lr=0.1), "lr", -1.0, ValueError, "invalid learning rate lr -1"),
+    ("SGD", dict(lr=0.1), "lr", float("nan"), ValueError, "invalid learning rate lr"),
+    ("SGD", dict(lr=0.1), "lr", "0.1", TypeError, "lr must be a float"),
+    ("SGD", dict(lr=0.1), "weight_decay", -0.1, ValueError, "invalid weight_decay"),
+    ("SGD", dict(lr=0.1), "momentum", -0.5, ValueError, "invalid momentum"),
+    ("SGD", dict(lr=0.1), "dampening", float("inf"), ValueError, "invalid dampening"),
+    ("SGD", dict(lr=0.1), "nesterov", True, ValueError, "nesterov momentum requires momentum > 0"),
+    ("SGD", dict(lr=0.1, momentum=0.9, nesterov=True), "momentum", 0.0, ValueError, "nesterov momentum requires"),
+    ("SGD", dict(lr=0.1, momentum=0.9, nesterov=True), "dampening", 0.1, ValueError, "nesterov momentum requires"),
+    ("Adam", dict(lr=0.1), "betas", (1.0, 0.9), ValueError, "invalid beta at index 0"),
+    ("Adam", dict(lr=0.1), "betas", (0.9, -0.1), ValueError, "invalid beta at index 1"),
+    ("AdamW", dict(lr=0.1), "betas", (0.9,), ValueError, "betas must be a pair"),
+    ("AdamW", dict(lr=0.1), "eps", -1e-8, ValueError, "invalid eps"),
+    ("AdamW", dict(lr=0.1), "weight_decay", float("nan"), ValueError, "invalid weight_decay"),
+]
+
+
+@pytest.mark.parametrize("kind,hyper,name,value,exc,fragment", SETTER_ERRORS,
+                         ids=[f"{k}-{n}-{v}" for k, _, n, v, _, _ in SETTER_ERRORS])
+def test_setter_errors_change_nothing(kind, hyper, name, value, exc, fragment):
+    rng = np.random.default_rng(seed_of("err" + kind + name))
+    experts = rng.standard_normal((E, OUT, IN)).astype(np.float32)
+    c, full, opt, params, ref = make_pair(kind, hyper, experts)
+    before = {n: getattr(opt, n) for n in ["lr", "weight_decay"] + (
+        ["momentum", "dampening", "nesterov"] if kind == "SGD" else ["betas", "eps"])}
+    with pytest.raises(exc, match=fragment):
+        setattr(opt, name, value)
+    assert {n: getattr(opt, n) for n in before} == before
+    # The next step is still torch's with the constructor's values.
+    backward_grads(c, full, {e: rng.standard_normal((OUT, IN)).astype(np.float32) for e in ROUTES[0]})
+    step_both(full, ROUTES[0], opt, params, ref)
+    assert_same_weights(full, params, "after a refused setter")
