@@ -248,3 +248,178 @@ def test_setter_errors_change_nothing(kind, hyper, name, value, exc, fragment):
     backward_grads(c, full, {e: rng.standard_normal((OUT, IN)).astype(np.float32) for e in ROUTES[0]})
     step_both(full, ROUTES[0], opt, params, ref)
     assert_same_weights(full, params, "after a refused setter")
+
+
+# ---------------------------------------------------------------- 2. the gradients' norm and their scaling
+
+# Error bounds for grad_norm (n values in all, k tensors on the torch side, u32 = 2^-24, u64 = 2^-53, u16 = 2^-8 for
+# BFloat16's 8-bit significand):
+#  * against the Float64 reference (numpy over the same values in Float64): both sides sum the same n terms in
+#    Float64; |x|^2 of a 24-bit significand is exact in Float64, |x| and |x|^p within one rounding (pow: within
+#    1 ulp, 2 u64); each sum of n non-negative terms is within (n - 1) u64 relatively, whatever the order; the root
+#    (^(1/p)) divides a relative error by p and adds 2 u64. Relative bound: 2 (n + 4) u64 max(1, 1/p). Exact for inf.
+#  * against torch.nn.utils.get_total_norm, which computes in the gradients' dtype (Float32 accumulation per tensor,
+#    then the norm of the k norms): each term within 2 u32 (pow in Float32), each sum within (n - 1) u32, each root
+#    within 2 u32 (plus the same division by p): relative (n + k + 8) 2 u32 max(1, 1/p); for BFloat16 gradients
+#    torch also rounds each tensor's norm and the total to BFloat16: 2 u16 more. Exact for inf.
+U32, U64, U16 = 2.0 ** -24, 2.0 ** -53, 2.0 ** -8
+
+
+def grads_setup(dtype, np_dtype, rng, budget_tiles):
+    """A tiled parameter of E experts under a budget of `budget_tiles` Float32 tiles (weights and gradients both
+    draw from it), gradients for experts 0, 1, 3 and 4 (2 and 5 stay implicit zeros), a dense parameter with a
+    gradient and one without. Returns (budget, params, tiled full, expected gradient arrays per parameter)."""
+    budget = sw.ResidencyBudget(budget_tiles * OUT * IN * 4)
+    experts = rng.standard_normal((E, OUT, IN)).astype(np_dtype)
+    c, full = expert_weight(experts, dtype, budget)
+    routes = [0, 1, 3, 4]
+    # Values representable in the gradient's dtype, so the .grad holds them exactly; spread over a few binades.
+    grads = {e: (rng.standard_normal((OUT, IN)) * 2.0 ** rng.integers(-3, 4)).astype(np_dtype).astype(np.float32)
+             for e in routes}
+    backward_grads(c, full, grads)
+    assert routed(full) == routes
+    dense = friendly.tensor(rng.standard_normal((3, 7)).astype(np.float32))
+    dense_grad = (rng.standard_normal((3, 7)) * 0.25).astype(np.float32)
+    dense.grad = friendly.tensor(dense_grad.copy())
+    no_grad = friendly.tensor(np.ones((2, 2), np.float32))
+    expected = [grads[e] for e in routes] + [dense_grad]
+    return budget, [full, dense, no_grad], full, expected
+
+
+NORMS = [2.0, 1.0, 3.0, 0.5, float("inf")]
+
+
+@pytest.mark.parametrize("norm_type", NORMS, ids=[str(p) for p in NORMS])
+@pytest.mark.parametrize("dtype,np_dtype,torch_dtype", [
+    (sw.DType.Float32, np.float32, torch.float32), (sw.DType.BFloat16, ml_dtypes.bfloat16, torch.bfloat16)],
+    ids=["f32", "bf16"])
+def test_grad_norm_against_float64_and_torch(norm_type, dtype, np_dtype, torch_dtype):
+    rng = np.random.default_rng(seed_of(f"norm{norm_type}{dtype}"))
+    budget, params, full, expected = grads_setup(dtype, np_dtype, rng, budget_tiles=3)
+    gc = full.grad.carrier
+    assert full.grad.dtype() is dtype
+    states = [gc.tile_state((0, e)).location for e in range(E)]
+    assert states[2] == states[5] == "implicit"
+    assert "secondary" in states  # the budget evicted gradient tiles: the norm reads them back
+    promotions = gc.stats()["promotions"]
+    budget.reset_peak()
+    got = sw.optim.grad_norm(params, norm_type)
+    assert isinstance(got, float)
+    assert budget.stats()["peak_bytes"] <= budget.max_bytes
+    assert gc.stats()["promotions"] > promotions
+    assert [gc.tile_state((0, e)).location for e in (2, 5)] == ["implicit", "implicit"]
+    values = np.concatenate([g.reshape(-1) for g in expected]).astype(np.float64)
+    n, k = values.size, len(expected)
+    if math.isinf(norm_type):
+        want = float(np.max(np.abs(values)))
+        assert got == want
+    else:
+        want = float(np.sum(np.abs(values) ** norm_type) ** (1.0 / norm_type))
+        assert abs(got - want) <= 2 * (n + 4) * U64 * max(1.0, 1.0 / norm_type) * want
+    ref = torch.nn.utils.get_total_norm([torch.from_numpy(g).to(torch_dtype) for g in expected], norm_type)
+    bound = 2 * (n + k + 8) * U32 * max(1.0, 1.0 / norm_type) + (2 * U16 if torch_dtype == torch.bfloat16 else 0)
+    if math.isinf(norm_type):
+        assert got == float(ref)
+    else:
+        assert abs(got - float(ref)) <= bound * want, (got, float(ref))
+
+
+def test_grad_norm_without_gradients_is_zero_and_nan_propagates():
+    a, b = friendly.tensor(np.ones((2, 3), np.float32)), friendly.tensor(np.ones(4, np.float32))
+    assert sw.optim.grad_norm([a, b]) == 0.0
+    assert float(torch.nn.utils.get_total_norm([])) == 0.0  # torch's too
+    g = np.ones((2, 3), np.float32)
+    g[1, 2] = np.nan
+    a.grad = friendly.tensor(g)
+    for p in (2.0, 1.0, float("inf")):
+        assert math.isnan(sw.optim.grad_norm(a, p))
+        assert math.isnan(float(torch.nn.utils.get_total_norm([torch.from_numpy(g)], p)))
+
+
+@pytest.mark.parametrize("dtype,np_dtype,torch_dtype", [
+    (sw.DType.Float32, np.float32, torch.float32), (sw.DType.BFloat16, ml_dtypes.bfloat16, torch.bfloat16)],
+    ids=["f32", "bf16"])
+def test_scale_grads_equals_torch_mul_and_keeps_implicit_tiles(dtype, np_dtype, torch_dtype):
+    """Each present tile times the factor, as torch's g.mul_(factor) (Float32 product, rounded once more to
+    BFloat16): bound 0. Evicted tiles are read back under the budget; implicit tiles stay implicit."""
+    rng = np.random.default_rng(seed_of(f"scale{dtype}"))
+    budget, params, full, expected = grads_setup(dtype, np_dtype, rng, budget_tiles=3)
+    gc = full.grad.carrier
+    factor = 0.3712
+    budget.reset_peak()
+    sw.optim.scale_grads(params, factor)
+    assert budget.stats()["peak_bytes"] <= budget.max_bytes
+    assert [gc.tile_state((0, e)).location for e in (2, 5)] == ["implicit", "implicit"]
+    got = experts_of(full.grad)
+    for e, g in zip([0, 1, 3, 4], expected):
+        want = torch.from_numpy(g).to(torch_dtype).mul_(factor)
+        assert np.array_equal(got[e].astype(np.float32), want.float().numpy()), e
+    for e in (2, 5):
+        assert not np.any(got[e].astype(np.float32))
+    dense_want = torch.from_numpy(expected[-1]).mul_(factor).numpy()
+    assert np.array_equal(np.asarray(params[1].grad).view(np.uint32), dense_want.view(np.uint32))
+    assert params[2].grad is None
+
+
+def test_clipping_with_grad_norm_and_scale_grads_matches_torch_clip():
+    """clip_grad_norm_'s recipe over sw gradients equals torch's clip_grad_norm_ over the same Float32 values: the
+    norm within the bound above (our Float64 sum against torch's Float32), so the coefficient max_norm / (norm +
+    1e-6) too, relatively; the clipped gradients within that relative bound plus one rounding (u32)."""
+    rng = np.random.default_rng(seed_of("clip"))
+    budget, params, full, expected = grads_setup(sw.DType.Float32, np.float32, rng, budget_tiles=3)
+    torch_grads = [torch.nn.Parameter(torch.zeros(g.shape)) for g in expected]
+    for p, g in zip(torch_grads, expected):
+        p.grad = torch.from_numpy(g.copy())
+    max_norm = 0.5
+    total = sw.optim.grad_norm(params)
+    coef = min(1.0, max_norm / (total + 1e-6))
+    assert coef < 1.0  # the gradients really are clipped
+    sw.optim.scale_grads(params, coef)
+    ref_total = float(torch.nn.utils.clip_grad_norm_(torch_grads, max_norm, foreach=False))
+    n, k = sum(g.size for g in expected), len(expected)
+    rel = 2 * (n + k + 8) * U32
+    assert abs(total - ref_total) <= rel * total
+    got = experts_of(full.grad)
+    for e, p in zip([0, 1, 3, 4], torch_grads):
+        want = p.grad.numpy()
+        assert np.all(np.abs(got[e] - want) <= (2 * rel + 2 * U32) * np.abs(want))
+
+
+GRAD_ERRORS = [
+    ("grad_norm", dict(norm_type=0.0), ValueError, "norm_type must be > 0"),
+    ("grad_norm", dict(norm_type=-2.0), ValueError, "norm_type must be > 0"),
+    ("grad_norm", dict(norm_type=float("nan")), ValueError, "norm_type must be > 0"),
+    ("grad_norm", dict(norm_type="2"), TypeError, "norm_type must be a float"),
+    ("grad_norm", dict(extra=3), TypeError, r"params\[3\] must be a Tensor, got int"),
+    ("grad_norm", dict(bare=5), TypeError, "params must be a Tensor or an iterable"),
+    ("scale_grads", dict(factor="0.5"), TypeError, "factor must be a float"),
+    ("scale_grads", dict(extra=None), TypeError, r"params\[3\] must be a Tensor, got NoneType"),
+    ("scale_grads", dict(extra="dense-view"), ValueError, "is scaled in place in CPU memory, compact"),
+]
+
+
+@pytest.mark.parametrize("fn,args,exc,fragment", GRAD_ERRORS, ids=[f"{f}-{a}" for f, a, _, _ in GRAD_ERRORS])
+def test_grad_errors_change_nothing(fn, args, exc, fragment):
+    rng = np.random.default_rng(seed_of("graderr" + fn))
+    budget, params, full, expected = grads_setup(sw.DType.Float32, np.float32, rng, budget_tiles=3)
+    gc = full.grad.carrier
+    before_states = [gc.tile_state((0, e)) for e in range(E)]
+    before_stats = gc.stats()
+    before = experts_of(full.grad).copy()
+    if args.get("extra") == "dense-view":  # a dense parameter whose gradient is a strided (non-compact) view
+        base = friendly.tensor(np.arange(12, dtype=np.float32))
+        p = friendly.tensor(np.zeros(3, np.float32))
+        p.grad = sw.Tensor(base.carrier, 0, sw.Layout(sw.Shape(3), sw.Stride(4)))
+        params = params + [p]
+    elif "extra" in args:
+        params = params + [args["extra"]]
+    target = args.get("bare", params)
+    with pytest.raises(exc, match=fragment):
+        if fn == "grad_norm":
+            sw.optim.grad_norm(target, args.get("norm_type", 2.0))
+        else:
+            sw.optim.scale_grads(target, args.get("factor", 0.5))
+    assert [gc.tile_state((0, e)) for e in range(E)] == before_states
+    assert gc.stats()["promotions"] == before_stats["promotions"]
+    assert np.array_equal(experts_of(full.grad), before)
+    assert np.array_equal(np.asarray(params[1].grad), expected[-1])

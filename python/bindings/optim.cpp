@@ -36,6 +36,22 @@ std::vector<TensorPtr> params_of(nb::handle params, const char* name) {
   return out;
 }
 
+// grad_norm's and scale_grads' params: a Tensor or an iterable of Tensors (TypeError naming params[i] otherwise).
+std::vector<TensorPtr> tensors_of(nb::handle params, const char* name) {
+  if (nb::isinstance<TensorImpl>(params)) return {nb::cast<TensorPtr>(params)};
+  if (!nb::hasattr(params, "__iter__"))
+    sw::raise<sw::TypeError>(name, ": params must be a Tensor or an iterable of Tensors, got ",
+                             nb::type_name(params.type()).c_str());
+  std::vector<TensorPtr> out;
+  for (nb::handle p : nb::iter(params)) {
+    if (!nb::isinstance<TensorImpl>(p))
+      sw::raise<sw::TypeError>(name, ": params[", out.size(), "] must be a Tensor, got ",
+                               nb::type_name(p.type()).c_str());
+    out.push_back(nb::cast<TensorPtr>(p));
+  }
+  return out;
+}
+
 double number_of(nb::handle v, const char* name, const char* what) {
   if (PyBool_Check(v.ptr()) || !(PyFloat_Check(v.ptr()) || PyLong_Check(v.ptr())))
     sw::raise<sw::TypeError>(name, ": ", what, " must be a float, got ", nb::type_name(v.type()).c_str());
@@ -68,6 +84,20 @@ nb::dict traffic(const optim::TierTraffic& t) {
 }  // namespace
 
 void bind_optim(nb::module_& m) {
+  m.def("_optim_grad_norm", [](nb::handle params, nb::handle norm_type) {
+    const double p = number_of(norm_type, "grad_norm", "norm_type");
+    std::vector<TensorPtr> ps = tensors_of(params, "grad_norm");
+    GilRelease nogil;
+    return optim::grad_norm(ps, p);
+  }, nb::arg("params"), nb::arg("norm_type"),
+  nb::sig("def _optim_grad_norm(params: typing.Any, norm_type: float) -> float"));
+  m.def("_optim_scale_grads", [](nb::handle params, nb::handle factor) {
+    const double f = number_of(factor, "scale_grads", "factor");
+    std::vector<TensorPtr> ps = tensors_of(params, "scale_grads");
+    GilRelease nogil;
+    optim::scale_grads(ps, f);
+  }, nb::arg("params"), nb::arg("factor"),
+  nb::sig("def _optim_scale_grads(params: typing.Any, factor: float) -> None"));
   nb::class_<optim::Optimizer>(m, "Optimizer", nb::is_final(),
                                "The engine behind strideweave.optim.SGD, Adam and AdamW (use those).")
       .def("__init__",

@@ -12,10 +12,33 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from . import _core
 from ._core import Optimizer as _Engine
 from ._core import Tensor
 
-__all__ = ["SGD", "Adam", "AdamW"]
+__all__ = ["SGD", "Adam", "AdamW", "grad_norm", "scale_grads"]
+
+
+def grad_norm(params: Tensor | Iterable[Tensor], norm_type: float = 2.0) -> float:
+    """The norm of the gradients of ``params`` (a Tensor or an iterable of Tensors) all together, as
+    ``torch.nn.utils.get_total_norm`` computes it, accumulated in Float64 in one pass over the gradient tiles (each
+    present tile promoted under its budget; implicit-zero tiles skipped; a parameter without a gradient adds
+    nothing): ``(sum |x|^p)^(1/p)`` for ``norm_type`` p > 0, the largest magnitude for ``float('inf')``.
+
+    TypeError naming the argument for a non-number norm_type or a non-Tensor in params; ValueError for
+    ``norm_type <= 0`` or NaN, or a gradient that is not its tiled carrier's whole extent.
+    """
+    return _core._optim_grad_norm(params, norm_type)
+
+
+def scale_grads(params: Tensor | Iterable[Tensor], factor: float) -> None:
+    """Multiplies every present gradient tile of ``params`` by ``factor`` in place (rounded as torch's
+    ``g.mul_(factor)``), one tile at a time under the budget; implicit-zero tiles stay implicit. With
+    :func:`grad_norm` this clips by the norm: ``scale_grads(params, min(1, max_norm / (norm + 1e-6)))``.
+
+    The same errors as grad_norm (factor for norm_type); nothing is scaled then.
+    """
+    _core._optim_scale_grads(params, factor)
 
 
 # Hyperparameters by algorithm: reading or setting one that the optimizer's algorithm lacks is an AttributeError.

@@ -137,4 +137,26 @@ class Optimizer {
   bool prefetch_ = false;
 };
 
+// Note [Gradients of tiled parameters together]: grad_norm and scale_grads read or scale the gradients of a list of
+// parameters (tiled or dense, any Tensor with a .grad) in one pass over the gradient tiles, for clipping by the
+// norm as torch.nn.utils.clip_grad_norm_ does. A tiled gradient must view the whole extent of its TiledEvictable
+// (offset 0, each slot once); its implicit-zero tiles are skipped (they hold zeros, and scaling leaves them implicit)
+// and every other tile is made resident through the ordinary promotions (under its ResidencyBudget, evicting least
+// recently used tiles to make room) and held while it is read or scaled, one tile at a time. A dense gradient is
+// read through its layout; scale_grads needs it in CPU memory, compact and mutable. A parameter without a gradient
+// contributes nothing. Every argument and gradient is checked before any tile moves: TypeError for a null
+// parameter and a gradient whose dtype is not Float32, BFloat16 or Float16, ValueError for a tiled gradient that
+// is not its carrier's whole extent, a released carrier and (scale_grads) a dense gradient it cannot write.
+// Blocks: promotions and evictions (I/O) in this thread.
+//
+// The norm of all the gradients' values together, accumulated in Float64 in tile order: for norm_type p > 0,
+// (sum |x|^p)^(1/p) (p = 2: the square root of the sum of squares; p = 1: the sum of magnitudes), for p = +inf the
+// largest magnitude (NaN when any value is NaN, as torch's). 0 when no parameter has a gradient. ValueError for
+// p <= 0 or NaN. torch.nn.utils.get_total_norm computes the same value in the gradients' dtype.
+double grad_norm(const std::vector<TensorPtr>& params, double norm_type);
+// Multiplies every present gradient tile by `factor` in place: x * float(factor) rounded once to Float32, then,
+// for a 16-bit gradient, rounded once more to its dtype (as torch's g.mul_(factor) computes), each scaled tile
+// committed (dirty, version advanced).
+void scale_grads(const std::vector<TensorPtr>& params, double factor);
+
 }  // namespace sw::optim
