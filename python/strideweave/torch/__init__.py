@@ -10,10 +10,12 @@ RAM").
 * The experts implementation registered in transformers' experts interface (``_experts``), the families as
   declarations (``families``), the refusals of dtype changes and of a state dict without experts (``_guards``).
 * ``MoEBlock``: a sparse-MoE block over ``strideweave.moe.SparseMoE`` for blocks built by hand (``_block``).
+* ``SGD``, ``Adam``, ``AdamW``: torch optimizers over a whole model, its offloaded experts stepped by
+  ``strideweave.optim``; ``clip_grad_norm_`` over torch's and the tiled expert gradients (``_optim``).
 
 PyTorch is optional: ``import strideweave`` never imports this package, and this package imports torch (and
-transformers) only when one of its functions runs (``MoEBlock`` derives from ``torch.nn.Module``, so it is defined
-on first access).
+transformers) only when one of its functions runs (``MoEBlock`` derives from ``torch.nn.Module``, and the
+optimizers from ``torch.optim``'s classes, so they are defined on first access).
 """
 
 from __future__ import annotations
@@ -23,15 +25,21 @@ from typing import Any
 from ._bridge import from_torch, to_torch
 from ._loading import from_pretrained
 from ._offload import offload_experts, offloaded_experts
+from ._optim import clip_grad_norm_
 from ._saving import save_pretrained
 
-__all__ = ["MoEBlock", "from_pretrained", "from_torch", "offload_experts", "offloaded_experts", "save_pretrained",
+__all__ = ["Adam", "AdamW", "MoEBlock", "SGD", "clip_grad_norm_", "from_pretrained", "from_torch", "offload_experts",
+           "offloaded_experts", "save_pretrained",
            "to_torch"]
 
 
 def __getattr__(name: str) -> Any:
-    """``MoEBlock`` derives from ``torch.nn.Module``: it is defined (torch imported) on first access."""
+    """``MoEBlock`` derives from ``torch.nn.Module``, ``SGD``/``Adam``/``AdamW`` from torch's optimizers: each is
+    defined (torch imported) on first access."""
     if name == "MoEBlock":
         from ._block import _classes
         return _classes()["MoEBlock"]
+    if name in ("SGD", "Adam", "AdamW"):
+        from ._optim import _classes as _optimizers
+        return _optimizers()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -27,6 +27,7 @@ expert at a time (the next one's projection in flight), and saving no weight for
 from __future__ import annotations
 
 import copy
+import weakref
 from typing import Any, Optional
 
 from .._core import _dlpack_read_only
@@ -35,6 +36,14 @@ from .families import COMMON_FORMS, Family, Fused, Separate, checkpoint_prefix
 
 IMPLEMENTATION = "strideweave"
 _REGISTERED = False
+# id(tiled tensor) -> the live binding that holds it (strideweave.torch's optimizers accept only these).
+_OWNERS: "weakref.WeakValueDictionary[int, OffloadedExperts]" = weakref.WeakValueDictionary()
+
+
+def owner_of(t: Any) -> "Optional[OffloadedExperts]":
+    """The live binding whose ``tiled`` holds exactly `t`, else None."""
+    b = _OWNERS.get(id(t))
+    return b if b is not None and any(x is t for x in b.tiled.values()) else None
 
 
 def register() -> None:
@@ -210,6 +219,8 @@ class OffloadedExperts:
                 self.tiled[role] = ckpt.tiled(ns[0], tiles=E, mutable=mutable)
             else:
                 self.tiled[role] = ckpt.tiled(ns, mutable=mutable)
+        for t in self.tiled.values():
+            _OWNERS[id(t)] = self
         self.parameter_names = tuple(spec.params)
         self.expert_bytes = sum(_prod(s) for s in self.tile_shapes.values()) * (sw_dtype.bits // 8)
         self._moes: dict = {}
