@@ -423,3 +423,170 @@ def test_grad_errors_change_nothing(fn, args, exc, fragment):
     assert gc.stats()["promotions"] == before_stats["promotions"]
     assert np.array_equal(experts_of(full.grad), before)
     assert np.array_equal(np.asarray(params[1].grad), expected[-1])
+
+
+# ---------------------------------------------------------------- 3. state saved and restored
+
+FIRST, THEN = [[0, 2], [2, 5], [0, 5, 2]], [[1, 2, 3], [0, 4, 5]]  # experts 1, 3 and 4 first step after the resume
+RESUME_CASES = [
+    ("SGD", dict(lr=0.05, momentum=0.9, dampening=0.3, weight_decay=0.01)),
+    ("Adam", dict(lr=1e-2, betas=(0.8, 0.99), weight_decay=0.05)),
+    ("AdamW", dict(lr=3e-2, weight_decay=0.1)),
+]
+
+
+def tile_bytes():
+    return OUT * IN * 4
+
+
+def model(kind, hyper, experts, dense0, budget_tiles, **override):
+    """A tiled expert weight under its own budget and a dense parameter, and an optimizer over both."""
+    budget = sw.ResidencyBudget(budget_tiles * tile_bytes())
+    c, full = expert_weight(experts, budget=budget)
+    dense = friendly.tensor(dense0.copy())
+    opt = getattr(sw.optim, kind)([full, dense], **{**hyper, **override})
+    return budget, c, full, dense, opt
+
+
+def step_with(c, full, dense, opt, route, grads, dense_grad):
+    backward_grads(c, full, {e: grads[e] for e in route})
+    dense.grad = friendly.tensor(dense_grad.copy())
+    opt.step()
+
+
+@pytest.mark.parametrize("kind,hyper", RESUME_CASES, ids=[k for k, _ in RESUME_CASES])
+def test_resume_from_saved_state_is_bit_identical(kind, hyper, tmp_path):
+    """A runs 3 steps (lr changed between them) and saves; B, built with other hyperparameters over a copy of A's
+    weights, loads the file; both run 2 more steps with the same gradients: B's weights, state and counts equal A's
+    bit for bit (the same arithmetic from the same values)."""
+    rng = np.random.default_rng(seed_of("resume" + kind))
+    experts = rng.standard_normal((E, OUT, IN)).astype(np.float32)
+    dense0 = rng.standard_normal((3, 4)).astype(np.float32)
+    grads = [{e: rng.standard_normal((OUT, IN)).astype(np.float32) for e in range(E)} for _ in range(5)]
+    dense_grads = [rng.standard_normal((3, 4)).astype(np.float32) for _ in range(5)]
+    budget_a, ca, full_a, dense_a, a = model(kind, hyper, experts, dense0, budget_tiles=6)
+    for k, route in enumerate(FIRST):
+        a.lr = hyper["lr"] * (1 + k) / 3
+        step_with(ca, full_a, dense_a, a, route, grads[k], dense_grads[k])
+    path = tmp_path / "state.safetensors"
+    a.save_state(path)
+
+    other = dict(lr=0.5, weight_decay=0.0) if kind == "SGD" else dict(lr=0.5, betas=(0.5, 0.6), eps=0.1)
+    budget_b, cb, full_b, dense_b, b = model(kind, hyper, experts_of(full_a), np.asarray(dense_a), 6, **other)
+    b.load_state(path)
+    assert b.lr == a.lr and b.weight_decay == a.weight_decay
+    if kind == "SGD":
+        assert (b.momentum, b.dampening, b.nesterov) == (a.momentum, a.dampening, a.nesterov)
+    else:
+        assert (b.betas, b.eps) == (a.betas, a.eps)
+    names = ["momentum_buffer"] if kind == "SGD" else ["exp_avg", "exp_avg_sq"]
+    for name in names:  # never-stepped tiles stay implicit zeros in B
+        locations = [b.state(full_b)[name].carrier.tile_state((0, e)).location for e in range(E)]
+        assert [loc == "implicit" for loc in locations] == [e in (1, 3, 4) for e in range(E)]
+    for k, route in enumerate(THEN, start=len(FIRST)):
+        for c, full, dense, opt in ((ca, full_a, dense_a, a), (cb, full_b, dense_b, b)):
+            step_with(c, full, dense, opt, route, grads[k], dense_grads[k])
+        assert np.array_equal(experts_of(full_b).view(np.uint32), experts_of(full_a).view(np.uint32)), k
+        assert np.array_equal(np.asarray(dense_b).view(np.uint32), np.asarray(dense_a).view(np.uint32)), k
+    for (pa, pb) in ((full_a, full_b), (dense_a, dense_b)):
+        sa, sb = a.state(pa), b.state(pb)
+        assert sa["step"] == sb["step"]
+        for name in names:
+            assert np.array_equal(np.asarray(sa[name]).view(np.uint32), np.asarray(sb[name]).view(np.uint32))
+    assert a.state(full_a)["step"] == [3, 1, 4, 1, 1, 3]
+
+
+def test_state_file_contents(tmp_path):
+    """The file: one Float32 (tiles, tile size) tensor per state and parameter, row t tile t in within-tile order
+    (here: the expert's row-major values), and JSON metadata with the counts and hyperparameters."""
+    from safetensors import safe_open
+
+    rng = np.random.default_rng(seed_of("contents"))
+    experts = rng.standard_normal((E, OUT, IN)).astype(np.float32)
+    budget, c, full, dense, opt = model("Adam", dict(lr=1e-2, betas=(0.8, 0.99)), experts,
+                                        rng.standard_normal((3, 4)).astype(np.float32), budget_tiles=6)
+    grads = {e: rng.standard_normal((OUT, IN)).astype(np.float32) for e in range(E)}
+    step_with(c, full, dense, opt, [1, 4], grads, rng.standard_normal((3, 4)).astype(np.float32))
+    opt.save_state(str(tmp_path / "s.safetensors"))
+    with safe_open(str(tmp_path / "s.safetensors"), framework="np") as f:
+        meta = f.metadata()
+        assert sorted(f.keys()) == ["param0.exp_avg", "param0.exp_avg_sq", "param1.exp_avg", "param1.exp_avg_sq"]
+        m = f.get_tensor("param0.exp_avg")
+        assert m.dtype == np.float32 and m.shape == (E, OUT * IN)
+        want = experts_of(opt.state(full)["exp_avg"])
+        assert np.array_equal(m, want.reshape(E, OUT * IN))
+        assert not np.any(m[[0, 2, 3, 5]])
+        assert f.get_tensor("param1.exp_avg_sq").shape == (1, 12)
+    assert json.loads(meta["algorithm"]) == "Adam"
+    assert json.loads(meta["hyperparameters"])["beta1"] == 0.8
+    p0 = json.loads(meta["param0"])
+    assert p0["step"] == [0, 1, 0, 0, 1, 0] and p0["state_tiles"] == [0, 1, 0, 0, 1, 0]
+    assert p0["grid"] == [1, E] and p0["tile"] == [OUT, IN]
+
+
+def test_load_stays_within_the_budget_when_the_state_is_larger(tmp_path):
+    """Adam's state over E experts is 2 E tiles; the budget holds 4 (one step's weight, gradient and two moments).
+    Loading it streams tile by tile: the budget's peak never exceeds max_bytes, tiles are evicted to their scratch
+    files to make room, and every value arrives."""
+    rng = np.random.default_rng(seed_of("budget-load"))
+    experts = rng.standard_normal((E, OUT, IN)).astype(np.float32)
+    hyper = dict(lr=1e-2)
+    _, ca, full_a, dense_a, a = model("Adam", hyper, experts, np.zeros((2, 2), np.float32), budget_tiles=4)
+    grads = {e: rng.standard_normal((OUT, IN)).astype(np.float32) for e in range(E)}
+    step_with(ca, full_a, dense_a, a, list(range(E)), grads, np.ones((2, 2), np.float32))
+    a.save_state(tmp_path / "s.safetensors")
+
+    budget, cb, full_b, dense_b, b = model("Adam", hyper, experts, np.zeros((2, 2), np.float32), budget_tiles=4)
+    state_bytes = 2 * E * tile_bytes()
+    assert state_bytes >= 3 * budget.max_bytes
+    evictions = budget.stats()["evictions"]
+    budget.reset_peak()
+    b.load_state(tmp_path / "s.safetensors")
+    stats = budget.stats()
+    assert stats["peak_bytes"] <= budget.max_bytes
+    assert stats["evictions"] - evictions >= 2 * E - 4  # the state did not all stay resident
+    for name in ("exp_avg", "exp_avg_sq"):
+        got, want = b.state(full_b)[name], a.state(full_a)[name]
+        assert np.array_equal(experts_of(got), experts_of(want))
+        assert sum(got.carrier.tile_state((0, e)).location == "secondary" for e in range(E)) >= 1
+
+
+def load_error_cases(tmp_path, rng):
+    """(name, make optimizer B's parameters and optimizer, the file to load, exception, fragment)."""
+    experts = rng.standard_normal((E, OUT, IN)).astype(np.float32)
+    _, c, full, dense, adam = model("Adam", dict(lr=1e-2), experts, np.zeros((2, 2), np.float32), 6)
+    step_with(c, full, dense, adam, [0, 1], {0: experts[0], 1: experts[1]}, np.ones((2, 2), np.float32))
+    adam_file = tmp_path / "adam.safetensors"
+    adam.save_state(adam_file)
+    plain = tmp_path / "plain.safetensors"
+    sw.safetensors.save(plain, {"x": friendly.tensor(np.ones(3, np.float32))})
+    return adam_file, plain
+
+
+LOAD_ERRORS = [
+    ("other-algorithm", "AdamW", "adam", 'holds the state of "Adam", not of AdamW'),
+    ("other-count", "Adam-one-param", "adam", "holds the state of 2 parameters; this Adam has 1"),
+    ("other-shape", "Adam-small-dense", "adam", "parameter 1 has shape"),
+    ("not-a-state-file", "Adam", "plain", "is not an optimizer state file"),
+]
+
+
+@pytest.mark.parametrize("case,target,source,fragment", LOAD_ERRORS, ids=[c for c, _, _, _ in LOAD_ERRORS])
+def test_load_errors_change_nothing(case, target, source, fragment, tmp_path):
+    rng = np.random.default_rng(seed_of("loaderr" + case))
+    adam_file, plain = load_error_cases(tmp_path, rng)
+    experts = rng.standard_normal((E, OUT, IN)).astype(np.float32)
+    kind = target.split("-")[0]
+    dense0 = np.zeros((2, 3) if target == "Adam-small-dense" else (2, 2), np.float32)
+    _, c, full, dense, opt = model(kind, dict(lr=0.02), experts, dense0, 6)
+    step_with(c, full, dense, opt, [3], {3: experts[3]}, np.ones(dense0.shape, np.float32))
+    if target == "Adam-one-param":
+        opt = sw.optim.Adam([full], lr=0.02)
+    before = (opt.lr, opt.state(full)["step"], experts_of(opt.state(full)["exp_avg"]).copy(),
+              [opt.state(full)["exp_avg"].carrier.tile_state((0, e)).location for e in range(E)])
+    with pytest.raises(ValueError, match=fragment):
+        opt.load_state(adam_file if source == "adam" else plain)
+    after = (opt.lr, opt.state(full)["step"], experts_of(opt.state(full)["exp_avg"]),
+             [opt.state(full)["exp_avg"].carrier.tile_state((0, e)).location for e in range(E)])
+    assert before[0] == after[0] and before[1] == after[1] and before[3] == after[3]
+    assert np.array_equal(before[2], after[2])

@@ -156,6 +156,14 @@ void bind_optim(nb::module_& m) {
         GilRelease nogil;
         o.step();
       }, "One step over every parameter with a gradient, tile by tile.")
+      .def("save_state", [](const optim::Optimizer& o, const std::string& path) {
+        GilRelease nogil;
+        o.save_state(path);
+      }, nb::arg("path"), "Writes the state, step counts and hyperparameters to a safetensors file (atomic).")
+      .def("load_state", [](optim::Optimizer& o, const std::string& path) {
+        GilRelease nogil;
+        o.load_state(path);
+      }, nb::arg("path"), "Restores a file of save_state, tile by tile under the budget.")
       .def("zero_grad", &optim::Optimizer::zero_grad, "Drops every parameter's gradient (.grad = None).")
       .def_prop_rw("prefetch", &optim::Optimizer::prefetch, &optim::Optimizer::set_prefetch,
                    "Whether a step promotes the next tile during the current tile's update (default False).")

@@ -9,6 +9,7 @@ budget). docs/guide.md, "Optimizers on tiled parameters".
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -101,6 +102,18 @@ class _Optimizer:
     def state(self, param: Tensor) -> dict[str, Any]:
         """``{"step": [per-tile counts], ...}`` with the state tensors of ``param`` (Float32, its shape and layout)."""
         return self._engine.state(param)
+
+    def save_state(self, path: str | os.PathLike[str]) -> None:
+        """Writes the state (``param{i}.exp_avg``, ... as Float32 ``(tiles, tile size)`` tensors, streamed tile range
+        by tile range), the per-tile step counts and the hyperparameters (JSON in ``__metadata__``) to one
+        safetensors file at ``path``, atomically (as ``sw.safetensors.save``)."""
+        self._engine.save_state(os.fspath(path))
+
+    def load_state(self, path: str | os.PathLike[str]) -> None:
+        """Restores a file of :meth:`save_state` into this optimizer (same algorithm, parameter shapes and tile
+        grids: ValueError naming what differs, nothing changed), tile by tile under the parameters' residency
+        budget; tiles never stepped stay implicit zeros."""
+        self._engine.load_state(os.fspath(path))
 
     def stats(self) -> dict[str, Any]:
         """Steps, tiles stepped and skipped, prefetches, and transfers per tier (weights, gradients, state)."""

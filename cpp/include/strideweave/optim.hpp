@@ -122,6 +122,28 @@ class Optimizer {
   void set_prefetch(bool on) noexcept { prefetch_ = on; }
   bool prefetch() const noexcept { return prefetch_; }
 
+  // Note [Optimizer state files]: save_state writes the state to one safetensors file at `path` with
+  // sw::safetensors::save (atomic: a temporary file renamed into place; the tiled state streamed tile range by tile
+  // range from wherever each tile lies, never gathered). Parameter k's state tensors are "param{k}.momentum_buffer"
+  // (SGD, once it has buffers) or "param{k}.exp_avg" and "param{k}.exp_avg_sq", Float32 of shape (tiles, tile
+  // size): row t is tile t's values in within-tile order (a dense parameter: one row of its slots), so a tile is
+  // one contiguous byte range of the file; implicit tiles are written as zeros. The __metadata__ holds JSON strings:
+  // "format" ("strideweave.optim.state/1"), "algorithm", "hyperparameters" (an object), "params" (the count) and
+  // per parameter "param{k}": {"shape", "grid", "tile", "step": per-tile step counts, "state_tiles": per tile 1 when
+  // its state holds a value}.
+  // Blocks: reads every state tile (I/O), writes and syncs the file.
+  void save_state(const std::string& path) const;
+  // Restores a file of save_state into this optimizer: state values, step counts and hyperparameters. The file is
+  // checked whole first: ValueError naming what differs (a malformed file or metadata, another algorithm, another
+  // parameter count, a parameter of another shape or tile grid, a state tensor missing or of the wrong shape or
+  // dtype, hyperparameters that validate() refuses), nothing changed. Then each state tile that holds a value in
+  // the file is made resident under the parameter's residency budget and held (an implicit tile becomes a zero
+  // buffer), read from its byte range straight into its buffer and committed, one tile at a time (never the whole
+  // state in memory); a tile that is an implicit zero in the file stays (or is written back to) zeros: one that is
+  // implicit here stays implicit. An I/O error part-way leaves the tiles loaded before it loaded.
+  // Blocks: the reads (I/O) and promotions in this thread.
+  void load_state(const std::string& path);
+
  private:
   struct Slot;
   void step_slot(Slot& s, const TensorPtr& grad);
