@@ -330,3 +330,314 @@ def test_plain_loop_parity(family, algorithm, folders):
         moved = (got[n] - start[n]).abs().reshape(E, -1).amax(dim=1)
         assert bool((moved > 0).all()), f"{n}: experts {torch.nonzero(moved == 0).flatten().tolist()} never moved"
     print(f"worst error / bound: {worst:.3f}; budget {budget} bytes")
+
+
+# ------------------------------------------------------------------------------------------------ accumulation
+
+
+def backward(model, ids, scale=1.0):
+    (model(input_ids=ids, labels=ids).loss * scale).backward()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_accumulation_adds_like_torch(family, folders):
+    """Two backwards before a step: every gradient, torch's and each expert's tiled one, is exactly the Float32
+    sum fl(G1 + G2) of the two backwards' gradients taken alone (torch's AccumulateGrad adds the new gradient into
+    the old one, one rounding; bound 0), so the optimizer steps exactly what torch's accumulation would give it."""
+    seed = seed_of(family)
+    print(f"family={family} model seed={seed} batch seeds={seed + 200}, {seed + 201}")
+    folder = folders(family)
+    reference = load_reference(folder)
+    model, bindings, _ = open_offloaded(folder, reference, family)
+    opt = swt.AdamW(model)
+    a, b = ids_for(seed + 200), ids_for(seed + 201)
+    alone = []
+    for ids in (a, b):
+        opt.zero_grad()
+        backward(model, ids, 1 / ACCUM)
+        alone.append({n: g.float() for n, g in named_grads(model, bindings).items()})
+    opt.zero_grad()
+    assert all(t.grad is None for b_ in bindings.values() for t in b_.tiled.values()), "zero_grad drops tiled grads"
+    backward(model, a, 1 / ACCUM)
+    backward(model, b, 1 / ACCUM)
+    both = named_grads(model, bindings)
+    for n, g in both.items():
+        want = alone[0][n] + alone[1][n]  # Float32 addition, one rounding
+        assert torch.equal(g.float(), want), f"{n}: accumulated gradient is not fl(G1 + G2)"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_accumulation_matches_one_large_batch(family, folders):
+    """2 micro-batches of (2, 16) tokens, each (loss / 2).backward(), then an SGD step, against one backward over
+    the (4, 16) batch they make, then the same step (equal sequence lengths and no padding: the large batch's mean
+    loss is the mean of the two means, exactly, the division by 2 being exact).
+
+    Both gradients are Float32 evaluations of the same exact gradient G (the Float64 gradient of the in-RAM model
+    converted to Float64); each lies within the Float32 parity bound of tests/test_hf_families.py, 1e-5 of the
+    largest |G| of its tensor (per micro-batch: twice that for the sum of two). SGD (no momentum, no decay) then
+    moves each weight by lr g with one rounding: |w_acc - w_big| <= lr (|g_acc - G| + |g_big - G|) + 2u |w|, taken
+    with the bound above for the gradient terms."""
+    seed = seed_of(family)
+    print(f"family={family} model seed={seed} batch seeds={seed + 300}, {seed + 301}")
+    folder = folders(family)
+    reference = load_reference(folder)
+    a, b = ids_for(seed + 300), ids_for(seed + 301)
+    big = torch.cat([a, b])
+    exact = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                              experts_implementation="eager").double()
+    backward(exact, big)
+    G = {n: p.grad.detach().clone() for n, p in exact.named_parameters() if p.grad is not None}
+    del exact
+    lr = 0.5
+    runs = []
+    for micro in (True, False):
+        model, bindings, _ = open_offloaded(folder, reference, family)
+        opt = swt.SGD(model, lr=lr)
+        if micro:
+            backward(model, a, 1 / ACCUM)
+            backward(model, b, 1 / ACCUM)
+        else:
+            backward(model, big)
+        grads = named_grads(model, bindings)
+        for n, g in grads.items():
+            tol = (2 if micro else 1) * 1e-5 * float(G[n].abs().max())
+            err = float((g - G[n]).abs().max())
+            assert err <= tol, f"{'micro' if micro else 'large'} batch {n}: {err:.3e} > {tol:.3e}"
+        opt.step()
+        runs.append((grads, named_weights(model, bindings)))
+    (g_acc, w_acc), (g_big, w_big) = runs
+    for n, w in w_big.items():
+        tol = lr * 3e-5 * float(G[n].abs().max()) + 2 * U * float(w.abs().max())
+        err = float((w_acc[n] - w).abs().max())
+        assert err <= tol, f"{n}: accumulated update differs from the large batch's by {err:.3e} > {tol:.3e}"
+
+
+# ------------------------------------------------------------------------------------------------------- state
+
+
+def run_steps(model, bindings, opt, sched, seed, steps):
+    for s in steps:
+        opt.zero_grad()
+        for k in range(ACCUM):
+            backward(model, ids_for(seed + 400 + 10 * s + k), 1 / ACCUM)
+        swt.clip_grad_norm_(model, 0.5)
+        opt.step()
+        sched.step()
+
+
+@pytest.mark.parametrize("how", ["save_state", "state_dict"])
+def test_resume_is_bit_identical(how, folders, tmp_path):
+    """AdamW with a warm-up schedule: 3 steps uninterrupted, against 1 step, then the weights saved
+    (swt.save_pretrained), the optimizer's state saved (save_state(folder), or state_dict() with state_folder
+    set and torch.save), the scheduler's state_dict; a fresh model, optimizer and scheduler loading them; 2 more
+    steps. Every weight and every moment bit for bit the same (bound 0: the same arithmetic on the same bits)."""
+    family = "mixtral"
+    seed = seed_of(family)
+    print(f"family={family} model seed={seed} batch seeds={seed + 400}+10*step+micro")
+    folder = folders(family)
+    reference = load_reference(folder)
+
+    def fresh(path):
+        model, bindings, _ = open_offloaded(path, reference, family)
+        opt = swt.AdamW(groups(list(model.named_parameters()), bindings.values(), 0.01), lr=1e-2)
+        sched = transformers.get_linear_schedule_with_warmup(opt, num_warmup_steps=1, num_training_steps=4)
+        return model, bindings, opt, sched
+
+    model, bindings, opt, sched = fresh(folder)
+    run_steps(model, bindings, opt, sched, seed, range(3))
+    want = named_weights(model, bindings)
+    want_state = {p: {k: v.clone() for k, v in opt.state[p].items()} for g in opt.param_groups for p in g["params"]}
+    del model, bindings, opt, sched
+
+    model, bindings, opt, sched = fresh(folder)
+    run_steps(model, bindings, opt, sched, seed, range(1))
+    weights = tmp_path / "weights"
+    swt.save_pretrained(model, weights)
+    state = tmp_path / "state"
+    if how == "save_state":
+        opt.save_state(state)
+    else:
+        with pytest.raises(RuntimeError, match="state_folder"):
+            opt.state_dict()
+        opt.state_folder = state
+        torch.save(opt.state_dict(), tmp_path / "opt.pt")
+    sched_state = sched.state_dict()
+    del model, bindings, opt, sched
+
+    model, bindings, opt, sched = fresh(str(weights))
+    if how == "save_state":
+        opt.load_state(state)
+    else:
+        opt.load_state_dict(torch.load(tmp_path / "opt.pt", weights_only=True))
+    sched.load_state_dict(sched_state)
+    run_steps(model, bindings, opt, sched, seed, range(1, 3))
+    got = named_weights(model, bindings)
+    assert set(got) == set(want)
+    for n, w in want.items():
+        assert torch.equal(got[n], w), f"{how}: {n} differs after resuming"
+    got_state = [opt.state[p] for g in opt.param_groups for p in g["params"]]
+    for (_, a), b in zip(want_state.items(), got_state):
+        for k in a:
+            assert torch.equal(a[k], b[k])
+    for b in bindings.values():  # the tiled moments and per-expert step counts went through the files
+        engine = opt._tiled_groups[0].engine
+        for t in b.tiled.values():
+            assert engine.state(t)["step"] == [3] * zoo.E
+
+
+# ------------------------------------------------------------------------------------------------- error paths
+
+
+@pytest.fixture
+def stepped(folders):
+    """An offloaded Mixtral with torch and tiled gradients present, and a snapshot to check nothing changed."""
+    family = "mixtral"
+    seed = seed_of(family)
+    print(f"family={family} model seed={seed} batch seed={seed + 500}")
+    folder = folders(family)
+    reference = load_reference(folder)
+    model, bindings, _ = open_offloaded(folder, reference, family)
+    backward(model, ids_for(seed + 500))
+
+    def snapshot():
+        return named_weights(model, bindings), named_grads(model, bindings)
+
+    return model, bindings, snapshot
+
+
+def assert_same(before, after):
+    for a, b in zip(before, after):
+        assert set(a) == set(b)
+        for n in a:
+            assert torch.equal(a[n], b[n]), f"{n} changed"
+
+
+def test_refuses_wrong_types(stepped):
+    model, bindings, snapshot = stepped
+    before = snapshot()
+    binding = next(iter(bindings.values()))
+    cases = [
+        ([1.0], "parameter 0 must be a torch Parameter"),
+        ([next(model.parameters()), model.lm_head], "parameter 1 must be a torch Parameter"),
+        ({"params": list(model.parameters())}, "got a dict"),
+        (set(model.parameters()), "ordered collection"),
+        (42, "got int"),
+        ([{"params": [binding]}, [next(model.parameters())]], "must be a dict like the others"),
+    ]
+    for params, fragment in cases:
+        with pytest.raises(TypeError, match=fragment):
+            swt.AdamW(params)
+    with pytest.raises(TypeError, match="parameter 0 must be a torch Parameter"):
+        swt.clip_grad_norm_(["x"], 1.0)
+    with pytest.raises(TypeError, match="max_norm must be a number"):
+        swt.clip_grad_norm_(model, "1.0")
+    opt = swt.SGD(model, lr=0.1)
+    groups_before = len(opt.param_groups)
+    with pytest.raises(TypeError, match="param_group must be a dict"):
+        opt.add_param_group([binding])
+    assert len(opt.param_groups) == len(opt.tiled_param_groups) == groups_before
+    assert_same(before, snapshot())
+
+
+def test_refuses_a_tiled_tensor_not_a_bound_experts(stepped, tmp_path):
+    """A strideweave tiled tensor of one's own (not a binding's): strideweave.optim is for those."""
+    import numpy as np
+    from strideweave import friendly
+    import strideweave.safetensors as st
+
+    model, bindings, snapshot = stepped
+    before = snapshot()
+    path = str(tmp_path / "own.safetensors")
+    st.save(path, {f"e{e}": friendly.tensor(np.ones((2, 3), np.float32)) for e in range(2)})
+    own = st.open(path).tiled(["e0", "e1"])
+    for params in ([own], [{"params": [next(model.parameters()), own]}]):
+        with pytest.raises(ValueError, match="not the tiled tensor of a bound experts module"):
+            swt.AdamW(params)
+    with pytest.raises(ValueError, match="not the tiled tensor of a bound experts module"):
+        swt.clip_grad_norm_([own], 1.0)
+    opt = swt.AdamW(model)
+    with pytest.raises(ValueError, match="not the tiled tensor of a bound experts module"):
+        opt.add_param_group({"params": [own]})
+    assert len(opt.param_groups) == 1
+    assert_same(before, snapshot())
+
+
+def test_refuses_an_empty_parameter_list(stepped, folders):
+    model, bindings, snapshot = stepped
+    before = snapshot()
+    with pytest.raises(ValueError, match="empty parameter list"):
+        swt.AdamW([])
+    with pytest.raises(ValueError, match="empty parameter list"):
+        swt.SGD([{"params": []}, {"params": []}])
+    frozen = load_reference(folders("mixtral"))
+    for p in frozen.parameters():
+        p.requires_grad_(False)
+    with pytest.raises(ValueError, match="empty parameter list"):
+        swt.Adam(frozen)
+    assert_same(before, snapshot())
+
+
+def test_refuses_duplicates_and_options_the_engine_lacks(stepped):
+    model, bindings, snapshot = stepped
+    before = snapshot()
+    binding = next(iter(bindings.values()))
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        swt.AdamW([{"params": [binding]}, {"params": [binding.tiled["down"]]}])
+    with pytest.raises(ValueError, match="amsgrad"):
+        swt.Adam([{"params": [binding], "amsgrad": True}])
+    opt = swt.AdamW([{"params": [binding]}])
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        opt.add_param_group({"params": [binding.tiled["down"]]})
+    with pytest.raises(ValueError, match="maximize"):
+        opt.add_param_group({"params": list(bindings.values())[1:], "maximize": True})
+    assert len(opt.param_groups) == len(opt.tiled_param_groups) == 1
+    opt.param_groups[0]["amsgrad"] = True  # changed after construction: refused at step, before anything moves
+    with pytest.raises(ValueError, match="amsgrad"):
+        opt.step()
+    assert_same(before, snapshot())
+
+
+def test_a_bad_scheduled_value_moves_nothing(stepped):
+    """A group's lr driven below 0 (by hand or a scheduler): the step raises the engine's ValueError while the
+    values are pushed, before torch's step or any engine's step runs."""
+    model, bindings, snapshot = stepped
+    before = snapshot()
+    opt = swt.AdamW(groups(list(model.named_parameters()), bindings.values(), 0.01), lr=1e-2)
+    opt.param_groups[0]["lr"] = -1.0
+    with pytest.raises(ValueError, match="lr"):
+        opt.step()
+    assert_same(before, snapshot())
+    assert all(not opt.state[p] for g in opt.param_groups for p in g["params"])
+
+
+def test_clip_refuses_a_nonfinite_norm(stepped):
+    model, bindings, snapshot = stepped
+    model.lm_head.weight.grad[0, 0] = float("inf")
+    before = snapshot()
+    with pytest.raises(RuntimeError, match="non-finite"):
+        swt.clip_grad_norm_(model, 1.0, error_if_nonfinite=True)
+    assert_same(before, snapshot())
+
+
+def test_load_state_refuses_other_groups(stepped, tmp_path):
+    model, bindings, snapshot = stepped
+    opt = swt.AdamW(model)
+    opt.step()
+    opt.save_state(tmp_path / "s")
+    before = snapshot()
+    other = swt.AdamW([{"params": list(bindings.values())[:1]}])
+    with pytest.raises(ValueError, match="tiled groups of sizes"):
+        other.load_state(tmp_path / "s")
+    with pytest.raises(FileNotFoundError, match="optimizer.pt"):
+        other.load_state(tmp_path / "nothing")
+    assert all(not other.state[p] for g in other.param_groups for p in g["params"])
+    assert_same(before, snapshot())
+
+
+def test_zero_grad_clears_the_experts(stepped):
+    model, bindings, _ = stepped
+    opt = swt.SGD(model, lr=0.1)
+    assert all(t.grad is not None for b in bindings.values() for t in b.tiled.values())
+    opt.zero_grad()
+    assert all(t.grad is None for b in bindings.values() for t in b.tiled.values())
+    assert all(p.grad is None for p in model.parameters())
