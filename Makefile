@@ -1,8 +1,11 @@
 # StrideWeave: every target starts from a fresh machine and installs what is missing.
 #   make test      C++ tests (ctest), the C++ example against the installed package, Python tests (pytest) and
 #                  the type check of the stubs
-#   make demo      the main example: examples/finetune_moe.py (fine-tunes the MoE layers of a Mixtral-format bf16
-#                  checkpoint whose experts, gradients and Adam moments exceed the memory budget)
+#   make demo      the main job: examples/finetune_command_demo.py runs the fine-tuning command
+#                  (python -m strideweave.finetune) on a small Qwen3-MoE whose experts, gradients and AdamW moments
+#                  are 8x its budget, and checks the result against the same steps in RAM (PASS/FAIL).
+#                  examples/finetune_moe.py, the engine-level example (about 2 minutes), runs with
+#                  `.venv/bin/python examples/finetune_moe.py` and in make soak
 #   make sanitize  C++ tests under ASan+UBSan and under TSan, then the Python suite under ASan+UBSan+LSan
 #                  (sanitize-py: the extension built with SW_SANITIZE=address into build/sanitize-py, never the
 #                  .venv's package, and pytest run with the ASan runtime preloaded; docs/reliability.md)
@@ -78,7 +81,7 @@ typecheck: install
 test: cpp-test cpp-example py-test typecheck
 
 demo: install
-	$(VPY) examples/finetune_moe.py
+	$(VPY) examples/finetune_command_demo.py
 
 # Benchmark-only dependencies (PyTorch, matplotlib); make test never needs them.
 $(VENV)/.bench-stamp: requirements-bench.txt $(VENV)/.stamp
