@@ -239,12 +239,11 @@ class _Run:
             if bar:
                 transformers.utils.logging.enable_progress_bar()
         bindings = swt.offloaded_experts(model)
-        # One expert's tiles, their gradient (the weights' dtype) and two Float32 AdamW moments, resident at once
-        # in the optimizer's step of that expert.
-        need = max(b.expert_bytes * 2 + b.expert_bytes // b.spec.dtype.itemsize * 8 for b in bindings.values())
+        need, tile_need = min_budget(bindings.values())
         if budget_bytes < need:
-            raise CommandError(f"--budget {args.budget} ({budget_bytes} bytes) cannot hold one expert's weights, "
-                               f"gradient and AdamW moments ({need} bytes), which a step needs at once")
+            raise CommandError(f"--budget {args.budget} ({budget_bytes} bytes) cannot hold what training needs "
+                               f"resident at once ({need} bytes): one expert's weight tiles, and one tile with its "
+                               f"gradient and two Float32 AdamW moments ({tile_need} bytes)")
         model.train()
         if hasattr(model.config, "use_cache"):
             model.config.use_cache = False
@@ -419,6 +418,23 @@ def _save_optimizer(optimizer: Any, folder: str) -> None:
 
 def _load_optimizer(optimizer: Any, folder: str) -> None:
     optimizer.load_state(os.path.join(folder, OPTIMIZER_DIR))
+
+
+def min_budget(bindings: Any) -> tuple:
+    """(the least budget training can run under, the optimizer step's part of it) in bytes: the forward and the
+    backward of an expert hold its weight tiles resident (``from_pretrained`` refuses less), and the optimizer step
+    of a tile holds the tile, its gradient (the weights' dtype) and its two Float32 moments
+    (``strideweave.optim`` refuses less at the step)."""
+    need, tile_need = 0, 0
+    for b in bindings:
+        size = b.spec.dtype.itemsize
+        for shape in b.tile_shapes.values():
+            elements = 1
+            for n in shape:
+                elements *= int(n)
+            tile_need = max(tile_need, elements * (2 * size + 8))
+        need = max(need, b.expert_bytes)
+    return max(need, tile_need), tile_need
 
 
 def param_groups(model: Any, weight_decay: float) -> list:
