@@ -30,7 +30,7 @@ from ._saving import save_pretrained
 
 __all__ = ["Adam", "AdamW", "MoEBlock", "SGD", "clip_grad_norm_", "from_pretrained", "from_torch", "offload_experts",
            "offloaded_experts", "save_pretrained",
-           "to_torch"]
+           "to_torch", "Trainer"]
 
 
 def __getattr__(name: str) -> Any:
@@ -42,4 +42,7 @@ def __getattr__(name: str) -> Any:
     if name in ("SGD", "Adam", "AdamW"):
         from ._optim import _classes as _optimizers
         return _optimizers()[name]
+    if name == "Trainer":  # derives from transformers.Trainer
+        from ._trainer import _classes as _trainer
+        return _trainer()["Trainer"]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -211,6 +211,7 @@ class OffloadedExperts:
                     for n in ns:
                         _expect(ckpt, n, self.tile_shapes[role], sw_dtype, f"{name} {role} projection")
         self.checkpoint_names = names
+        self.checkpoint = ckpt  # the open strideweave.safetensors Checkpoint the tiles are over
         self.tiled = {}
         for role, ns in names.items():
             if self.fused:
