@@ -1,4 +1,4 @@
-"""examples/finetune_moe.py (what `make demo` runs) at tiny sizes: the checks pass, the summary is sane, the check
+"""examples/finetune_moe.py at tiny sizes: the checks pass, the summary is sane, the check
 fails when one expert's gradient is wrong, and the saved checkpoint is a Mixtral-format file."""
 
 from __future__ import annotations
