@@ -10,7 +10,6 @@ hyperparameters of each step, since they enter the arithmetic as the same Python
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 
@@ -20,74 +19,20 @@ import pytest
 
 import strideweave as sw
 from strideweave import friendly
-from strideweave.carriers.tiled_evictable import TiledEvictable, TileSelection
 
 torch = pytest.importorskip("torch")
 
+# The experts, their routes and the helpers of tests/test_optim.py (the same geometry and arithmetic checks).
+from test_optim import E, IN, OUT, ROUTES, backward_grads, expert_weight, experts_of, routed, step_both  # noqa: E402
+
 pytestmark = pytest.mark.usefixtures("grad_mode_on")
 BASE_SEED = 20270117
-
-OUT, IN, E = 8, 5, 6
-ROUTES = [[0, 2, 3], [2, 5], [0, 1, 2, 3, 4, 5], [4], [1, 2], [3, 5, 0]]
 
 
 def seed_of(name):
     seed = BASE_SEED + sum(map(ord, name))
     print(f"seed {seed}")
     return seed
-
-
-def expert_weight(experts, dtype=sw.DType.Float32, budget=None):
-    """A TiledEvictable over a scratch-file tier of `experts` (E, OUT, IN), row-major tiles, and its full tensor."""
-    data = np.ascontiguousarray(experts).reshape(-1)
-    tier = sw.move(friendly.tensor(data), sw.FileBacked(dtype=dtype))
-    c = TiledEvictable(sw.CPU(0, dtype=dtype), tier.carrier, (1, E), (OUT, IN), residency_budget=budget)
-    return c, sw.Tensor(c, 0, sw.Layout(sw.Shape(OUT, [IN, E]), sw.Stride(IN, [1, OUT * IN])))
-
-
-def experts_of(full):
-    """The (E, OUT, IN) values of a full tensor (or its gradient), in its dtype."""
-    a = np.asarray(full)
-    return np.stack([a[:, IN * e:IN * (e + 1)] for e in range(E)])
-
-
-def backward_grads(c, full, grads):
-    """Drops full.grad and runs one backward per routed expert e: sum(w_e * grads[e]), whose gradient is grads[e]."""
-    full.grad = None
-    for e, g in grads.items():
-        w = c.project(full, TileSelection([[0], [e]])).wait()
-        sw.reduce_sum(sw.elementwise_mul(w, friendly.tensor(g)), "o i ->").backward()
-
-
-def routed(full):
-    g = full.grad
-    return [e for e in range(E) if g.carrier.tile_state((0, e)).location != "implicit"]
-
-
-def exact_sqrt(self):
-    """The correctly rounded square root of a Float32 tensor (through Float64: one rounding of an exact value)."""
-    return torch.sqrt(self.double()).to(self.dtype)
-
-
-@contextlib.contextmanager
-def correctly_rounded_sqrt():
-    original = torch.Tensor.sqrt
-    torch.Tensor.sqrt = exact_sqrt
-    try:
-        yield
-    finally:
-        torch.Tensor.sqrt = original
-
-
-def step_both(full, route, opt, params, ref):
-    """One step of both sides, torch's gradients the values of full.grad (None for an implicit tile)."""
-    assert routed(full) == sorted(route)
-    g = experts_of(full.grad)
-    for e, p in enumerate(params):
-        p.grad = torch.from_numpy(g[e].copy()) if e in route else None
-    opt.step()
-    with correctly_rounded_sqrt():
-        ref.step()
 
 
 def make_pair(kind, hyper, experts, dtype=sw.DType.Float32, budget=None):
