@@ -1,29 +1,81 @@
-"""bigger_than_ram: the fine-tuning example under a memory limit smaller than its experts + gradients + moments.
+"""bigger_than_ram: the fine-tuning command on a transformers MoE whose experts + gradients + moments exceed a memory
+cgroup's limit (4x by default), checked on sampled experts.
 
 Not a ratio benchmark and not part of ``make bench`` or CI: a documented run (docs/performance.md, "Bigger than
-RAM") that shows the main job completing when the process cannot hold its state. It
+RAM") that shows the main job completing through the front door when the process cannot hold its state. It
 
-1. makes a memory cgroup for the run (cgroup v2: a child of this process's cgroup with ``memory.max`` and
-   ``memory.swap.max = 0``; cgroup v1: a child of its memory cgroup with ``memory.limit_in_bytes``, and
-   ``memory.memsw.limit_in_bytes`` where swap accounting exists). Page cache the run touches is charged to the
-   cgroup too, so the limit bounds the run's whole footprint and the kernel must write back and drop file pages
-   to stay under it; going over kills the run (OOM), which this script reports as a failure;
-2. runs ``examples/finetune_moe.py`` inside it (the checkpoint writer, the training, the save, the reload and the
-   check are all inside), with ``--check-sample N``: instead of replaying every step all in memory, N sampled
-   experts are recorded within the budgeted run on the checked steps and compared with PyTorch afterwards (their
-   weight gradients in Float64 within the example's derived bound, their AdamW steps bit for bit against
-   ``torch.optim.AdamW``, their saved values), one record in memory at a time;
-3. refuses sizes whose experts + gradients + moments do not exceed the limit, and prints what it saw: the
-   limit, the state, the process's peak RSS (after training, and at the end with the check), the cgroup's peak
-   charge (RSS + page cache), throughput, bytes moved per tier, and the check.
+1. outside the cgroup, builds a Qwen3-MoE from its config with seeded random weights in BFloat16
+   (examples/finetune_command_demo.py's ``make_model``), trains a byte-level BPE tokenizer locally on text that
+   ships with the machine (the demo's ``corpus`` and ``make_tokenizer``), saves both with ``save_pretrained``,
+   writes a JSON-lines data file (the demo's ``write_data``) and drops the model's files from the page cache (so
+   the run inside reads them and is charged for them);
+2. makes a memory cgroup (cgroup v2: a child of this process's cgroup with ``memory.max`` and ``memory.swap.max =
+   0``; cgroup v1: a child of its memory cgroup with ``memory.limit_in_bytes``, and ``memory.memsw.limit_in_bytes``
+   where swap accounting exists) and runs ``python -m strideweave.finetune MODEL --data FILE --output OUT --budget
+   SIZE ...`` inside it, unchanged, with a recording hook around it (below): the model is opened with
+   ``strideweave.torch.from_pretrained``, trained, checkpointed (``--save-every``) and written back with
+   ``save_pretrained``, all under the limit. Page cache the run touches is charged to the cgroup too, so the limit
+   bounds its whole footprint; going over kills the run (OOM), reported as a failure;
+3. outside again, checks N sampled experts (seeded, printed) from the records, one record in memory at a time,
+   without the whole model.
+
+The recording hook (this file run with ``--child``, inside the cgroup) imports the command and wraps three of
+``strideweave.torch``'s public attributes before calling ``strideweave.finetune.main`` with the command's own
+arguments: ``from_pretrained`` (to put forward hooks on the sampled layers' experts modules), ``clip_grad_norm_``
+and ``AdamW.step``. The command's code is not changed. On the checked steps (the first and the last by default) it
+writes to files beside the run: for each sampled layer and micro-batch the experts module's inputs (hidden states,
+top-k indices and weights) and the gradient of its output; for each sampled expert and matrix the gradient before
+clipping, the clipping's total norm, then, just before the optimizer step, the weights, the clipped gradient, both
+AdamW moments, the tile's step count and its parameter group's lr, betas, eps and weight decay, and after the step
+the weights, moments and count. Tiles are read through one-tile projections under the run's budget; the
+recording's time is left out of the reported throughput.
+
+What is checked (every sampled expert, every checked step):
+
+* its weight gradients (the sum over the step's micro-batches, before clipping) against PyTorch in Float64 on the
+  recorded inputs of its experts module: the expert's SwiGLU on its routed rows, times their routing weights,
+  against the recorded output gradient, within the bound of examples/finetune_moe.py's Note [The bound of the
+  check] (each of at most K = 24 rounding sites on the weight-gradient path, here about 10 plus one per
+  micro-batch's accumulation into the BFloat16 tile, moves the result by at most ``u_s`` times its magnitude
+  ``M_F``, the same computation on absolute values with silu replaced by ``1.1 z``; ``u_s = 2^-8 + 2 gamma_n``,
+  ``n`` the largest of the tokens, H and I), so ``|g - g64| <= ((1 + u_s)^24 - 1) M_F``. An expert no token was
+  routed to must have no gradient (an implicit tile). The report gives the worst |error| / bound, the fraction
+  of gradient elements larger than their bound (those an error of their own size would not hide) and, for
+  information only, the measured |error|_F / |g|_F. In BFloat16 this bound is loose: about 0.1 M_F, and M_F is
+  tens of times |g| (sums of many signed terms), so no element exceeds it and only gross errors fail it (in a
+  small trial, a negated gate gradient reached 0.56 of the bound and passed). ``--dtype float32`` makes it sharp
+  (about 3e-3 M_F at the default sizes; in the same trial 83% of the elements exceed their bound, and a negated, 1.5x-scaled or
+  zeroed-at-its-largest gradient fails it at 37-148x), at 16 bytes of state per expert weight instead of 12;
+* the clipping: the clipped gradient is the recorded one times torch's factor ``min(1, max_norm / (total +
+  1e-6))`` (from the recorded total, as ``strideweave.torch.clip_grad_norm_`` computes it) within one BFloat16
+  rounding of a Float32 product: ``|g_c - f g| <= (2^-8 + 2^-23) |f g|``;
+* its AdamW step, bit for bit: ``torch.optim.AdamW`` (``foreach=False``) on one ``nn.Parameter`` holding the
+  Float32 values of the recorded BFloat16 weights, with the recorded clipped gradient, moments, step count and
+  group options, the weights rounded to BFloat16 after the step (the engine keeps Float32 moments for BFloat16
+  weights by design; torch would keep BFloat16 ones for a BFloat16 parameter), torch's square root replaced by
+  the correctly rounded one (as tests/test_optim.py); the weights, both moments and the count must be identical.
+  A tile without gradient must be left as it was. The report counts the weights the step changed, so a PASS
+  cannot come from steps that moved nothing;
+* the saved model: the sampled experts' tensors read one by one from the output folder's safetensors equal the
+  last checked step's weights after the step bit for bit (the last step is always checked), and the output holds
+  every tensor of the input model with its shape and dtype.
+
+What is not checked: the experts that were not sampled, and the steps that were not checked (they ran the same
+code, unrecorded); the non-expert weights (torch's own AdamW on torch's parameters); the total gradient norm itself
+(it needs every gradient; only its use is checked); the routing (transformers' code, before the experts); the
+losses against an in-RAM run (that needs the whole model in RAM: ``make demo`` checks the command end to end at
+sizes that fit, examples/finetune_command_demo.py).
 
 Needs a writable cgroup (root, or a delegated cgroup v2 subtree); without one it says so. Where cgroups are not
-writable, ``systemd-run --user --scope -p MemoryMax=1G -p MemorySwapMax=0 python examples/finetune_moe.py
---check-sample 4 ...`` gives the same bound.
+writable, ``systemd-run --user --scope -p MemoryMax=1G -p MemorySwapMax=0 python -m strideweave.finetune ...``
+gives the same bound (without the sampled check).
 
-Usage: python bench/bigger_than_ram.py [--limit-mib 1024] [--dir DIR] [-- EXAMPLE FLAGS...]
-(default sizes: 4 layers x 8 experts, H 1024, I 2048, BFloat16: 2.25 GiB of experts + gradients + moments under a
-1 GiB limit; 6 steps of 512 tokens, checked on steps 0 and 5, 4 sampled experts).
+Usage: python bench/bigger_than_ram.py [--limit-mib 1024] [--dir DIR] [sizes and options, see --help]
+(default: 4 layers x 32 experts, H 1024, moe_intermediate 1024, BFloat16: 768 MiB of experts, 4.5 GiB of experts +
+gradients + moments under a 1 GiB limit, budget 256 MiB; 6 steps of 2 x 256 tokens, a checkpoint at step 3;
+steps 1 and 6 checked on 4 sampled experts).
+``python bench/bigger_than_ram.py --example [-- EXAMPLE FLAGS...]`` runs examples/finetune_moe.py (StrideWeave's own
+blocks, no transformers) under the limit instead, with its own ``--check-sample``, as before the command existed.
 """
 
 from __future__ import annotations
@@ -32,6 +84,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import subprocess
 import sys
 import tempfile
@@ -40,10 +93,15 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 EXAMPLE = os.path.join(ROOT, "examples", "finetune_moe.py")
+DEMO_DIR = os.path.join(ROOT, "examples")
 MiB = 1 << 20
+GiB = 1 << 30
 DEFAULT_EXAMPLE_FLAGS = ["--layers", "4", "--experts", "8", "--hidden", "1024", "--intermediate", "2048",
                          "--steps", "6", "--check-every", "5", "--check-sample", "4", "--budget-ratio", "6",
                          "--no-progress"]
+ROLES = ("gate", "up", "down")
+U_BF16 = 2.0 ** -8
+SITES = 24  # K of examples/finetune_moe.py's Note [The bound of the check]
 
 
 def cpu_name() -> str:
@@ -120,13 +178,555 @@ class Cgroup:
             pass
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--limit-mib", type=int, default=1024, help="the cgroup's memory limit (default %(default)s)")
-    p.add_argument("--dir", default=None, help="folder for the checkpoints and scratch files (default: temporary)")
-    p.add_argument("example", nargs=argparse.REMAINDER, help="flags for examples/finetune_moe.py, after --")
+# ---------------------------------------------------------------- records (files of arrays)
+
+
+def save_arrays(path: str, arrays: dict) -> None:
+    """np.savez of `arrays` (None values left out; BFloat16 ones stored as their uint16 bits)."""
+    import numpy as np
+    out = {}
+    for k, v in arrays.items():
+        if v is None:
+            continue
+        v = np.asarray(v)
+        if v.dtype.name == "bfloat16":
+            out[k + ".bf16"] = v.view(np.uint16)
+        else:
+            out[k] = v
+    np.savez(path, **out)
+
+
+def load_arrays(path: str) -> dict:
+    import ml_dtypes
+    import numpy as np
+    with np.load(path) as z:
+        return {(k[:-5] if k.endswith(".bf16") else k):
+                (z[k].view(ml_dtypes.bfloat16) if k.endswith(".bf16") else z[k]) for k in z.files}
+
+
+def record_path(directory: str, step: int, what: str) -> str:
+    return os.path.join(directory, f"step{step:05d}-{what}.npz")
+
+
+def torch_to_numpy(x):
+    """A torch tensor's values as NumPy (BFloat16 as ml_dtypes.bfloat16, bit for bit)."""
+    import ml_dtypes
+    import torch
+    x = x.detach().cpu().contiguous()
+    if x.dtype == torch.bfloat16:
+        return x.view(torch.int16).numpy().view(ml_dtypes.bfloat16).copy()
+    return x.numpy().copy()
+
+
+# ---------------------------------------------------------------- inside the cgroup: the command, recorded
+
+
+class Recorder:
+    """The recording hook around the command (the module docstring says what it records and why)."""
+
+    def __init__(self, spec: dict):
+        self.spec = spec
+        self.dir = spec["records"]
+        self.sample = [tuple(p) for p in spec["sample"]]
+        self.layers = sorted({layer for layer, _ in self.sample})
+        self.checked = set(spec["checked_steps"])
+        self.total = spec["steps"]
+        self.step = 0  # the optimizer step the next forward belongs to
+        self.micro = 0  # micro-batch index within the step
+        self.bindings: dict = {}  # layer -> OffloadedExperts
+        self.seconds = 0.0
+        self.first_forward = None
+        self.trained_at = None
+        self.rss_after_training = None
+        os.makedirs(self.dir, exist_ok=True)
+
+    def install(self) -> None:
+        import torch
+
+        import strideweave.torch as swt
+        opened, clip, adamw = swt.from_pretrained, swt.clip_grad_norm_, swt.AdamW
+        original_step = adamw.step
+        rec = self
+
+        def from_pretrained(*args, **kwargs):
+            model = opened(*args, **kwargs)
+            rec.attach(model)
+            return model
+
+        def clip_grad_norm_(model_or_parameters, max_norm, *args, **kwargs):
+            checked = rec.step in rec.checked
+            if checked:
+                rec.tiles(rec.step, "pre", lambda b, t, e: {"grad": rec.tile(t.grad, e)})
+            total = clip(model_or_parameters, max_norm, *args, **kwargs)
+            if checked:
+                t0 = time.perf_counter()
+                with torch.no_grad():  # torch's factor, as strideweave.torch.clip_grad_norm_ computes it
+                    factor = float(torch.clamp(float(max_norm) / (total + 1e-6), max=1.0))
+                with open(record_path(rec.dir, rec.step, "clip").replace(".npz", ".json"), "w") as f:
+                    json.dump({"total": float(total), "max_norm": float(max_norm), "factor": factor}, f)
+                rec.seconds += time.perf_counter() - t0
+            return total
+
+        def step(optimizer, *args, **kwargs):
+            s = rec.step
+            if s in rec.checked:
+                rec.before_step(optimizer, s)
+            result = original_step(optimizer, *args, **kwargs)
+            if s in rec.checked:
+                rec.tiles(s, "after", lambda b, t, e: rec.moments(optimizer, t, e, with_grad=False))
+            rec.step, rec.micro = s + 1, 0
+            if rec.step == rec.total:
+                rec.trained_at = time.perf_counter()
+                rec.rss_after_training = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            return result
+
+        swt.from_pretrained, swt.clip_grad_norm_ = from_pretrained, clip_grad_norm_
+        adamw.step = step
+
+    # ---- hooks
+
+    def attach(self, model) -> None:
+        import strideweave.torch as swt
+        for name, binding in swt.offloaded_experts(model).items():
+            if binding.layer in self.layers:
+                self.bindings[binding.layer] = binding
+                model.get_submodule(name).register_forward_hook(self._forward_hook(binding.layer), with_kwargs=True)
+        missing = set(self.layers) - set(self.bindings)
+        if missing:
+            raise SystemExit(f"bigger_than_ram: no bound experts module in layers {sorted(missing)}")
+        model.register_forward_pre_hook(self._first_forward)
+
+    def _first_forward(self, module, args) -> None:
+        if self.first_forward is None:
+            self.first_forward = time.perf_counter()
+
+    def _forward_hook(self, layer: int):
+        def hook(module, args, kwargs, output):
+            if self.step not in self.checked or not output.requires_grad:
+                return None
+            t0 = time.perf_counter()
+            names = ("hidden_states", "top_k_index", "top_k_weights")
+            values = dict(zip(names, args))
+            values.update({k: v for k, v in kwargs.items() if k in names})
+            path = record_path(self.dir, self.step, f"layer{layer}-mb{self.micro}")
+            if layer == self.layers[-1]:
+                self.micro += 1
+            arrays = {"x": torch_to_numpy(values["hidden_states"]), "idx": torch_to_numpy(values["top_k_index"]),
+                      "w": torch_to_numpy(values["top_k_weights"])}
+            self.seconds += time.perf_counter() - t0
+
+            def grad_hook(grad):
+                t1 = time.perf_counter()
+                arrays["dy"] = torch_to_numpy(grad)
+                save_arrays(path, arrays)
+                self.seconds += time.perf_counter() - t1
+
+            output.register_hook(grad_hook)
+            return None
+        return hook
+
+    # ---- tiles
+
+    @staticmethod
+    def tile(full, e: int):
+        """Tile e of a tiled (out, in, E) tensor through a one-tile projection under the run's budget, or None
+        when it is implicit (a gradient never written, a moment never set)."""
+        import numpy as np
+
+        import strideweave as sw
+        if full is None or full.carrier.tile_state((0, 0, e)).location == "implicit":
+            return None
+        with sw.no_grad():
+            t = full.carrier.project(full, sw.TileSelection(((0,), (0,), (e,)))).wait()
+        return np.asarray(t)[..., 0].copy()
+
+    def tiles(self, step: int, what: str, fn) -> None:
+        t0 = time.perf_counter()
+        for layer, e in self.sample:
+            b = self.bindings[layer]
+            for role in ROLES:
+                save_arrays(record_path(self.dir, step, f"{what}-{layer}-{e}-{role}"), fn(b, b.tiled[role], e))
+        self.seconds += time.perf_counter() - t0
+
+    @staticmethod
+    def group_of(optimizer, t) -> int:
+        for i, tensors in enumerate(optimizer.tiled_param_groups):
+            if any(x is t for x in tensors):
+                return i
+        raise SystemExit("bigger_than_ram: a sampled expert's tile is in no parameter group")
+
+    def moments(self, optimizer, t, e: int, with_grad: bool) -> dict:
+        import numpy as np
+        i = self.group_of(optimizer, t)
+        state = optimizer._tiled_groups[i].engine.state(t)  # the group's strideweave.optim engine
+        out = {"w": self.tile(t, e), "exp_avg": self.tile(state.get("exp_avg"), e),
+               "exp_avg_sq": self.tile(state.get("exp_avg_sq"), e), "count": np.int64(state["step"][e])}
+        if with_grad:
+            g = optimizer.param_groups[i]
+            out.update(grad=self.tile(t.grad, e), lr=np.float64(g["lr"]), beta1=np.float64(g["betas"][0]),
+                       beta2=np.float64(g["betas"][1]), eps=np.float64(g["eps"]),
+                       weight_decay=np.float64(g["weight_decay"]))
+        return out
+
+    def before_step(self, optimizer, step: int) -> None:
+        self.tiles(step, "before", lambda b, t, e: self.moments(optimizer, t, e, with_grad=True))
+
+
+def child_main(spec_path: str, argv: list) -> int:
+    """Inside the cgroup: the command with the recording hook; writes the run's figures to the spec's summary."""
+    with open(spec_path) as f:
+        spec = json.load(f)
+    rec = Recorder(spec)
+    rec.install()
+    import strideweave.finetune
+    code = strideweave.finetune.main(argv)
+    end_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if code == 0:
+        train = (rec.trained_at or 0.0) - (rec.first_forward or 0.0)
+        with open(spec["summary"], "w") as f:
+            json.dump({"train_seconds": train, "recording_seconds": rec.seconds,
+                       "peak_rss_training": rec.rss_after_training, "peak_rss_end": end_rss,
+                       "micro_batches": rec.micro}, f)
+    return code
+
+
+# ---------------------------------------------------------------- outside: the model, the data
+
+
+def state_bytes(a) -> dict:
+    """Experts' weights and gradients (the model's dtype) and AdamW moments (two Float32)."""
+    n = a.layers * a.experts * 3 * a.hidden * a.moe_intermediate
+    size = 2 if a.dtype == "bfloat16" else 4
+    return {"weights": size * n, "gradients": size * n, "moments": 8 * n}
+
+
+def drop_from_page_cache(folder: str) -> None:
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def build(a, model_dir: str, data: str) -> int:
+    """The model (BFloat16) and tokenizer saved with save_pretrained, and the data file; returns the records."""
+    import torch
+    sys.path.insert(0, DEMO_DIR)
+    import finetune_command_demo as demo
+    texts = demo.corpus()
+    tokenizer = demo.make_tokenizer(texts, a.vocab)
+    cfg = argparse.Namespace(vocab=a.vocab, hidden=a.hidden, moe_intermediate=a.moe_intermediate, layers=a.layers,
+                             experts=a.experts, seq_len=a.seq_len, seed=a.seed)
+    model = demo.make_model(cfg).to(getattr(torch, a.dtype))
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    del model
+    drop_from_page_cache(model_dir)
+    return demo.write_data(data, texts)
+
+
+# ---------------------------------------------------------------- outside: the check
+
+
+class SafetensorsFolder:
+    """Tensors of a save_pretrained folder read one at a time (safetensors' own reader)."""
+
+    def __init__(self, folder: str):
+        from safetensors import safe_open
+        index = os.path.join(folder, "model.safetensors.index.json")
+        if os.path.exists(index):
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        else:
+            files = ["model.safetensors"]
+        self.handles = [safe_open(os.path.join(folder, n), "pt") for n in files]
+        self.where = {k: h for h in self.handles for k in h.keys()}
+
+    def meta(self) -> dict:
+        return {k: (tuple(h.get_slice(k).get_shape()), h.get_slice(k).get_dtype()) for k, h in self.where.items()}
+
+    def tensor(self, name: str):
+        return self.where[name].get_tensor(name)
+
+
+def bits(a):
+    import numpy as np
+    a = np.ascontiguousarray(a)
+    return a.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize])
+
+
+def expert_reference(torch, micro_batches: list, e: int, W: dict, absolute: bool) -> dict:
+    """The expert's weight gradients in Float64 over the recorded micro-batches of its experts module: the SwiGLU
+    expert on its routed rows times their routing weights, against the recorded output gradient (``absolute``:
+    the magnitudes of Note [The bound of the check], silu -> 1.1 z, everything on absolute values)."""
+    ws = {r: (W[r].abs() if absolute else W[r]).clone().requires_grad_() for r in ROLES}
+    for mb in micro_batches:
+        rows, slot = (mb["idx"] == e).nonzero(as_tuple=True)
+        if rows.numel() == 0:
+            continue
+        x, w, dy = mb["x"][rows], mb["w"][rows, slot], mb["dy"][rows]
+        if absolute:
+            x, w, dy = x.abs(), w.abs(), dy.abs()
+        h1, h3 = x @ ws["gate"].T, x @ ws["up"].T
+        act = 1.1 * h1 if absolute else torch.nn.functional.silu(h1)
+        y = ((act * h3) @ ws["down"].T) * w[:, None]
+        (y * dy).sum().backward()
+    return {r: (ws[r].grad if ws[r].grad is not None else torch.zeros_like(ws[r])) for r in ROLES}
+
+
+def adamw_expected(torch, before: dict):
+    """torch.optim.AdamW's step from the recorded state: (weights rounded to the weights' dtype, exp_avg,
+    exp_avg_sq, count)."""
+    import numpy as np
+    zeros = np.zeros(before["w"].shape, np.float32)
+    count = int(before["count"])
+    if "grad" not in before:
+        return before["w"], before.get("exp_avg", zeros), before.get("exp_avg_sq", zeros), count
+    p = torch.nn.Parameter(torch.from_numpy(before["w"].astype(np.float32)))
+    p.grad = torch.from_numpy(before["grad"].astype(np.float32))
+    ref = torch.optim.AdamW([p], lr=float(before["lr"]), betas=(float(before["beta1"]), float(before["beta2"])),
+                            eps=float(before["eps"]), weight_decay=float(before["weight_decay"]), foreach=False)
+    if count > 0:
+        ref.state[p] = {"step": torch.tensor(float(count)),
+                        "exp_avg": torch.from_numpy(before.get("exp_avg", zeros).copy()),
+                        "exp_avg_sq": torch.from_numpy(before.get("exp_avg_sq", zeros).copy())}
+    original_sqrt = torch.Tensor.sqrt
+    torch.Tensor.sqrt = lambda self: torch.sqrt(self.double()).to(self.dtype)  # correctly rounded
+    try:
+        ref.step()
+    finally:
+        torch.Tensor.sqrt = original_sqrt
+    st = ref.state[p]
+    return (p.detach().numpy().astype(before["w"].dtype), st["exp_avg"].numpy(), st["exp_avg_sq"].numpy(),
+            count + 1)
+
+
+def verify(a, records: str, sample: list, steps: list, model_dir: str, out_dir: str) -> dict:
+    """The sampled check (module docstring), one record in memory at a time."""
+    import numpy as np
+    import torch
+
+    f64 = lambda v: torch.from_numpy(np.asarray(v).astype(np.float64))  # noqa: E731
+    n = max(a.batch_tokens, a.hidden, a.moe_intermediate)
+    u = U_BF16 if a.dtype == "bfloat16" else 2.0 ** -24
+    u_s = u + 2 * (n * 2.0 ** -24 / (1 - n * 2.0 ** -24))
+    factor = (1 + u_s) ** SITES - 1
+    r = {"grad_worst": 0.0, "grad_resolved": 0, "grad_elements": 0, "grad_err_sq": 0.0, "grad_sq": 0.0, "clip_worst": 0.0, "adamw_mismatches": 0,
+         "weights_changed": 0, "weights_stepped": 0, "unrouted_with_grad": 0, "routed_without_grad": 0,
+         "routed_tokens": 0, "saved_mismatches": 0, "missing_records": 0, "output_tensors_differ": 0,
+         "clip_factors": []}
+    layers = sorted({layer for layer, _ in sample})
+    for step in steps:
+        with open(record_path(records, step, "clip").replace(".npz", ".json")) as f:
+            clip = json.load(f)
+        r["clip_factors"].append(clip["factor"])
+        for layer in layers:
+            mbs = []
+            for m in range(a.grad_accum):
+                path = record_path(records, step, f"layer{layer}-mb{m}")
+                if not os.path.exists(path):
+                    r["missing_records"] += 1
+                    continue
+                rec = load_arrays(path)
+                k = rec["idx"].shape[-1]
+                mbs.append({"x": f64(rec["x"]).reshape(-1, a.hidden), "dy": f64(rec["dy"]).reshape(-1, a.hidden),
+                            "w": f64(rec["w"]).reshape(-1, k),
+                            "idx": torch.from_numpy(rec["idx"].astype(np.int64)).reshape(-1, k)})
+            for e in [e for ly, e in sample if ly == layer]:
+                tokens = sum(int((mb["idx"] == e).sum()) for mb in mbs)
+                r["routed_tokens"] += tokens
+                pre = {ro: load_arrays(record_path(records, step, f"pre-{layer}-{e}-{ro}")) for ro in ROLES}
+                before = {ro: load_arrays(record_path(records, step, f"before-{layer}-{e}-{ro}")) for ro in ROLES}
+                after = {ro: load_arrays(record_path(records, step, f"after-{layer}-{e}-{ro}")) for ro in ROLES}
+                if tokens == 0:
+                    r["unrouted_with_grad"] += sum("grad" in pre[ro] or "grad" in before[ro] for ro in ROLES)
+                else:
+                    W = {ro: f64(before[ro]["w"]) for ro in ROLES}
+                    want = expert_reference(torch, mbs, e, W, absolute=False)
+                    mag = expert_reference(torch, mbs, e, W, absolute=True)
+                    for ro in ROLES:
+                        if "grad" not in pre[ro] or "grad" not in before[ro]:
+                            r["routed_without_grad"] += 1
+                            continue
+                        g, bound = f64(pre[ro]["grad"]), factor * mag[ro]
+                        err = (g - want[ro]).abs()
+                        r["grad_worst"] = max(r["grad_worst"], float((err / (bound + 1e-300)).max()))
+                        r["grad_resolved"] += int((want[ro].abs() > bound).sum())
+                        r["grad_elements"] += want[ro].numel()
+                        r["grad_err_sq"] += float((err * err).sum())
+                        r["grad_sq"] += float((want[ro] * want[ro]).sum())
+                        # clipping: g_c = f g within one BFloat16 rounding of a Float32 product
+                        fg = g * clip["factor"]
+                        cerr = (f64(before[ro]["grad"]) - fg).abs()
+                        cb = (u + 2.0 ** -23) * fg.abs()
+                        r["clip_worst"] = max(r["clip_worst"], float((cerr / (cb + 1e-300)).max()))
+                for ro in ROLES:
+                    ww, wm, wv, wc = adamw_expected(torch, before[ro])
+                    got = (after[ro]["w"], after[ro].get("exp_avg"), after[ro].get("exp_avg_sq"))
+                    for x, y in zip(got, (ww, wm, wv)):
+                        if x is None:
+                            r["adamw_mismatches"] += int(np.count_nonzero(np.asarray(y)))
+                        else:
+                            r["adamw_mismatches"] += int(np.count_nonzero(bits(x) != bits(np.asarray(y, x.dtype))))
+                    r["adamw_mismatches"] += int(int(after[ro]["count"]) != wc)
+                    r["weights_changed"] += int(np.count_nonzero(bits(after[ro]["w"]) != bits(before[ro]["w"])))
+                    r["weights_stepped"] += after[ro]["w"].size
+    # the saved model: the sampled experts are the last checked step's weights after the step
+    saved, original = SafetensorsFolder(out_dir), SafetensorsFolder(model_dir)
+    got_meta, want_meta = saved.meta(), original.meta()
+    r["output_tensors_differ"] = len(set(got_meta.items()) ^ set(want_meta.items()))
+    last = steps[-1]
+    for layer, e in sample:
+        for ro in ROLES:
+            final = load_arrays(record_path(records, last, f"after-{layer}-{e}-{ro}"))["w"]
+            t = saved.tensor(f"model.layers.{layer}.mlp.experts.{e}.{ro}_proj.weight")
+            t = torch_to_numpy(t)
+            r["saved_mismatches"] += int(np.count_nonzero(bits(t) != bits(final)))
+    r["ok"] = (r["grad_worst"] <= 1.0 and r["clip_worst"] <= 1.0 and r["adamw_mismatches"] == 0
+               and r["unrouted_with_grad"] == 0 and r["routed_without_grad"] == 0 and r["saved_mismatches"] == 0
+               and r["missing_records"] == 0 and r["output_tensors_differ"] == 0 and r["grad_elements"] > 0
+               and r["weights_changed"] > 0)
+    return r
+
+
+# ---------------------------------------------------------------- the runs
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--limit-mib", type=int, default=1024, help="the cgroup's memory limit")
+    p.add_argument("--dir", default=None, help="folder for the model, the run and its records (default: temporary)")
+    p.add_argument("--keep", action="store_true", help="keep the working folder (with --dir)")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--experts", type=int, default=32)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--moe-intermediate", type=int, default=1024)
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="the model's dtype (float32: a much sharper gradient check, 16 bytes of state per weight)")
+    p.add_argument("--budget", default="256MiB", help="the command's --budget")
+    p.add_argument("--steps", type=int, default=6, help="the command's --max-steps")
+    p.add_argument("--batch-tokens", type=int, default=256)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--grad-accum", type=int, default=2)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--save-every", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sample", type=int, default=4, help="sampled experts")
+    p.add_argument("--check-steps", default=None,
+                   help="comma-separated 0-based optimizer steps to check (default: the first and the last; the "
+                   "last is always added)")
+    p.add_argument("--example", action="store_true",
+                   help="run examples/finetune_moe.py under the limit instead (its flags after --)")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    flags = [f for f in a.example if f != "--"] or DEFAULT_EXAMPLE_FLAGS
+    if a.rest[:1] == ["--"]:
+        a.rest = a.rest[1:]
+    return a
+
+
+def run_command(a) -> int:
+    import random
+    state = state_bytes(a)
+    total = sum(state.values())
+    limit = a.limit_mib * MiB
+    if total <= limit:
+        raise SystemExit(f"experts + gradients + moments ({total / MiB:.0f} MiB) must exceed the limit "
+                         f"({a.limit_mib} MiB): choose larger sizes or a lower limit")
+    if a.grad_accum > SITES - 12:
+        raise SystemExit(f"--grad-accum {a.grad_accum}: the gradient bound counts at most {SITES - 12} accumulations")
+    pairs = [(layer, e) for layer in range(a.layers) for e in range(a.experts)]
+    sample = sorted(random.Random(a.seed * 1000 + 14).sample(pairs, min(a.sample, len(pairs))))
+    steps = sorted({0, a.steps - 1} if a.check_steps is None else
+                   {int(s) for s in a.check_steps.split(",")} | {a.steps - 1})
+    if steps[0] < 0 or steps[-1] >= a.steps:
+        raise SystemExit(f"--check-steps must be within 0..{a.steps - 1}")
+    print(f"CPU: {cpu_name()}; load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    cg = Cgroup(limit)
+    tmp = tempfile.TemporaryDirectory(prefix="bigger_than_ram_", dir=a.dir) if not a.keep else None
+    directory = tmp.name if tmp else tempfile.mkdtemp(prefix="bigger_than_ram_", dir=a.dir)
+    try:
+        model_dir, data = os.path.join(directory, "model"), os.path.join(directory, "data.jsonl")
+        out_dir, records = os.path.join(directory, "out"), os.path.join(directory, "records")
+        t0 = time.perf_counter()
+        n_records = build(a, model_dir, data)
+        print(f"built outside the cgroup in {time.perf_counter() - t0:.0f} s: Qwen3-MoE, {a.layers} layers x "
+              f"{a.experts} experts, H {a.hidden}, moe_intermediate {a.moe_intermediate}, {a.dtype}; {n_records} "
+              f"records of data")
+        print(f"experts {state['weights'] / MiB:.0f} MiB + gradients {state['gradients'] / MiB:.0f} MiB + moments "
+              f"{state['moments'] / MiB:.0f} MiB = {total / GiB:.2f} GiB = {total / limit:.2f}x the cgroup v"
+              f"{cg.version} limit of {a.limit_mib} MiB (swap off); the command's budget {a.budget}")
+        print(f"sampled experts (layer, expert): {sample}; checked steps (1-based): {[s + 1 for s in steps]}")
+        summary = os.path.join(directory, "summary.json")
+        spec = os.path.join(directory, "spec.json")
+        with open(spec, "w") as f:
+            json.dump({"records": records, "sample": sample, "checked_steps": steps, "steps": a.steps,
+                       "summary": summary}, f)
+        command = [model_dir, "--data", data, "--output", out_dir, "--budget", a.budget, "--max-steps",
+                   str(a.steps), "--batch-tokens", str(a.batch_tokens), "--seq-len", str(a.seq_len),
+                   "--grad-accum", str(a.grad_accum), "--lr", repr(a.lr), "--weight-decay", repr(a.weight_decay),
+                   "--warmup", "0", "--max-grad-norm", repr(a.max_grad_norm), "--save-every", str(a.save_every),
+                   "--seed", str(a.seed), "--no-progress"]
+        print("running in the cgroup: python -m strideweave.finetune " + " ".join(command), flush=True)
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", spec, "--"] + command,
+                              preexec_fn=cg.enter, check=False)
+        wall = time.perf_counter() - t0
+        peak = cg.peak_bytes()
+        print(f"\nexit status {proc.returncode} after {wall:.0f} s; {cg.limit_hits()}")
+        if peak is not None:
+            print(f"cgroup peak charge (RSS + page cache): {peak / MiB:.0f} MiB of the {a.limit_mib} MiB limit")
+        if proc.returncode != 0 or not os.path.exists(summary):
+            print("FAIL: the run did not complete" + (" (killed: over the limit)" if proc.returncode in (-9, 137)
+                                                      else ""))
+            return 1
+        with open(summary) as f:
+            s = json.load(f)
+        tokens = a.steps * a.batch_tokens * a.grad_accum
+        seconds = s["train_seconds"] - s["recording_seconds"]
+        print(f"process peak RSS after training {s['peak_rss_training'] / MiB:.0f} MiB "
+              f"({s['peak_rss_training'] / total:.2f}x the state, {s['peak_rss_training'] / limit:.2f}x the limit); "
+              f"at the end (with the save) {s['peak_rss_end'] / MiB:.0f} MiB")
+        print(f"training: {tokens} tokens in {seconds:.1f} s without the recording ({s['recording_seconds']:.1f} s): "
+              f"{tokens / seconds:.1f} tokens/s")
+        sizes = {name: sum(os.path.getsize(os.path.join(dp, fn)) for dp, _, fns in os.walk(os.path.join(out_dir, name))
+                           for fn in fns) for name in os.listdir(out_dir) if name.startswith("checkpoint-")}
+        print(f"output: {', '.join(f'{k} {v / MiB:.0f} MiB' for k, v in sorted(sizes.items()))}; the model "
+              f"{sum(os.path.getsize(os.path.join(out_dir, n)) for n in os.listdir(out_dir) if n.endswith('.safetensors')) / MiB:.0f} MiB")
+        t0 = time.perf_counter()
+        r = verify(a, records, sample, steps, model_dir, out_dir)
+        print(f"check ({time.perf_counter() - t0:.0f} s, outside the cgroup), {len(sample)} experts x {len(steps)} "
+              f"steps: gradients worst |error| / bound {r['grad_worst']:.3g} over {r['grad_elements']} elements "
+              f"({r['grad_resolved'] / max(r['grad_elements'], 1):.1%} larger than their bound; measured |error|_F / "
+              f"|g|_F {(r['grad_err_sq'] / max(r['grad_sq'], 1e-300)) ** 0.5:.2g}; {r['routed_tokens']} "
+              f"routed tokens); clipping (factors {', '.join(f'{x:.4g}' for x in r['clip_factors'])}) worst "
+              f"{r['clip_worst']:.3g}; AdamW steps: {r['adamw_mismatches']} values differ from torch.optim.AdamW "
+              f"({r['weights_changed']} of {r['weights_stepped']} weights changed by the steps); saved: "
+              f"{r['saved_mismatches']} differ, {r['output_tensors_differ']} tensors' names/shapes/dtypes differ "
+              f"from the input model's; unrouted with a gradient {r['unrouted_with_grad']}, routed without "
+              f"{r['routed_without_grad']}, missing records {r['missing_records']}")
+        print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+        print("check PASS" if r["ok"] else "check FAIL")
+        return 0 if r["ok"] else 1
+    finally:
+        cg.close()
+        if tmp is not None:
+            tmp.cleanup()
+        else:
+            print(f"kept {directory}")
+
+
+def run_example(a) -> int:
+    """examples/finetune_moe.py under the limit, with its own --check-sample (the flags after --)."""
+    flags = a.rest or DEFAULT_EXAMPLE_FLAGS
     sys.path.insert(0, os.path.dirname(EXAMPLE))
     import finetune_moe  # the example's own sizes
 
@@ -166,6 +766,17 @@ def main(argv=None) -> int:
             return 0 if ok else 1
     finally:
         cg.close()
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    if a.child is not None:
+        return child_main(a.child, a.rest)
+    if a.example:
+        return run_example(a)
+    if a.rest:
+        raise SystemExit(f"unexpected arguments {a.rest} (flags after -- go to the example, with --example)")
+    return run_command(a)
 
 
 if __name__ == "__main__":
