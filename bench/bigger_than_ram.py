@@ -44,8 +44,9 @@ What is checked (every sampled expert, every checked step):
   information only, the measured |error|_F / |g|_F. In BFloat16 this bound is loose: about 0.1 M_F, and M_F is
   tens of times |g| (sums of many signed terms), so no element exceeds it and only gross errors fail it (in a
   small trial, a negated gate gradient reached 0.56 of the bound and passed). ``--dtype float32`` makes it sharp
-  (about 3e-3 M_F at the default sizes; in the same trial 83% of the elements exceed their bound, and a negated, 1.5x-scaled or
-  zeroed-at-its-largest gradient fails it at 37-148x), at 16 bytes of state per expert weight instead of 12;
+  (about 3e-3 M_F at the default sizes; in the same trial 83% of the elements exceed their bound, and a negated,
+  1.5x-scaled or zeroed-at-its-largest gradient fails it at 37-148x), at 16 bytes of state per expert weight
+  instead of 12;
 * the clipping: the clipped gradient is the recorded one times torch's factor ``min(1, max_norm / (total +
   1e-6))`` (from the recorded total, as ``strideweave.torch.clip_grad_norm_`` computes it) within one BFloat16
   rounding of a Float32 product: ``|g_c - f g| <= (2^-8 + 2^-23) |f g|``;
@@ -515,7 +516,8 @@ def verify(a, records: str, sample: list, steps: list, model_dir: str, out_dir: 
     u = U_BF16 if a.dtype == "bfloat16" else 2.0 ** -24
     u_s = u + 2 * (n * 2.0 ** -24 / (1 - n * 2.0 ** -24))
     factor = (1 + u_s) ** SITES - 1
-    r = {"grad_worst": 0.0, "grad_resolved": 0, "grad_elements": 0, "grad_err_sq": 0.0, "grad_sq": 0.0, "clip_worst": 0.0, "adamw_mismatches": 0,
+    r = {"grad_worst": 0.0, "grad_resolved": 0, "grad_elements": 0, "grad_err_sq": 0.0, "grad_sq": 0.0,
+         "clip_worst": 0.0, "adamw_mismatches": 0,
          "weights_changed": 0, "weights_stepped": 0, "unrouted_with_grad": 0, "routed_without_grad": 0,
          "routed_tokens": 0, "saved_mismatches": 0, "missing_records": 0, "output_tensors_differ": 0,
          "clip_factors": []}
@@ -699,8 +701,10 @@ def run_command(a) -> int:
               f"{tokens / seconds:.1f} tokens/s")
         sizes = {name: sum(os.path.getsize(os.path.join(dp, fn)) for dp, _, fns in os.walk(os.path.join(out_dir, name))
                            for fn in fns) for name in os.listdir(out_dir) if name.startswith("checkpoint-")}
+        model_bytes = sum(os.path.getsize(os.path.join(out_dir, n)) for n in os.listdir(out_dir)
+                          if n.endswith(".safetensors"))
         print(f"output: {', '.join(f'{k} {v / MiB:.0f} MiB' for k, v in sorted(sizes.items()))}; the model "
-              f"{sum(os.path.getsize(os.path.join(out_dir, n)) for n in os.listdir(out_dir) if n.endswith('.safetensors')) / MiB:.0f} MiB")
+              f"{model_bytes / MiB:.0f} MiB")
         t0 = time.perf_counter()
         r = verify(a, records, sample, steps, model_dir, out_dir)
         print(f"check ({time.perf_counter() - t0:.0f} s, outside the cgroup), {len(sample)} experts x {len(steps)} "
