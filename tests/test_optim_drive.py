@@ -1,7 +1,7 @@
 """Driving strideweave.optim from outside: hyperparameters changed between steps, the gradients' total norm and
 their scaling (clipping), and the optimizer state saved to and restored from a safetensors file.
 
-The comparisons with torch.optim follow tests/test_optim.py (their helpers are copied here): one nn.Parameter per
+The comparisons with torch.optim follow tests/test_optim.py (their helpers are imported from there): one nn.Parameter per
 expert on the torch side (grad None for an expert no backward touched), fed the values of the StrideWeave .grad, so
 both sides step from bit-identical inputs; torch's Tensor.sqrt replaced by the correctly rounded one. With those
 inputs the update is torch's operations in torch's order with torch's fusions: bound 0 (bit for bit), whatever the
