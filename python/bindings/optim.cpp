@@ -52,6 +52,19 @@ std::vector<TensorPtr> tensors_of(nb::handle params, const char* name) {
   return out;
 }
 
+// state_dtype: sw.DType.Float32 or sw.DType.BFloat16 (Note [Compact optimizer state]); TypeError for anything that
+// is not a DType, ValueError for another DType.
+optim::StateDType state_dtype_of(nb::handle v, const char* name) {
+  if (v.is_none()) return optim::StateDType::Float32;
+  if (!nb::isinstance<sw::DType>(v))
+    sw::raise<sw::TypeError>(name, ": state_dtype must be a DType (DType.Float32 or DType.BFloat16), got ",
+                             nb::type_name(v.type()).c_str());
+  const sw::DType& d = nb::cast<const sw::DType&>(v);
+  if (d.id() == sw::DTypeId::Float32) return optim::StateDType::Float32;
+  if (d.id() == sw::DTypeId::BFloat16) return optim::StateDType::BFloat16;
+  sw::raise<sw::ValueError>(name, ": state_dtype must be DType.Float32 or DType.BFloat16, got ", d.name());
+}
+
 double number_of(nb::handle v, const char* name, const char* what) {
   if (PyBool_Check(v.ptr()) || !(PyFloat_Check(v.ptr()) || PyLong_Check(v.ptr())))
     sw::raise<sw::TypeError>(name, ": ", what, " must be a float, got ", nb::type_name(v.type()).c_str());
@@ -103,7 +116,7 @@ void bind_optim(nb::module_& m) {
       .def("__init__",
            [](optim::Optimizer* self, const std::string& algorithm, nb::handle params, nb::handle lr,
               nb::handle momentum, nb::handle dampening, bool nesterov, nb::handle beta1, nb::handle beta2,
-              nb::handle eps, nb::handle weight_decay) {
+              nb::handle eps, nb::handle weight_decay, nb::handle state_dtype) {
              const optim::Algorithm a = algorithm_of(algorithm);
              const char* name = optim::algorithm_name(a);
              optim::Hyperparameters h;
@@ -115,14 +128,16 @@ void bind_optim(nb::module_& m) {
              h.beta2 = number_of(beta2, name, "betas[1]");
              h.eps = number_of(eps, name, "eps");
              h.weight_decay = number_of(weight_decay, name, "weight_decay");
+             const optim::StateDType sd = state_dtype_of(state_dtype, name);
              std::vector<TensorPtr> ps = params_of(params, name);
-             new (self) optim::Optimizer(a, std::move(ps), h);
+             new (self) optim::Optimizer(a, std::move(ps), h, sd);
            },
            nb::arg("algorithm"), nb::arg("params"), nb::arg("lr"), nb::arg("momentum"), nb::arg("dampening"),
            nb::arg("nesterov"), nb::arg("beta1"), nb::arg("beta2"), nb::arg("eps"), nb::arg("weight_decay"),
+           nb::arg("state_dtype") = nb::none(),
            nb::sig("def __init__(self, algorithm: str, params: collections.abc.Iterable[Tensor], lr: float, "
                    "momentum: float, dampening: float, nesterov: bool, beta1: float, beta2: float, eps: float, "
-                   "weight_decay: float) -> None"))
+                   "weight_decay: float, state_dtype: DType | None = None) -> None"))
       .def("hyperparameters", [](const optim::Optimizer& o) { return hyper_dict(o.hyperparameters()); },
            nb::sig("def hyperparameters(self) -> dict[str, typing.Any]"),
            "The current hyperparameters (lr, momentum, dampening, nesterov, beta1, beta2, eps, weight_decay).")
@@ -168,6 +183,9 @@ void bind_optim(nb::module_& m) {
       .def_prop_rw("prefetch", &optim::Optimizer::prefetch, &optim::Optimizer::set_prefetch,
                    "Whether a step promotes the next tile during the current tile's update (default False).")
       .def_prop_ro("params", [](const optim::Optimizer& o) { return o.params(); })
+      .def_prop_ro("state_dtype", [](const optim::Optimizer& o) -> const sw::DType& {
+        return o.state_dtype() == optim::StateDType::BFloat16 ? sw::DType::BFloat16() : sw::DType::Float32();
+      }, nb::rv_policy::reference, "How the state is stored: DType.Float32 or DType.BFloat16.")
       .def_prop_ro("algorithm", [](const optim::Optimizer& o) { return std::string(optim::algorithm_name(o.algorithm())); })
       .def("state", [](const optim::Optimizer& o, const TensorPtr& param) {
         optim::ParameterState s = o.state(param);

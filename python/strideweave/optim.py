@@ -3,8 +3,9 @@
 A parameter is a ``Tensor`` over the whole extent of a ``TiledEvictable`` (one tile per expert) or a dense CPU
 tensor. Each tile is stepped as ``torch.optim`` steps one ``nn.Parameter``: a tile whose gradient tile is an
 implicit zero is skipped, and each tile keeps its own step count. The state (momentum buffer, ``exp_avg``,
-``exp_avg_sq``) is Float32, in TiledEvictables beside the weight (their own scratch file, the weight's residency
-budget). docs/guide.md, "Optimizers on tiled parameters".
+``exp_avg_sq``) is Float32, or BFloat16 with ``state_dtype=DType.BFloat16`` (widened for the update, rounded once
+to nearest even when stored: half the bytes), in TiledEvictables beside the weight (their own scratch file, the
+weight's residency budget). docs/guide.md, "Optimizers on tiled parameters".
 """
 
 from __future__ import annotations
@@ -83,6 +84,11 @@ class _Optimizer:
         return list(self._engine.params)
 
     @property
+    def state_dtype(self) -> Any:
+        """How the state is stored: ``DType.Float32`` (the default) or ``DType.BFloat16`` (fixed at construction)."""
+        return self._engine.state_dtype
+
+    @property
     def prefetch(self) -> bool:
         """Whether a step starts the next tile's promotions during the current tile's update (default False)."""
         return self._engine.prefetch
@@ -100,18 +106,19 @@ class _Optimizer:
         self._engine.zero_grad()
 
     def state(self, param: Tensor) -> dict[str, Any]:
-        """``{"step": [per-tile counts], ...}`` with the state tensors of ``param`` (Float32, its shape and layout)."""
+        """``{"step": [per-tile counts], ...}`` with the state tensors of ``param`` (of the state dtype, its shape and
+        layout)."""
         return self._engine.state(param)
 
     def save_state(self, path: str | os.PathLike[str]) -> None:
-        """Writes the state (``param{i}.exp_avg``, ... as Float32 ``(tiles, tile size)`` tensors, streamed tile range
-        by tile range), the per-tile step counts and the hyperparameters (JSON in ``__metadata__``) to one
-        safetensors file at ``path``, atomically (as ``sw.safetensors.save``)."""
+        """Writes the state (``param{i}.exp_avg``, ... as ``(tiles, tile size)`` tensors of the state dtype, streamed
+        tile range by tile range), the per-tile step counts, the state dtype and the hyperparameters (JSON in
+        ``__metadata__``) to one safetensors file at ``path``, atomically (as ``sw.safetensors.save``)."""
         self._engine.save_state(os.fspath(path))
 
     def load_state(self, path: str | os.PathLike[str]) -> None:
-        """Restores a file of :meth:`save_state` into this optimizer (same algorithm, parameter shapes and tile
-        grids: ValueError naming what differs, nothing changed), tile by tile under the parameters' residency
+        """Restores a file of :meth:`save_state` into this optimizer (same algorithm, state dtype, parameter shapes
+        and tile grids: ValueError naming what differs, nothing changed), tile by tile under the parameters' residency
         budget; tiles never stepped stay implicit zeros."""
         self._engine.load_state(os.fspath(path))
 
@@ -153,7 +160,7 @@ class _AdamBase(_Optimizer):
 
 class SGD(_Optimizer):
     """``torch.optim.SGD``'s update, per tile: ``SGD(params, lr, momentum=0.0, dampening=0.0, weight_decay=0.0,
-    nesterov=False)``."""
+    nesterov=False, *, state_dtype=DType.Float32)``."""
 
     @property
     def momentum(self) -> float:
@@ -184,26 +191,27 @@ class SGD(_Optimizer):
         self._engine.set_hyperparameters({"nesterov": bool(value)})
 
     def __init__(self, params: Iterable[Tensor], lr: float, momentum: float = 0.0, dampening: float = 0.0,
-                 weight_decay: float = 0.0, nesterov: bool = False) -> None:
+                 weight_decay: float = 0.0, nesterov: bool = False, *, state_dtype: Any = None) -> None:
         self._engine = _Engine("SGD", params, lr, momentum, dampening, bool(nesterov), 0.9, 0.999, 1e-8,
-                               weight_decay)
+                               weight_decay, state_dtype)
 
 
 class Adam(_AdamBase):
     """``torch.optim.Adam``'s update, per tile: ``Adam(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
-    weight_decay=0.0)`` (weight decay added to the gradient)."""
+    weight_decay=0.0, *, state_dtype=DType.Float32)`` (weight decay added to the gradient)."""
 
     def __init__(self, params: Iterable[Tensor], lr: float = 1e-3, betas: Iterable[float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0) -> None:
+                 eps: float = 1e-8, weight_decay: float = 0.0, *, state_dtype: Any = None) -> None:
         b1, b2 = _betas(betas, "Adam")
-        self._engine = _Engine("Adam", params, lr, 0.0, 0.0, False, b1, b2, eps, weight_decay)
+        self._engine = _Engine("Adam", params, lr, 0.0, 0.0, False, b1, b2, eps, weight_decay, state_dtype)
 
 
 class AdamW(_AdamBase):
     """``torch.optim.AdamW``'s update, per tile: ``AdamW(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
-    weight_decay=1e-2)`` (decoupled: the weight is scaled by ``1 - lr * weight_decay`` first)."""
+    weight_decay=1e-2, *, state_dtype=DType.Float32)`` (decoupled: the weight is scaled by ``1 - lr * weight_decay``
+    first)."""
 
     def __init__(self, params: Iterable[Tensor], lr: float = 1e-3, betas: Iterable[float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2) -> None:
+                 eps: float = 1e-8, weight_decay: float = 1e-2, *, state_dtype: Any = None) -> None:
         b1, b2 = _betas(betas, "AdamW")
-        self._engine = _Engine("AdamW", params, lr, 0.0, 0.0, False, b1, b2, eps, weight_decay)
+        self._engine = _Engine("AdamW", params, lr, 0.0, 0.0, False, b1, b2, eps, weight_decay, state_dtype)

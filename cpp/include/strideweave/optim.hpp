@@ -7,8 +7,9 @@
 //    skipped entirely, as torch.optim skips a parameter whose .grad is None, and each tile keeps its own step count
 //    (Adam's bias corrections use it). This differs from torch.optim over ONE fused (E, ...) parameter, which
 //    moves every expert on every step;
-//  * the state (SGD's momentum buffer, Adam's exp_avg and exp_avg_sq) is Float32 always, held in TiledEvictables
-//    of the weight's geometry beside it: a primary tier of the weight's primary kind, a secondary tier of their
+//  * the state (SGD's momentum buffer, Adam's exp_avg and exp_avg_sq) is Float32 by default, or BFloat16 when the
+//    optimizer is built with StateDType::BFloat16 (Note [Compact optimizer state]), held in TiledEvictables of the
+//    weight's geometry beside it: a primary tier of the weight's primary kind, a secondary tier of their
 //    own (an anonymous FileBacked scratch file, removed on release), the weight's ResidencyBudget when it has one,
 //    no residency policy; every tile is an implicit zero until its first step;
 //  * a step brings one tile's weight, gradient and state tiles resident through the normal residency paths (so a
@@ -34,6 +35,14 @@ namespace sw::optim {
 
 enum class Algorithm { SGD, Adam, AdamW };
 const char* algorithm_name(Algorithm a);
+
+// Note [Compact optimizer state]: how the state tensors are stored. Float32 (the default): as computed.
+// BFloat16: each state value is stored in BFloat16 (half the bytes: the state tiles, their scratch file, their
+// share of the residency budget and of a state file), widened to Float32 (exact) for the update, which computes in
+// Float32 exactly as with Float32 state (the weight's update uses the new Float32 state values), and rounded once,
+// to nearest even, when stored back.
+enum class StateDType { Float32, BFloat16 };
+const char* state_dtype_name(StateDType d);  // "Float32", "BFloat16"
 
 struct Hyperparameters {
   double lr = 1e-3;
@@ -66,7 +75,7 @@ struct OptimizerStats {
   TierTraffic weights, gradients, state;
 };
 
-// One parameter's state: its per-tile step counts and its Float32 state tensors (same shape and layout as the
+// One parameter's state: its per-tile step counts and its state tensors (Float32 or BFloat16: the state dtype) (same shape and layout as the
 // parameter; null when the algorithm has none).
 struct ParameterState {
   std::vector<int64_t> steps;  // one per tile (one for a dense parameter)
@@ -84,12 +93,15 @@ class Optimizer {
   //    is not over CPU memory or not compact;
   //  TypeError: a parameter whose dtype is not Float32, BFloat16 or Float16.
   // Blocks: allocates the state carriers (their tiles are implicit: no storage yet).
-  Optimizer(Algorithm algorithm, std::vector<TensorPtr> params, Hyperparameters h);
+  // `state_dtype`: how the state is stored (Note [Compact optimizer state]).
+  Optimizer(Algorithm algorithm, std::vector<TensorPtr> params, Hyperparameters h,
+            StateDType state_dtype = StateDType::Float32);
   ~Optimizer();
   Optimizer(const Optimizer&) = delete;
   Optimizer& operator=(const Optimizer&) = delete;
 
   Algorithm algorithm() const noexcept { return algorithm_; }
+  StateDType state_dtype() const noexcept { return state_dtype_; }
   // A copy: set_hyperparameters may replace them from another thread. Blocks: waits for a running step.
   Hyperparameters hyperparameters() const;
   // Replaces the hyperparameters between steps; the next step uses them (torch's learning-rate schedulers change
@@ -125,18 +137,19 @@ class Optimizer {
   // Note [Optimizer state files]: save_state writes the state to one safetensors file at `path` with
   // sw::safetensors::save (atomic: a temporary file renamed into place; the tiled state streamed tile range by tile
   // range from wherever each tile lies, never gathered). Parameter k's state tensors are "param{k}.momentum_buffer"
-  // (SGD, once it has buffers) or "param{k}.exp_avg" and "param{k}.exp_avg_sq", Float32 of shape (tiles, tile
-  // size): row t is tile t's values in within-tile order (a dense parameter: one row of its slots), so a tile is
+  // (SGD, once it has buffers) or "param{k}.exp_avg" and "param{k}.exp_avg_sq", of the state dtype (F32 or
+  // BF16) and shape (tiles, tile size): row t is tile t's values in within-tile order (a dense parameter: one row of its slots), so a tile is
   // one contiguous byte range of the file; implicit tiles are written as zeros. The __metadata__ holds JSON strings:
-  // "format" ("strideweave.optim.state/1"), "algorithm", "hyperparameters" (an object), "params" (the count) and
+  // "format" ("strideweave.optim.state/1"), "algorithm", "state_dtype" ("Float32" or "BFloat16"; a file without it
+  // is Float32), "hyperparameters" (an object), "params" (the count) and
   // per parameter "param{k}": {"shape", "grid", "tile", "step": per-tile step counts, "state_tiles": per tile 1 when
   // its state holds a value}.
   // Blocks: reads every state tile (I/O), writes and syncs the file.
   void save_state(const std::string& path) const;
   // Restores a file of save_state into this optimizer: state values, step counts and hyperparameters. The file is
   // checked whole first: ValueError naming what differs (a malformed file or metadata, another algorithm, another
-  // parameter count, a parameter of another shape or tile grid, a state tensor missing or of the wrong shape or
-  // dtype, hyperparameters that validate() refuses), nothing changed. Then each state tile that holds a value in
+  // parameter count, another state dtype, a parameter of another shape or tile grid, a state tensor missing or of
+  // the wrong shape or dtype, hyperparameters that validate() refuses), nothing changed. Then each state tile that holds a value in
   // the file is made resident under the parameter's residency budget and held (an implicit tile becomes a zero
   // buffer), read from its byte range straight into its buffer and committed, one tile at a time (never the whole
   // state in memory); a tile that is an implicit zero in the file stays (or is written back to) zeros: one that is
@@ -150,7 +163,10 @@ class Optimizer {
   TensorPtr make_state(const Slot& s) const;
   // Whether a step reads and writes the first state tensor (SGD's momentum buffer only while momentum is nonzero).
   bool uses_state1() const noexcept { return algorithm_ != Algorithm::SGD || h_.momentum != 0; }
+  // Bytes of one stored state value.
+  int64_t state_bytes() const noexcept { return state_dtype_ == StateDType::BFloat16 ? 2 : 4; }
   Algorithm algorithm_;
+  StateDType state_dtype_ = StateDType::Float32;
   Hyperparameters h_;
   std::vector<TensorPtr> params_;
   std::vector<std::unique_ptr<Slot>> slots_;

@@ -15,7 +15,7 @@ namespace sw::optim {
 struct Optimizer::Slot {
   TensorPtr param;
   std::shared_ptr<TiledEvictable> tiled;  // null for a dense parameter
-  TensorPtr state1, state2;               // momentum buffer or exp_avg; exp_avg_sq (over Float32 carriers)
+  TensorPtr state1, state2;               // momentum buffer or exp_avg; exp_avg_sq (of the state dtype)
   std::vector<int64_t> steps;             // per tile
   // Per tile: 1 once its state holds a value (an Adam tile stepped; an SGD tile stepped with momentum, so its next
   // step with momentum updates the buffer instead of starting it from the gradient, as torch's buffer is not None).
@@ -45,11 +45,12 @@ inline void add_traffic(TierTraffic& a, const TiledStats& before, const TiledSta
               after.bytes_promoted - before.bytes_promoted, after.bytes_evicted - before.bytes_evicted);
 }
 
-// One update of n values in place: the weight `w` (dtype wd), its gradient `g` (dtype gd), the Float32 state s1
-// (momentum buffer or exp_avg; null when none) and s2 (exp_avg_sq), at the tile's step count `step` (1 on its
+// One update of n values in place: the weight `w` (dtype wd), its gradient `g` (dtype gd), the state s1
+// (momentum buffer or exp_avg; null when none) and s2 (exp_avg_sq), stored as `sd` (BFloat16 state is widened to
+// Float32 for the update and rounded once, nearest even, when stored), at the tile's step count `step` (1 on its
 // first step); `first`: SGD's momentum buffer starts as the gradient (the tile had no buffer yet). A 16-bit weight is widened, updated in Float32 and rounded once (nearest even).
 // Blocks: runs on the compute pool (a large tile is split over the cores).
 void update(Algorithm a, const Hyperparameters& h, int64_t step, bool first, void* w, DTypeId wd, const void* g, DTypeId gd,
-            float* s1, float* s2, int64_t n);
+            void* s1, void* s2, StateDType sd, int64_t n);
 
 }  // namespace sw::optim::detail

@@ -21,6 +21,14 @@ const char* algorithm_name(Algorithm a) {
   return "?";
 }
 
+const char* state_dtype_name(StateDType d) {
+  switch (d) {
+    case StateDType::Float32: return "Float32";
+    case StateDType::BFloat16: return "BFloat16";
+  }
+  return "?";
+}
+
 namespace {
 
 // Whether `t`'s layout reaches as many slots as it has elements, each once (a compact view).
@@ -48,8 +56,8 @@ void validate(Algorithm algorithm, const Hyperparameters& h) {
   }
 }
 
-Optimizer::Optimizer(Algorithm algorithm, std::vector<TensorPtr> params, Hyperparameters h)
-    : algorithm_(algorithm), h_(h) {
+Optimizer::Optimizer(Algorithm algorithm, std::vector<TensorPtr> params, Hyperparameters h, StateDType state_dtype)
+    : algorithm_(algorithm), state_dtype_(state_dtype), h_(h) {
   const char* name = algorithm_name(algorithm);
   validate(algorithm, h);
   if (params.empty()) raise<ValueError>(name, ": got an empty parameter list");
@@ -106,18 +114,19 @@ Optimizer::~Optimizer() = default;
 
 TensorPtr Optimizer::make_state(const Slot& s) const {
   const TensorPtr& p = s.param;
+  const DType& dtype = state_dtype_ == StateDType::BFloat16 ? DType::BFloat16() : DType::Float32();
   if (s.tiled) {
-    // Float32 tiles of the weight's geometry over the weight's primary kind and a scratch file of their own,
+    // Tiles of the state dtype and the weight's geometry over the weight's primary kind and a scratch file of their own,
     // every tile an implicit zero, under the weight's budget; no residency policy.
-    CarrierPtr primary = s.tiled->primary()->allocate_like(0, true, DType::Float32(), true);
-    CarrierPtr scratch = std::make_shared<FileBackedCarrier>(std::string(), DType::Float32(), true);
+    CarrierPtr primary = s.tiled->primary()->allocate_like(0, true, dtype, true);
+    CarrierPtr scratch = std::make_shared<FileBackedCarrier>(std::string(), dtype, true);
     auto c = std::make_shared<TiledEvictable>(primary, scratch, s.tiled->grid_shape(), s.tiled->tile_shape(),
                                               nullptr, true);
     TiledInternals::make_implicit_zeros(*c);
     if (s.tiled->residency_budget()) c->set_residency_budget(s.tiled->residency_budget());
     return make_tensor(c, p->offset, p->layout);
   }
-  CarrierPtr c = p->carrier->allocate_like(p->layout.cosize(), true, DType::Float32(), false);  // zeros
+  CarrierPtr c = p->carrier->allocate_like(p->layout.cosize(), true, dtype, false);  // zeros
   return make_tensor(c, 0, p->layout);
 }
 

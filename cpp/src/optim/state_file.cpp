@@ -74,6 +74,7 @@ void Optimizer::save_state(const std::string& path) const {
   std::map<std::string, std::string> meta;
   meta["format"] = json(kFormat).dump();
   meta["algorithm"] = json(algorithm_name(algorithm_)).dump();
+  meta["state_dtype"] = json(state_dtype_name(state_dtype_)).dump();
   meta["hyperparameters"] = hyper_json(h_).dump();
   meta["params"] = json(slots_.size()).dump();
   const std::vector<std::string> names = state_names(algorithm_);
@@ -113,6 +114,14 @@ void Optimizer::load_state(const std::string& path) {
   const json algorithm = meta("algorithm");
   if (algorithm != json(name))
     raise<ValueError>(name, ".load_state: ", path, " holds the state of ", algorithm.dump(), ", not of ", name);
+  // The state dtype (Note [Compact optimizer state]); a file written before it was recorded holds Float32 state.
+  {
+    const std::string want = state_dtype_name(state_dtype_);
+    const json sd = header.metadata.count("state_dtype") ? meta("state_dtype") : json("Float32");
+    if (sd != json(want))
+      raise<ValueError>(name, ".load_state: ", path, " holds state of state_dtype ", sd.dump(), "; this ", name,
+                        " stores its state as ", want, " (build it with that state_dtype to load this file)");
+  }
   const json count = meta("params");
   if (!count.is_number_unsigned() || count.get<uint64_t>() != slots_.size())
     raise<ValueError>(name, ".load_state: ", path, " holds the state of ", count.dump(), " parameters; this ",
@@ -142,6 +151,8 @@ void Optimizer::load_state(const std::string& path) {
     std::vector<const safetensors::TensorInfo*> tensors;  // per state name; null: absent (SGD without buffers)
   };
   const std::vector<std::string> names = state_names(algorithm_);
+  const char* st = state_dtype_ == StateDType::BFloat16 ? "BF16" : "F32";
+  const int64_t sb = state_bytes();
   std::vector<Plan> plans(slots_.size());
   for (size_t k = 0; k < slots_.size(); ++k) {
     const Slot& s = *slots_[k];
@@ -178,9 +189,9 @@ void Optimizer::load_state(const std::string& path) {
         const bool optional = algorithm_ == Algorithm::SGD &&
                               std::all_of(plan.stateful.begin(), plan.stateful.end(), [](uint8_t b) { return !b; });
         if (!optional) raise<ValueError>(name, ".load_state: ", path, " holds no tensor '", tname, "'");
-      } else if (info->dtype != "F32" || info->shape != std::vector<int64_t>{static_cast<int64_t>(tiles), tile_size}) {
+      } else if (info->dtype != st || info->shape != std::vector<int64_t>{static_cast<int64_t>(tiles), tile_size}) {
         raise<ValueError>(name, ".load_state: ", path, ": tensor '", tname, "' is ", info->dtype, " ",
-                          json(info->shape).dump(), "; this parameter's state is F32 ",
+                          json(info->shape).dump(), "; this parameter's state is ", st, " ",
                           json(std::vector<int64_t>{static_cast<int64_t>(tiles), tile_size}).dump());
       }
       plan.tensors.push_back(info);
@@ -209,9 +220,9 @@ void Optimizer::load_state(const std::string& path) {
       if (!s.tiled) {
         const int64_t n = s.param->layout.cosize();
         const Carrier::Claim claim = states[j]->carrier->claim(std::string(name) + ".load_state");
-        float* data = reinterpret_cast<float*>(states[j]->carrier->mutable_native_data());
-        if (info) io::pread_full(fd, data, static_cast<size_t>(n) * 4, static_cast<int64_t>(info->begin), path);
-        else std::memset(data, 0, static_cast<size_t>(n) * 4);
+        std::byte* data = states[j]->carrier->mutable_native_data();
+        if (info) io::pread_full(fd, data, static_cast<size_t>(n * sb), static_cast<int64_t>(info->begin), path);
+        else std::memset(data, 0, static_cast<size_t>(n * sb));
         states[j]->carrier->bump_version();
         continue;
       }
@@ -226,10 +237,10 @@ void Optimizer::load_state(const std::string& path) {
           raise<RuntimeError>(name, ".load_state: state tile ", coord_str(c.tile_coord(i)),
                               " could not be held: its primary tier has no host memory");
         if (value)
-          io::pread_full(fd, hold->data(), static_cast<size_t>(n) * 4,
-                         static_cast<int64_t>(info->begin) + i * n * 4, path);
+          io::pread_full(fd, hold->data(), static_cast<size_t>(n * sb),
+                         static_cast<int64_t>(info->begin) + i * n * sb, path);
         else
-          std::memset(hold->data(), 0, static_cast<size_t>(n) * 4);
+          std::memset(hold->data(), 0, static_cast<size_t>(n * sb));
         hold->commit();
       }
     }

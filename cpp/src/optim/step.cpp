@@ -64,7 +64,8 @@ void Optimizer::step() {
       if (const auto& budget = s.tiled->residency_budget()) {
         const int64_t n = s.tiled->tile_size();
         const bool state1 = s.state1 && uses_state1();
-        const int64_t need = s.tiled->tile_bytes() + gt->tile_bytes() + (state1 ? 4 * n : 0) + (s.state2 ? 4 * n : 0);
+        const int64_t sb = state_bytes() * n;
+        const int64_t need = s.tiled->tile_bytes() + gt->tile_bytes() + (state1 ? sb : 0) + (s.state2 ? sb : 0);
         if (need > budget->max_bytes())
           raise<ValueError>(name, ".step: one tile of parameter ", k, " with its gradient and state takes ", need,
                             " bytes, more than its ResidencyBudget's max_bytes ", budget->max_bytes(),
@@ -105,12 +106,12 @@ void Optimizer::step_slot(Slot& s, const TensorPtr& grad) {
     const int64_t n = s.param->layout.cosize();
     auto* w = s.param->carrier->mutable_native_data() + s.param->offset * static_cast<int64_t>(slot_bytes(s.param->dtype()));
     const auto* g = grad->carrier->native_data() + grad->offset * static_cast<int64_t>(slot_bytes(grad->dtype()));
-    float* s1 = state1 ? reinterpret_cast<float*>(state1->carrier->mutable_native_data()) : nullptr;
-    float* s2 = s.state2 ? reinterpret_cast<float*>(s.state2->carrier->mutable_native_data()) : nullptr;
+    void* s1 = state1 ? state1->carrier->mutable_native_data() : nullptr;
+    void* s2 = s.state2 ? s.state2->carrier->mutable_native_data() : nullptr;
     const int64_t step = ++s.steps[0];
     const bool first = !s.stateful[0];
     if (state1) s.stateful[0] = 1;
-    detail::update(algorithm_, h_, step, first, w, wd, g, gd, s1, s2, n);
+    detail::update(algorithm_, h_, step, first, w, wd, g, gd, s1, s2, state_dtype_, n);
     s.param->carrier->bump_version();
     if (state1) state1->carrier->bump_version();
     if (s.state2) s.state2->carrier->bump_version();
@@ -159,7 +160,7 @@ void Optimizer::step_slot(Slot& s, const TensorPtr& grad) {
     const bool first = !s.stateful[static_cast<size_t>(i)];
     if (S1) s.stateful[static_cast<size_t>(i)] = 1;
     detail::update(algorithm_, h_, step, first, hw->data(), wd, hg->data(), gd, h1 ? h1->data() : nullptr,
-           h2 ? h2->data() : nullptr, n);
+           h2 ? h2->data() : nullptr, state_dtype_, n);
     hw->commit();
     if (h1) h1->commit();
     if (h2) h2->commit();

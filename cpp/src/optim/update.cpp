@@ -54,14 +54,16 @@ void widen(DTypeId d, const void* src, float* out, int64_t n) {
 }  // namespace
 
 void update(Algorithm a, const Hyperparameters& h, int64_t step, bool first, void* w, DTypeId wd, const void* g,
-            DTypeId gd, float* s1, float* s2, int64_t n) {
+            DTypeId gd, void* s1, void* s2, StateDType sd, int64_t n) {
   const SgdCoefficients sgd = sgd_coefficients(h, first);
   const AdamCoefficients adam = adam_coefficients(h, a, step);
   constexpr int64_t kChunk = 2048;  // 8 KiB of Float32 per operand: the pieces stay in L1/L2
   const int64_t wsize = wd == DTypeId::Float32 ? 4 : 2, gsize = gd == DTypeId::Float32 ? 4 : 2;
+  const bool bf16_state = sd == StateDType::BFloat16;
+  const int64_t ssize = bf16_state ? 2 : 4;
   // Bound by memory bandwidth: a large tile (an expert's megabytes) is split over the cores.
   sw::detail::parallel_for(n, int64_t{1} << 15, [&](int64_t b, int64_t e) {
-    float wb[kChunk], gb[kChunk];
+    float wb[kChunk], gb[kChunk], b1[kChunk], b2[kChunk];
     for (int64_t at = b; at < e; at += kChunk) {
       const int64_t len = std::min(kChunk, e - at);
       void* wat = static_cast<std::byte*>(w) + at * wsize;
@@ -70,9 +72,22 @@ void update(Algorithm a, const Hyperparameters& h, int64_t step, bool first, voi
       if (wd != DTypeId::Float32) widen(wd, wat, wb, len);
       const float* gp = gd == DTypeId::Float32 ? static_cast<const float*>(gat) : gb;
       if (gd != DTypeId::Float32) widen(gd, gat, gb, len);
-      float* p1 = s1 ? s1 + at : nullptr;
+      // The state: in place when Float32; BFloat16 widened into b1/b2 (exact) and rounded back once below.
+      void* s1at = s1 ? static_cast<std::byte*>(s1) + at * ssize : nullptr;
+      void* s2at = s2 ? static_cast<std::byte*>(s2) + at * ssize : nullptr;
+      float* p1 = !s1at ? nullptr : bf16_state ? b1 : static_cast<float*>(s1at);
+      float* p2 = !s2at ? nullptr : bf16_state ? b2 : static_cast<float*>(s2at);
+      if (bf16_state) {
+        // SGD's first step sets the buffer from the gradient without reading it (its tile may hold anything).
+        if (s1at && !(a == Algorithm::SGD && first)) widen(DTypeId::BFloat16, s1at, b1, len);
+        if (s2at) widen(DTypeId::BFloat16, s2at, b2, len);
+      }
       if (a == Algorithm::SGD) sgd_update(wp, gp, p1, len, sgd);
-      else adam_update(wp, gp, p1, s2 + at, len, adam);
+      else adam_update(wp, gp, p1, p2, len, adam);
+      if (bf16_state) {
+        if (s1at) sw::detail::f32_to_bf16(b1, static_cast<uint16_t*>(s1at), len);
+        if (s2at) sw::detail::f32_to_bf16(b2, static_cast<uint16_t*>(s2at), len);
+      }
       if (wd == DTypeId::BFloat16) sw::detail::f32_to_bf16(wb, static_cast<uint16_t*>(wat), len);
       else if (wd == DTypeId::Float16) sw::detail::f32_to_f16(wb, static_cast<uint16_t*>(wat), len);
     }

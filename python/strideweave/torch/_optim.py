@@ -370,14 +370,16 @@ def _classes() -> dict:
     class SGD(_Bridge, torch.optim.SGD):
         """``torch.optim.SGD`` over the torch parameters and ``strideweave.optim.SGD`` over the tiled experts of
         each group: ``SGD(model_or_params, lr=1e-3, momentum=0, dampening=0, weight_decay=0, nesterov=False,
-        *, state_folder=None)``."""
+        *, state_folder=None, state_dtype=None)`` (``state_dtype``: how the tiled engines store their state,
+        ``strideweave.DType.Float32`` (None: the default) or ``DType.BFloat16``; torch's own state is torch's)."""
 
         _torch_cls = torch.optim.SGD
         _FIXED = {"maximize": False, "differentiable": False}
 
         def __init__(self, model_or_params: Any, lr: Any = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
                      weight_decay: float = 0.0, nesterov: bool = False, *, state_folder: Any = None,
-                     foreach: Optional[bool] = None) -> None:
+                     foreach: Optional[bool] = None, state_dtype: Any = None) -> None:
+            self._state_dtype = state_dtype
             self._init(torch.optim.SGD, model_or_params, state_folder,
                        dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                             nesterov=nesterov, foreach=foreach))
@@ -385,7 +387,7 @@ def _classes() -> dict:
         def _engine_for(self, tiled: list, group: dict) -> Any:
             return sw.optim.SGD(tiled, lr=_number(group["lr"]), momentum=_number(group["momentum"]),
                                 dampening=_number(group["dampening"]), weight_decay=_number(group["weight_decay"]),
-                                nesterov=bool(group["nesterov"]))
+                                nesterov=bool(group["nesterov"]), state_dtype=self._state_dtype)
 
         def _push(self, engine: Any, group: dict) -> None:
             nesterov = bool(group["nesterov"])
@@ -399,7 +401,7 @@ def _classes() -> dict:
     def adam_engine(self: Any, tiled: list, group: dict) -> Any:
         cls = sw.optim.AdamW if self._decoupled else sw.optim.Adam
         return cls(tiled, lr=_number(group["lr"]), betas=_pair(group["betas"]), eps=_number(group["eps"]),
-                   weight_decay=_number(group["weight_decay"]))
+                   weight_decay=_number(group["weight_decay"]), state_dtype=self._state_dtype)
 
     def adam_push(self: Any, engine: Any, group: dict) -> None:
         _set(engine, "lr", _number(group["lr"]))
@@ -410,7 +412,7 @@ def _classes() -> dict:
     class Adam(_Bridge, torch.optim.Adam):
         """``torch.optim.Adam`` over the torch parameters and ``strideweave.optim.Adam`` over the tiled experts
         of each group: ``Adam(model_or_params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
-        *, state_folder=None)``."""
+        *, state_folder=None, state_dtype=None)`` (``state_dtype``: as SGD's)."""
 
         _torch_cls = torch.optim.Adam
         _decoupled = False
@@ -420,14 +422,15 @@ def _classes() -> dict:
 
         def __init__(self, model_or_params: Any, lr: Any = 1e-3, betas: Any = (0.9, 0.999), eps: float = 1e-8,
                      weight_decay: float = 0.0, *, state_folder: Any = None,
-                     foreach: Optional[bool] = None) -> None:
+                     foreach: Optional[bool] = None, state_dtype: Any = None) -> None:
+            self._state_dtype = state_dtype
             self._init(torch.optim.Adam, model_or_params, state_folder,
                        dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach))
 
     class AdamW(_Bridge, torch.optim.AdamW):
         """``torch.optim.AdamW`` over the torch parameters and ``strideweave.optim.AdamW`` over the tiled
         experts of each group: ``AdamW(model_or_params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
-        weight_decay=1e-2, *, state_folder=None)``."""
+        weight_decay=1e-2, *, state_folder=None, state_dtype=None)`` (``state_dtype``: as SGD's)."""
 
         _torch_cls = torch.optim.AdamW
         _decoupled = True
@@ -437,7 +440,8 @@ def _classes() -> dict:
 
         def __init__(self, model_or_params: Any, lr: Any = 1e-3, betas: Any = (0.9, 0.999), eps: float = 1e-8,
                      weight_decay: float = 1e-2, *, state_folder: Any = None,
-                     foreach: Optional[bool] = None) -> None:
+                     foreach: Optional[bool] = None, state_dtype: Any = None) -> None:
+            self._state_dtype = state_dtype
             self._init(torch.optim.AdamW, model_or_params, state_folder,
                        dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach))
 
