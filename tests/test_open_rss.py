@@ -16,18 +16,14 @@ image; the child checks that what it starts with is below its baseline, so an in
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
-import pytest
 import torch
 import transformers
 
 # Under AddressSanitizer (make sanitize-py, SW_SANITIZED=1) shadow memory and the quarantine of freed blocks make
 # the resident set measure the sanitizer, not the loader.
-pytestmark = pytest.mark.skipif(os.environ.get("SW_SANITIZED") == "1",
-                                reason="under AddressSanitizer the RSS measures the sanitizer")
 
 MiB = 1 << 20
 EXPERTS = 32

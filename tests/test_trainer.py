@@ -128,9 +128,18 @@ def test_trainer_parity(family, folders, tmp_path):
     for n, w in want.items():
         excess = float(((got[n] - w).abs() - bound[n]["Dw"]).max())
         assert excess <= 0, f"{family} {n}: exceeds its bound by {excess:.3e}"
-    for path, b in bindings.items():  # the experts are in the weight-decay group
-        assert all(f"{path}.{pn}" not in decay for pn in b.parameter_names)
-        assert any(b.tiled[r] in g for g in opt.tiled_param_groups[:1] for r in b.tiled)
+    # Trainer's grouping: the experts' tiled tensors in the group with weight decay, none in the other.
+    tiled = opt.tiled_param_groups
+    in_decay = [i for i, g in enumerate(opt.param_groups) if g["weight_decay"] == 0.01]
+    assert len(in_decay) == 1
+    for path, b in bindings.items():
+        for r, t in b.tiled.items():
+            where = [i for i, group in enumerate(tiled) if any(x is t for x in group)]
+            assert where == in_decay, (path, r, where)
+    # and the torch parameters as the reference's Trainer groups them
+    for i, g in enumerate(opt.param_groups):
+        names = {n for n, p in model.named_parameters() if any(p is q for q in g["params"])}
+        assert all((n in decay) == (i in in_decay) for n in names), i
 
 
 def test_resume_is_bit_identical(folders, tmp_path):
