@@ -480,30 +480,12 @@ def expert_reference(torch, micro_batches: list, e: int, W: dict, absolute: bool
 
 
 def adamw_expected(torch, before: dict):
-    """torch.optim.AdamW's step from the recorded state: (weights rounded to the weights' dtype, exp_avg,
-    exp_avg_sq, count)."""
-    import numpy as np
-    zeros = np.zeros(before["w"].shape, np.float32)
-    count = int(before["count"])
-    if "grad" not in before:
-        return before["w"], before.get("exp_avg", zeros), before.get("exp_avg_sq", zeros), count
-    p = torch.nn.Parameter(torch.from_numpy(before["w"].astype(np.float32)))
-    p.grad = torch.from_numpy(before["grad"].astype(np.float32))
-    ref = torch.optim.AdamW([p], lr=float(before["lr"]), betas=(float(before["beta1"]), float(before["beta2"])),
-                            eps=float(before["eps"]), weight_decay=float(before["weight_decay"]), foreach=False)
-    if count > 0:
-        ref.state[p] = {"step": torch.tensor(float(count)),
-                        "exp_avg": torch.from_numpy(before.get("exp_avg", zeros).copy()),
-                        "exp_avg_sq": torch.from_numpy(before.get("exp_avg_sq", zeros).copy())}
-    original_sqrt = torch.Tensor.sqrt
-    torch.Tensor.sqrt = lambda self: torch.sqrt(self.double()).to(self.dtype)  # correctly rounded
-    try:
-        ref.step()
-    finally:
-        torch.Tensor.sqrt = original_sqrt
-    st = ref.state[p]
-    return (p.detach().numpy().astype(before["w"].dtype), st["exp_avg"].numpy(), st["exp_avg_sq"].numpy(),
-            count + 1)
+    """torch.optim.AdamW's step from the recorded state, with the recorded hyperparameters: examples/finetune_moe.py's
+    ``adamw_expected`` (weights rounded to the weights' dtype, exp_avg, exp_avg_sq, count)."""
+    sys.path.insert(0, DEMO_DIR)
+    import finetune_moe
+    return finetune_moe.adamw_expected(torch, before, float(before["lr"]), float(before["weight_decay"]),
+                                       (float(before["beta1"]), float(before["beta2"])), float(before["eps"]))
 
 
 def verify(a, records: str, sample: list, steps: list, model_dir: str, out_dir: str) -> dict:

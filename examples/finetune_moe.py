@@ -804,32 +804,38 @@ class SampleRecorder:
         self._timed(step, t0)
 
 
-def adamw_mismatch(torch, cfg: Config, before: dict, after: dict) -> int:
-    """Bytes of the weights and moments after one step (and a wrong step count) that differ from torch.optim.AdamW
-    stepped from the recorded state: one nn.Parameter (Float32 copy of the weights), the recorded gradient and
-    moments, foreach=False, the correctly rounded square root (as in the full check). A matrix without gradient
-    must be left as it was."""
+def adamw_expected(torch, before: dict, lr: float, weight_decay: float, betas=(0.9, 0.999), eps: float = 1e-8):
+    """torch.optim.AdamW's step from a recorded state `before` ("w", "count", and "grad", "exp_avg", "exp_avg_sq"
+    where present): one nn.Parameter (Float32 copy of the weights), the recorded gradient and moments,
+    foreach=False, the correctly rounded square root (as in the full check). Returns (weights rounded to the
+    recorded weights' dtype, exp_avg, exp_avg_sq, count); a matrix without gradient is left as it was."""
     zeros = np.zeros(before["w"].shape, np.float32)
     count = int(before["count"])
     if "grad" not in before:
-        want_w, want_m, want_v, want_count = before["w"], before.get("exp_avg", zeros), before.get("exp_avg_sq", zeros), count
-    else:
-        p = torch.nn.Parameter(torch.from_numpy(before["w"].astype(np.float32)))
-        p.grad = torch.from_numpy(before["grad"].astype(np.float32))
-        ref = torch.optim.AdamW([p], lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=False)
-        if count > 0:
-            ref.state[p] = {"step": torch.tensor(float(count)),
-                            "exp_avg": torch.from_numpy(before.get("exp_avg", zeros).copy()),
-                            "exp_avg_sq": torch.from_numpy(before.get("exp_avg_sq", zeros).copy())}
-        original_sqrt = torch.Tensor.sqrt
-        torch.Tensor.sqrt = lambda self: torch.sqrt(self.double()).to(self.dtype)  # correctly rounded
-        try:
-            ref.step()
-        finally:
-            torch.Tensor.sqrt = original_sqrt
-        st = ref.state[p]
-        want_w = p.detach().numpy().astype(NP_DTYPE[cfg.dtype])
-        want_m, want_v, want_count = st["exp_avg"].numpy(), st["exp_avg_sq"].numpy(), count + 1
+        return before["w"], before.get("exp_avg", zeros), before.get("exp_avg_sq", zeros), count
+    p = torch.nn.Parameter(torch.from_numpy(before["w"].astype(np.float32)))
+    p.grad = torch.from_numpy(before["grad"].astype(np.float32))
+    ref = torch.optim.AdamW([p], lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
+    if count > 0:
+        ref.state[p] = {"step": torch.tensor(float(count)),
+                        "exp_avg": torch.from_numpy(before.get("exp_avg", zeros).copy()),
+                        "exp_avg_sq": torch.from_numpy(before.get("exp_avg_sq", zeros).copy())}
+    original_sqrt = torch.Tensor.sqrt
+    torch.Tensor.sqrt = lambda self: torch.sqrt(self.double()).to(self.dtype)  # correctly rounded
+    try:
+        ref.step()
+    finally:
+        torch.Tensor.sqrt = original_sqrt
+    st = ref.state[p]
+    return (p.detach().numpy().astype(before["w"].dtype), st["exp_avg"].numpy(), st["exp_avg_sq"].numpy(),
+            count + 1)
+
+
+def adamw_mismatch(torch, cfg: Config, before: dict, after: dict) -> int:
+    """Bytes of the weights and moments after one step (and a wrong step count) that differ from torch.optim.AdamW
+    stepped from the recorded state (adamw_expected)."""
+    zeros = np.zeros(before["w"].shape, np.float32)
+    want_w, want_m, want_v, want_count = adamw_expected(torch, before, cfg.lr, cfg.weight_decay)
     got = (after["w"], after.get("exp_avg", zeros), after.get("exp_avg_sq", zeros))
     differ = sum(int(np.count_nonzero(bits(a) != bits(b))) for a, b in zip(got, (want_w, want_m, want_v)))
     return differ + int(int(after["count"]) != want_count)
