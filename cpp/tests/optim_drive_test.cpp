@@ -50,15 +50,7 @@ std::vector<float> randoms(std::mt19937& rng, int64_t n) {
 
 // A tiled gradient of `w` whose tiles `routed` hold values[tile] (within-tile order), the others implicit zeros.
 TensorPtr gradient(const Weight& w, const std::vector<int64_t>& routed, const std::vector<std::vector<float>>& values) {
-  auto g = std::static_pointer_cast<TiledEvictable>(w.carrier->allocate_like(w.carrier->size(), true, F32(), false));
-  std::vector<std::pair<int64_t, CarrierPtr>> tiles;
-  for (int64_t e : routed) {
-    CarrierPtr buf = g->primary()->allocate_like(kN, true, F32(), true);
-    buf->write_slots(0, kN, values[static_cast<size_t>(e)].data());
-    tiles.emplace_back(e, buf);
-  }
-  TiledInternals::install_tiles(*g, tiles);
-  return make_tensor(g, 0, w.full->layout);
+  return tiled_gradient(w.carrier, w.full, routed, values, kN);
 }
 
 // Tile `t` of `c` in within-tile order (read through the geometry: the tile is several runs of slots).

@@ -227,5 +227,20 @@ class TiledTest : public ::testing::Test {
   void TearDown() override { io::clear_faults(); }
 };
 
+// A tiled Float32 gradient over the geometry of `weight` (a carrier under `full`), whose tiles `routed` hold
+// values[tile] (`n` slots each, within-tile order), the others implicit zeros.
+inline TensorPtr tiled_gradient(const Tiled& weight, const TensorPtr& full, const std::vector<int64_t>& routed,
+                                const std::vector<std::vector<float>>& values, int64_t n) {
+  auto g = std::static_pointer_cast<TiledEvictable>(weight->allocate_like(weight->size(), true, F32(), false));
+  std::vector<std::pair<int64_t, CarrierPtr>> tiles;
+  for (int64_t e : routed) {
+    CarrierPtr buf = g->primary()->allocate_like(n, true, F32(), true);
+    buf->write_slots(0, n, values[static_cast<size_t>(e)].data());
+    tiles.emplace_back(e, buf);
+  }
+  TiledInternals::install_tiles(*g, tiles);
+  return make_tensor(g, 0, full->layout);
+}
+
 }  // namespace tiled_testing
 }  // namespace sw
