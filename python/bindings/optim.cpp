@@ -52,17 +52,23 @@ std::vector<TensorPtr> tensors_of(nb::handle params, const char* name) {
   return out;
 }
 
-// state_dtype: sw.DType.Float32 or sw.DType.BFloat16 (Note [Compact optimizer state]); TypeError for anything that
-// is not a DType, ValueError for another DType.
+// state_dtype: sw.DType.Float32 or sw.DType.BFloat16, or the string "8bit" (strideweave.optim.STATE_8BIT: 8-bit
+// block-wise state) (Note [Compact optimizer state]); ValueError for another DType, TypeError for anything else
+// (another string included: the accepted values are DTypes and the one literal "8bit").
 optim::StateDType state_dtype_of(nb::handle v, const char* name) {
   if (v.is_none()) return optim::StateDType::Float32;
-  if (!nb::isinstance<sw::DType>(v))
-    sw::raise<sw::TypeError>(name, ": state_dtype must be a DType (DType.Float32 or DType.BFloat16), got ",
-                             nb::type_name(v.type()).c_str());
+  if (nb::isinstance<nb::str>(v) && nb::cast<std::string>(v) == "8bit") return optim::StateDType::Int8Blockwise;
+  if (!nb::isinstance<sw::DType>(v)) {
+    const std::string what = nb::isinstance<nb::str>(v) ? "the str '" + nb::cast<std::string>(v) + "'"
+                                                        : std::string(nb::type_name(v.type()).c_str());
+    sw::raise<sw::TypeError>(name, ": state_dtype must be a DType (DType.Float32 or DType.BFloat16) or \"8bit\", got ",
+                             what);
+  }
   const sw::DType& d = nb::cast<const sw::DType&>(v);
   if (d.id() == sw::DTypeId::Float32) return optim::StateDType::Float32;
   if (d.id() == sw::DTypeId::BFloat16) return optim::StateDType::BFloat16;
-  sw::raise<sw::ValueError>(name, ": state_dtype must be DType.Float32 or DType.BFloat16, got ", d.name());
+  sw::raise<sw::ValueError>(name, ": state_dtype must be DType.Float32 or DType.BFloat16 (or \"8bit\"), got ",
+                            d.name());
 }
 
 double number_of(nb::handle v, const char* name, const char* what) {
@@ -97,6 +103,11 @@ nb::dict traffic(const optim::TierTraffic& t) {
 }  // namespace
 
 void bind_optim(nb::module_& m) {
+  m.def("_optim_quantization_map", [](bool is_signed) {
+    const float* v = optim::blockwise_quantization_map(is_signed);
+    return std::vector<float>(v, v + 256);
+  }, nb::arg("is_signed"), nb::sig("def _optim_quantization_map(is_signed: bool) -> list[float]"),
+  "The 256 entries of the dynamic quantization map of 8-bit optimizer state (signed or unsigned), ascending.");
   m.def("_optim_grad_norm", [](nb::handle params, nb::handle norm_type) {
     const double p = number_of(norm_type, "grad_norm", "norm_type");
     std::vector<TensorPtr> ps = tensors_of(params, "grad_norm");
@@ -137,7 +148,7 @@ void bind_optim(nb::module_& m) {
            nb::arg("state_dtype") = nb::none(),
            nb::sig("def __init__(self, algorithm: str, params: collections.abc.Iterable[Tensor], lr: float, "
                    "momentum: float, dampening: float, nesterov: bool, beta1: float, beta2: float, eps: float, "
-                   "weight_decay: float, state_dtype: DType | None = None) -> None"))
+                   "weight_decay: float, state_dtype: DType | str | None = None) -> None"))
       .def("hyperparameters", [](const optim::Optimizer& o) { return hyper_dict(o.hyperparameters()); },
            nb::sig("def hyperparameters(self) -> dict[str, typing.Any]"),
            "The current hyperparameters (lr, momentum, dampening, nesterov, beta1, beta2, eps, weight_decay).")
@@ -183,9 +194,14 @@ void bind_optim(nb::module_& m) {
       .def_prop_rw("prefetch", &optim::Optimizer::prefetch, &optim::Optimizer::set_prefetch,
                    "Whether a step promotes the next tile during the current tile's update (default False).")
       .def_prop_ro("params", [](const optim::Optimizer& o) { return o.params(); })
-      .def_prop_ro("state_dtype", [](const optim::Optimizer& o) -> const sw::DType& {
-        return o.state_dtype() == optim::StateDType::BFloat16 ? sw::DType::BFloat16() : sw::DType::Float32();
-      }, nb::rv_policy::reference, "How the state is stored: DType.Float32 or DType.BFloat16.")
+      .def_prop_ro("state_dtype", [](const optim::Optimizer& o) -> nb::object {
+        switch (o.state_dtype()) {
+          case optim::StateDType::Int8Blockwise: return nb::str("8bit");
+          case optim::StateDType::BFloat16: return nb::cast(&sw::DType::BFloat16(), nb::rv_policy::reference);
+          default: return nb::cast(&sw::DType::Float32(), nb::rv_policy::reference);
+        }
+      }, nb::for_getter(nb::sig("def state_dtype(self) -> DType | str")),
+      "How the state is stored: DType.Float32, DType.BFloat16 or \"8bit\" (block-wise 8-bit).")
       .def_prop_ro("algorithm", [](const optim::Optimizer& o) { return std::string(optim::algorithm_name(o.algorithm())); })
       .def("state", [](const optim::Optimizer& o, const TensorPtr& param) {
         optim::ParameterState s = o.state(param);

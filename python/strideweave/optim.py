@@ -4,7 +4,9 @@ A parameter is a ``Tensor`` over the whole extent of a ``TiledEvictable`` (one t
 tensor. Each tile is stepped as ``torch.optim`` steps one ``nn.Parameter``: a tile whose gradient tile is an
 implicit zero is skipped, and each tile keeps its own step count. The state (momentum buffer, ``exp_avg``,
 ``exp_avg_sq``) is Float32, or BFloat16 with ``state_dtype=DType.BFloat16`` (widened for the update, rounded once
-to nearest even when stored: half the bytes), in TiledEvictables beside the weight (their own scratch file, the
+to nearest even when stored: half the bytes), or 8-bit block-wise with ``state_dtype=STATE_8BIT`` (``"8bit"``: the
+scheme of bitsandbytes' AdamW8bit, blocks of 256 values with a Float32 absmax each and 8-bit codes into a dynamic
+quantization map: about a quarter of the bytes), in TiledEvictables beside the weight (their own scratch file, the
 weight's residency budget). docs/guide.md, "Optimizers on tiled parameters".
 """
 
@@ -18,7 +20,14 @@ from . import _core
 from ._core import Optimizer as _Engine
 from ._core import Tensor
 
-__all__ = ["SGD", "Adam", "AdamW", "grad_norm", "scale_grads"]
+__all__ = ["SGD", "Adam", "AdamW", "STATE_8BIT", "grad_norm", "scale_grads"]
+
+#: ``state_dtype=STATE_8BIT`` (the string ``"8bit"``): 8-bit block-wise optimizer state (Dettmers et al. 2021, as
+#: bitsandbytes' AdamW8bit): each state tile in blocks of 256 values, one Float32 absmax per block and an 8-bit code
+#: per value into a 256-entry dynamic quantization map (signed for the momentum buffer and ``exp_avg``, unsigned for
+#: ``exp_avg_sq``); decoded to Float32 for each update and encoded again. ``state(p)`` then gives decoded Float32
+#: copies. docs/guide.md, "Optimizers on tiled parameters".
+STATE_8BIT = "8bit"
 
 
 def grad_norm(params: Tensor | Iterable[Tensor], norm_type: float = 2.0) -> float:
@@ -85,7 +94,8 @@ class _Optimizer:
 
     @property
     def state_dtype(self) -> Any:
-        """How the state is stored: ``DType.Float32`` (the default) or ``DType.BFloat16`` (fixed at construction)."""
+        """How the state is stored: ``DType.Float32`` (the default), ``DType.BFloat16`` or :data:`STATE_8BIT`
+        (``"8bit"``) (fixed at construction)."""
         return self._engine.state_dtype
 
     @property
@@ -107,7 +117,9 @@ class _Optimizer:
 
     def state(self, param: Tensor) -> dict[str, Any]:
         """``{"step": [per-tile counts], ...}`` with the state tensors of ``param`` (of the state dtype, its shape and
-        layout)."""
+        layout). With :data:`STATE_8BIT` state they are decoded copies (``map[code] * absmax``, Float32, dense CPU
+        tensors of the parameter's shape and layout: the full Float32 size, made on each call; writing them changes
+        nothing)."""
         return self._engine.state(param)
 
     def save_state(self, path: str | os.PathLike[str]) -> None:
@@ -160,7 +172,7 @@ class _AdamBase(_Optimizer):
 
 class SGD(_Optimizer):
     """``torch.optim.SGD``'s update, per tile: ``SGD(params, lr, momentum=0.0, dampening=0.0, weight_decay=0.0,
-    nesterov=False, *, state_dtype=DType.Float32)``."""
+    nesterov=False, *, state_dtype=DType.Float32)`` (or ``DType.BFloat16``, ``STATE_8BIT``)."""
 
     @property
     def momentum(self) -> float:
@@ -198,7 +210,7 @@ class SGD(_Optimizer):
 
 class Adam(_AdamBase):
     """``torch.optim.Adam``'s update, per tile: ``Adam(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
-    weight_decay=0.0, *, state_dtype=DType.Float32)`` (weight decay added to the gradient)."""
+    weight_decay=0.0, *, state_dtype=DType.Float32)`` (or ``DType.BFloat16``, ``STATE_8BIT``) (weight decay added to the gradient)."""
 
     def __init__(self, params: Iterable[Tensor], lr: float = 1e-3, betas: Iterable[float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, *, state_dtype: Any = None) -> None:
@@ -208,7 +220,7 @@ class Adam(_AdamBase):
 
 class AdamW(_AdamBase):
     """``torch.optim.AdamW``'s update, per tile: ``AdamW(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
-    weight_decay=1e-2, *, state_dtype=DType.Float32)`` (decoupled: the weight is scaled by ``1 - lr * weight_decay``
+    weight_decay=1e-2, *, state_dtype=DType.Float32)`` (or ``DType.BFloat16``, ``STATE_8BIT``) (decoupled: the weight is scaled by ``1 - lr * weight_decay``
     first)."""
 
     def __init__(self, params: Iterable[Tensor], lr: float = 1e-3, betas: Iterable[float] = (0.9, 0.999),

@@ -41,8 +41,25 @@ const char* algorithm_name(Algorithm a);
 // share of the residency budget and of a state file), widened to Float32 (exact) for the update, which computes in
 // Float32 exactly as with Float32 state (the weight's update uses the new Float32 state values), and rounded once,
 // to nearest even, when stored back.
-enum class StateDType { Float32, BFloat16 };
-const char* state_dtype_name(StateDType d);  // "Float32", "BFloat16"
+// Int8Blockwise: the 8-bit block-wise state of Dettmers et al. 2021 ("8-bit Optimizers via Block-wise
+// Quantization"), as bitsandbytes' AdamW8bit stores it. Each state tile is cut in blocks of 256 consecutive values
+// (in within-tile order; the tile's last block may be shorter); a block stores one Float32 absmax = max |x| and, per
+// value, an 8-bit code: the index of the entry of a 256-entry dynamic quantization map (blockwise_quantization_map:
+// signed for SGD's momentum buffer and Adam's exp_avg, unsigned for exp_avg_sq) nearest x / absmax (computed in
+// Float32; a tie between two entries goes to the larger), read back as map[code] * absmax (one Float32 rounding; a
+// block of absmax 0, such as a tile never stepped, reads as zeros). A step decodes a block to Float32, runs the
+// Float32 update exactly as with Float32 state (the weight's update uses the new Float32 state values), and encodes
+// the new values. The codes and absmax of a tile of n values are packed as raw bytes (absmax first, then the codes,
+// zero-padded) into one tile of ceil((n + 4 * ceil(n / 256)) / 4) Float32 slots of the state carrier (grid: the
+// weight's; tile: that many slots along the first axis): about n + n/64 bytes, a quarter of Float32 state and a
+// 64th more, in the tiles, their scratch file, the residency budget (state_bytes) and a state file. The cost is
+// precision: a value keeps about 2 significant decimal digits of its block's absmax (Note [The dynamic
+// quantization map] in cpp/src/optim/quantized_state.cpp), and values far below their block's absmax round to 0.
+enum class StateDType { Float32, BFloat16, Int8Blockwise };
+const char* state_dtype_name(StateDType d);  // "Float32", "BFloat16", "Int8Blockwise"
+// The 256 entries (ascending) of the dynamic quantization map of Int8Blockwise state: signed (in [-0.99296875, 1])
+// or unsigned (in [0, 1]); both hold 0 and 1. Valid for the program's lifetime.
+const float* blockwise_quantization_map(bool is_signed) noexcept;
 
 struct Hyperparameters {
   double lr = 1e-3;
@@ -76,7 +93,9 @@ struct OptimizerStats {
 };
 
 // One parameter's state: its per-tile step counts and its state tensors (Float32 or BFloat16: the state dtype) (same shape and layout as the
-// parameter; null when the algorithm has none).
+// parameter; null when the algorithm has none). Int8Blockwise state: decoded copies (map[code] * absmax, Float32,
+// dense CPU tensors of the parameter's shape and layout, made by state(): the full Float32 size, for inspection;
+// writing them changes nothing).
 struct ParameterState {
   std::vector<int64_t> steps;  // one per tile (one for a dense parameter)
   TensorPtr momentum_buffer;   // SGD with momentum
@@ -124,7 +143,8 @@ class Optimizer {
   // last reference does.
   void zero_grad();
 
-  // The state of `param` (one of params(), by identity); ValueError otherwise.
+  // The state of `param` (one of params(), by identity); ValueError otherwise. Int8Blockwise: decoded copies
+  // (ParameterState). Blocks: Int8Blockwise reads every state tile from wherever it lies (I/O).
   ParameterState state(const TensorPtr& param) const;
   // Blocks: each carrier's tile-table lock, briefly.
   OptimizerStats stats() const;
@@ -163,8 +183,8 @@ class Optimizer {
   TensorPtr make_state(const Slot& s) const;
   // Whether a step reads and writes the first state tensor (SGD's momentum buffer only while momentum is nonzero).
   bool uses_state1() const noexcept { return algorithm_ != Algorithm::SGD || h_.momentum != 0; }
-  // Bytes of one stored state value.
-  int64_t state_bytes() const noexcept { return state_dtype_ == StateDType::BFloat16 ? 2 : 4; }
+  // Bytes of one stored state tile of n values (Note [Compact optimizer state]): 4 n, 2 n, or the packed 8-bit tile.
+  int64_t state_bytes(int64_t n) const noexcept;
   Algorithm algorithm_;
   StateDType state_dtype_ = StateDType::Float32;
   Hyperparameters h_;

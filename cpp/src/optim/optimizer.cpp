@@ -9,6 +9,7 @@
 #include "strideweave/errors.hpp"
 #include "../tiled/internal.hpp"
 #include "optim_internal.hpp"
+#include "quantized_state.hpp"
 
 namespace sw::optim {
 
@@ -25,6 +26,7 @@ const char* state_dtype_name(StateDType d) {
   switch (d) {
     case StateDType::Float32: return "Float32";
     case StateDType::BFloat16: return "BFloat16";
+    case StateDType::Int8Blockwise: return "Int8Blockwise";
   }
   return "?";
 }
@@ -112,9 +114,40 @@ Optimizer::Optimizer(Algorithm algorithm, std::vector<TensorPtr> params, Hyperpa
 
 Optimizer::~Optimizer() = default;
 
+int64_t Optimizer::state_bytes(int64_t n) const noexcept {
+  switch (state_dtype_) {
+    case StateDType::Float32: return 4 * n;
+    case StateDType::BFloat16: return 2 * n;
+    case StateDType::Int8Blockwise: return 4 * detail::quant_tile_slots(n);
+  }
+  return 4 * n;
+}
+
 TensorPtr Optimizer::make_state(const Slot& s) const {
   const TensorPtr& p = s.param;
   const DType& dtype = state_dtype_ == StateDType::BFloat16 ? DType::BFloat16() : DType::Float32();
+  if (state_dtype_ == StateDType::Int8Blockwise) {
+    // Packed tiles (quantized_state.hpp): per weight tile, quant_tile_slots(n) Float32 slots of raw bytes, in a
+    // carrier of the weight's grid whose tiles run along the first axis, so tile t is the slots [t m, (t + 1) m);
+    // the state tensor is those slots in order. A dense parameter: one zero-filled packed tile in CPU memory.
+    const int64_t n = s.tiled ? s.tiled->tile_size() : p->layout.cosize();
+    const int64_t m = detail::quant_tile_slots(n);
+    if (!s.tiled) {
+      CarrierPtr c = p->carrier->allocate_like(m, true, DType::Float32(), false);  // zeros: absmax 0
+      return make_tensor(c, 0, Layout(Shape(IntTuple::tuple({IntTuple(m)})),
+                                      Stride(IntTuple::tuple({IntTuple(1)}))));
+    }
+    std::vector<int64_t> tile(s.tiled->grid_shape().size(), 1);
+    tile[0] = m;
+    CarrierPtr primary = s.tiled->primary()->allocate_like(0, true, DType::Float32(), true);
+    CarrierPtr scratch = std::make_shared<FileBackedCarrier>(std::string(), DType::Float32(), true);
+    auto c = std::make_shared<TiledEvictable>(primary, scratch, s.tiled->grid_shape(), tile, nullptr, true);
+    TiledInternals::make_implicit_zeros(*c);
+    if (s.tiled->residency_budget()) c->set_residency_budget(s.tiled->residency_budget());
+    const int64_t total = m * s.tiled->tile_count();
+    return make_tensor(c, 0,
+                       Layout(Shape(IntTuple::tuple({IntTuple(total)})), Stride(IntTuple::tuple({IntTuple(1)}))));
+  }
   if (s.tiled) {
     // Tiles of the state dtype and the weight's geometry over the weight's primary kind and a scratch file of their own,
     // every tile an implicit zero, under the weight's budget; no residency policy.
@@ -162,6 +195,15 @@ ParameterState Optimizer::state(const TensorPtr& param) const {
     if (s->param != param) continue;
     ParameterState out;
     out.steps = s->steps;
+    if (state_dtype_ == StateDType::Int8Blockwise) {
+      // Decoded copies (ParameterState): the momentum buffer and exp_avg on the signed map, exp_avg_sq unsigned.
+      const bool sgd = algorithm_ == Algorithm::SGD;
+      TensorPtr a = s->state1 ? detail::decoded_state(s->param, s->tiled, s->state1, true) : nullptr;
+      TensorPtr b = s->state2 ? detail::decoded_state(s->param, s->tiled, s->state2, false) : nullptr;
+      if (sgd) out.momentum_buffer = a;
+      else out.exp_avg = a, out.exp_avg_sq = b;
+      return out;
+    }
     if (algorithm_ == Algorithm::SGD) out.momentum_buffer = s->state1;
     else out.exp_avg = s->state1, out.exp_avg_sq = s->state2;
     return out;

@@ -14,6 +14,7 @@
 #include "strideweave/optim.hpp"
 #include "../tiled/internal.hpp"
 #include "optim_internal.hpp"
+#include "quantized_state.hpp"
 
 namespace sw::optim {
 
@@ -56,6 +57,14 @@ TensorPtr tile_major(const TensorPtr& state, const std::shared_ptr<TiledEvictabl
                             Stride(IntTuple::tuple({IntTuple::tuple(gd), IntTuple::tuple(td)}))));
 }
 
+// The rows of a packed 8-bit state tensor (Note [Compact optimizer state]): shape (tiles, m) over its m slots per
+// tile, tile after tile (the state carrier's slots in order).
+TensorPtr packed_rows(const TensorPtr& state, int64_t tiles, int64_t m) {
+  return make_tensor(state->carrier, 0,
+                     Layout(Shape(IntTuple::tuple({IntTuple(tiles), IntTuple(m)})),
+                            Stride(IntTuple::tuple({IntTuple(m), IntTuple(1)}))));
+}
+
 std::vector<std::string> state_names(Algorithm a) {
   if (a == Algorithm::SGD) return {"momentum_buffer"};
   return {"exp_avg", "exp_avg_sq"};
@@ -86,8 +95,13 @@ void Optimizer::save_state(const std::string& path) const {
                         {"tile", tile_of(s.param, s.tiled)}, {"step", s.steps}, {"state_tiles", stateful}}
                        .dump();
     const TensorPtr states[2] = {s.state1, s.state2};
+    const bool packed = state_dtype_ == StateDType::Int8Blockwise;
+    const int64_t tiles = static_cast<int64_t>(s.steps.size());
+    const int64_t m = detail::quant_tile_slots(s.tiled ? s.tiled->tile_size() : s.param->layout.cosize());
     for (size_t j = 0; j < names.size(); ++j)
-      if (states[j]) tensors.emplace_back(prefix + "." + names[j], tile_major(states[j], s.tiled));
+      if (states[j])
+        tensors.emplace_back(prefix + "." + names[j],
+                             packed ? packed_rows(states[j], tiles, m) : tile_major(states[j], s.tiled));
   }
   safetensors::save(path, tensors, meta);
 }
@@ -152,7 +166,12 @@ void Optimizer::load_state(const std::string& path) {
   };
   const std::vector<std::string> names = state_names(algorithm_);
   const char* st = state_dtype_ == StateDType::BFloat16 ? "BF16" : "F32";
-  const int64_t sb = state_bytes();
+  // Bytes of one stored slot, and the stored slots of a state tile of n values (packed 8-bit: the raw bytes of a
+  // packed tile in Float32 slots).
+  const int64_t sb = state_dtype_ == StateDType::BFloat16 ? 2 : 4;
+  auto stored_slots = [&](int64_t n) {
+    return state_dtype_ == StateDType::Int8Blockwise ? detail::quant_tile_slots(n) : n;
+  };
   std::vector<Plan> plans(slots_.size());
   for (size_t k = 0; k < slots_.size(); ++k) {
     const Slot& s = *slots_[k];
@@ -181,7 +200,7 @@ void Optimizer::load_state(const std::string& path) {
       plan.steps.push_back(steps[i].get<int64_t>());
       plan.stateful.push_back(static_cast<uint8_t>(stateful[i].get<int>()));
     }
-    const int64_t tile_size = s.tiled ? s.tiled->tile_size() : s.param->layout.cosize();
+    const int64_t tile_size = stored_slots(s.tiled ? s.tiled->tile_size() : s.param->layout.cosize());
     for (const std::string& n : names) {
       const std::string tname = key + "." + n;
       const safetensors::TensorInfo* info = header.find(tname);
@@ -218,7 +237,7 @@ void Optimizer::load_state(const std::string& path) {
       if (!states[j]) continue;
       const safetensors::TensorInfo* info = plan.tensors[j];
       if (!s.tiled) {
-        const int64_t n = s.param->layout.cosize();
+        const int64_t n = stored_slots(s.param->layout.cosize());
         const Carrier::Claim claim = states[j]->carrier->claim(std::string(name) + ".load_state");
         std::byte* data = states[j]->carrier->mutable_native_data();
         if (info) io::pread_full(fd, data, static_cast<size_t>(n * sb), static_cast<int64_t>(info->begin), path);
@@ -227,7 +246,7 @@ void Optimizer::load_state(const std::string& path) {
         continue;
       }
       auto& c = static_cast<TiledEvictable&>(*states[j]->carrier);
-      const int64_t n = c.tile_size();
+      const int64_t n = c.tile_size();  // stored slots (a packed carrier's tiles are packed tiles)
       const std::string label = std::string(name) + ".load_state";
       for (int64_t i = 0; i < c.tile_count(); ++i) {
         const bool value = info && plan.stateful[static_cast<size_t>(i)];

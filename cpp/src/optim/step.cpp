@@ -64,7 +64,7 @@ void Optimizer::step() {
       if (const auto& budget = s.tiled->residency_budget()) {
         const int64_t n = s.tiled->tile_size();
         const bool state1 = s.state1 && uses_state1();
-        const int64_t sb = state_bytes() * n;
+        const int64_t sb = state_bytes(n);
         const int64_t need = s.tiled->tile_bytes() + gt->tile_bytes() + (state1 ? sb : 0) + (s.state2 ? sb : 0);
         if (need > budget->max_bytes())
           raise<ValueError>(name, ".step: one tile of parameter ", k, " with its gradient and state takes ", need,

@@ -8,6 +8,7 @@
 #include "../ops/half.hpp"
 #include "../ops/strided.hpp"
 #include "optim_internal.hpp"
+#include "quantized_state.hpp"
 #include "update_kernels.hpp"
 
 namespace sw::optim::detail {
@@ -51,6 +52,40 @@ void widen(DTypeId d, const void* src, float* out, int64_t n) {
   else sw::detail::f16_to_f32(static_cast<const uint16_t*>(src), out, n);
 }
 
+// The update over 8-bit block-wise state (Note [Compact optimizer state]): s1 and s2 are packed tiles of n values
+// (quantized_state.hpp). Pieces of whole blocks: the state decoded to Float32, the Float32 update as for Float32
+// state, the new state encoded (s1: the momentum buffer or exp_avg, signed map; s2: exp_avg_sq, unsigned map).
+void update_blockwise(Algorithm a, const SgdCoefficients& sgd, const AdamCoefficients& adam, void* w, DTypeId wd,
+                      const void* g, DTypeId gd, void* s1, void* s2, int64_t n) {
+  constexpr int64_t kChunk = 2048;  // 8 blocks
+  static_assert(kChunk % kQuantBlock == 0);
+  const int64_t wsize = wd == DTypeId::Float32 ? 4 : 2, gsize = gd == DTypeId::Float32 ? 4 : 2;
+  const int64_t blocks = quant_blocks(n);
+  // Split over the cores at block boundaries (a part of 128 blocks or more: 32768 values, as the other states).
+  sw::detail::parallel_for(blocks, 128, [&](int64_t bb, int64_t be) {
+    float wb[kChunk], gb[kChunk], b1[kChunk], b2[kChunk];
+    const int64_t e = std::min(n, be * kQuantBlock);
+    for (int64_t at = bb * kQuantBlock; at < e; at += kChunk) {
+      const int64_t len = std::min(kChunk, e - at);
+      void* wat = static_cast<std::byte*>(w) + at * wsize;
+      const void* gat = static_cast<const std::byte*>(g) + at * gsize;
+      float* wp = wd == DTypeId::Float32 ? static_cast<float*>(wat) : wb;
+      if (wd != DTypeId::Float32) widen(wd, wat, wb, len);
+      const float* gp = gd == DTypeId::Float32 ? static_cast<const float*>(gat) : gb;
+      if (gd != DTypeId::Float32) widen(gd, gat, gb, len);
+      // SGD's first step sets the buffer from the gradient without reading it.
+      if (s1 && !(a == Algorithm::SGD && sgd.first)) dequantize_blocks(s1, n, at, len, b1, true);
+      if (s2) dequantize_blocks(s2, n, at, len, b2, false);
+      if (a == Algorithm::SGD) sgd_update(wp, gp, s1 ? b1 : nullptr, len, sgd);
+      else adam_update(wp, gp, b1, b2, len, adam);
+      if (s1) quantize_blocks(b1, s1, n, at, len, true);
+      if (s2) quantize_blocks(b2, s2, n, at, len, false);
+      if (wd == DTypeId::BFloat16) sw::detail::f32_to_bf16(wb, static_cast<uint16_t*>(wat), len);
+      else if (wd == DTypeId::Float16) sw::detail::f32_to_f16(wb, static_cast<uint16_t*>(wat), len);
+    }
+  });
+}
+
 }  // namespace
 
 void update(Algorithm a, const Hyperparameters& h, int64_t step, bool first, void* w, DTypeId wd, const void* g,
@@ -59,6 +94,7 @@ void update(Algorithm a, const Hyperparameters& h, int64_t step, bool first, voi
   const AdamCoefficients adam = adam_coefficients(h, a, step);
   constexpr int64_t kChunk = 2048;  // 8 KiB of Float32 per operand: the pieces stay in L1/L2
   const int64_t wsize = wd == DTypeId::Float32 ? 4 : 2, gsize = gd == DTypeId::Float32 ? 4 : 2;
+  if (sd == StateDType::Int8Blockwise) return update_blockwise(a, sgd, adam, w, wd, g, gd, s1, s2, n);
   const bool bf16_state = sd == StateDType::BFloat16;
   const int64_t ssize = bf16_state ? 2 : 4;
   // Bound by memory bandwidth: a large tile (an expert's megabytes) is split over the cores.
