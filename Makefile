@@ -9,7 +9,8 @@
 #   make sanitize  C++ tests under ASan+UBSan and under TSan, then the Python suite under ASan+UBSan+LSan
 #                  (sanitize-py: the extension built with SW_SANITIZE=address into build/sanitize-py, never the
 #                  .venv's package, and pytest run with the ASan runtime preloaded; docs/reliability.md)
-#   make bench     benchmarks (bench/*.py --quick; FULL=1 for full runs) -> bench/results/
+#   make bench     benchmarks (bench/*.py --quick; FULL=1 for full runs, and bench/peers.py: DeepSpeed beside
+#                  StrideWeave, requirements-peers.txt and libaio-dev installed first) -> bench/results/
 #   make soak      the main example trained for SOAK_SECONDS (default 600) while its RSS, open files and threads are
 #                  sampled every second; fails if any grows after warm-up -> build/soak/ (docs/reliability.md, "Soak")
 #   make fuzz      coverage-guided fuzzing of every entry point (FUZZ_SECONDS per target, default 45) ->
@@ -88,7 +89,23 @@ $(VENV)/.bench-stamp: requirements-bench.txt $(VENV)/.stamp
 	$(VPY) -m pip install -q -r requirements-bench.txt
 	touch $@
 
-bench: install $(VENV)/.bench-stamp
+# bench/peers.py, FULL=1 only: DeepSpeed (requirements-peers.txt) and libaio-dev (its async_io op, for ZeRO-Infinity's
+# NVMe offload). deepspeed is an sdist whose setup.py imports torch: --no-build-isolation and --no-deps (its
+# dependencies are pinned in the file) keep the CPU torch of requirements-bench.txt; the check after it fails the
+# target if another torch came in.
+PEERS_APT_PACKAGES := libaio-dev
+
+# The same recipe as build/.apt-stamp, over the packages of bench/peers.py.
+build/.peers-apt-stamp: build/.apt-stamp
+	$(MAKE) --no-print-directory -B build/.apt-stamp APT_PACKAGES="$(PEERS_APT_PACKAGES)"
+	touch $@
+
+$(VENV)/.peers-stamp: requirements-peers.txt $(VENV)/.bench-stamp
+	DS_BUILD_OPS=0 $(VPY) -m pip install -q --no-deps --no-build-isolation -r requirements-peers.txt
+	$(VPY) -c "import torch, deepspeed; v = torch.__version__; assert v == '2.13.0+cpu', v"
+	touch $@
+
+bench: install $(VENV)/.bench-stamp $(if $(FULL),build/.peers-apt-stamp $(VENV)/.peers-stamp,)
 	$(VPY) bench/run_all.py $(if $(FULL),--full,)
 
 sanitize: deps

@@ -15,6 +15,9 @@ result, not a failure), 1 when one crashed, timed out or printed no record.
 With --only, the records of the other benchmarks already in latest.json (same
 mode) are kept.
 
+peers (DeepSpeed beside StrideWeave and PyTorch) runs only with --full: it needs
+requirements-peers.txt and libaio-dev, which make bench installs under FULL=1.
+
 Usage: python bench/run_all.py [--full] [--only NAME ...] [--timeout SECONDS]
 """
 
@@ -33,6 +36,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results")
 NOT_BENCHMARKS = {"harness.py", "run_all.py", "interleave.py", "bigger_than_ram.py", "gather_paths.py", "after_torch.py"}  # measurements, no target
+FULL_ONLY = {"peers"}  # run only with --full (DeepSpeed: requirements-peers.txt, installed by make bench FULL=1)
 
 
 def discover() -> list[str]:
@@ -163,6 +167,11 @@ def main(argv=None) -> int:
         if unknown:
             p.error(f"unknown benchmark(s): {', '.join(unknown)} (have: {', '.join(names)})")
         names = [n for n in names if n in args.only]
+    if not args.full:
+        skipped = sorted(set(names) & FULL_ONLY)
+        if args.only and skipped:
+            p.error(f"{', '.join(skipped)} run(s) only with --full")
+        names = [n for n in names if n not in FULL_ONLY]
     timeout = args.timeout or (3600.0 if args.full else 600.0)
 
     records = [run_one(n, args.full, timeout) for n in names]
