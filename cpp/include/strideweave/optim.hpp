@@ -159,9 +159,12 @@ class Optimizer {
   // range from wherever each tile lies, never gathered). Parameter k's state tensors are "param{k}.momentum_buffer"
   // (SGD, once it has buffers) or "param{k}.exp_avg" and "param{k}.exp_avg_sq", of the state dtype (F32 or
   // BF16) and shape (tiles, tile size): row t is tile t's values in within-tile order (a dense parameter: one row of its slots), so a tile is
-  // one contiguous byte range of the file; implicit tiles are written as zeros. The __metadata__ holds JSON strings:
-  // "format" ("strideweave.optim.state/1"), "algorithm", "state_dtype" ("Float32" or "BFloat16"; a file without it
-  // is Float32), "hyperparameters" (an object), "params" (the count) and
+  // one contiguous byte range of the file; implicit tiles are written as zeros. Int8Blockwise state: F32 tensors of
+  // shape (tiles, ceil((n + 4 ceil(n / 256)) / 4)) for tiles of n values, row t the raw bytes of packed tile t
+  // (Note [Compact optimizer state]: the absmax of its blocks, then its codes, zero-padded), read back byte for
+  // byte. The __metadata__ holds JSON strings:
+  // "format" ("strideweave.optim.state/1"), "algorithm", "state_dtype" ("Float32", "BFloat16" or "Int8Blockwise";
+  // a file without it is Float32), "hyperparameters" (an object), "params" (the count) and
   // per parameter "param{k}": {"shape", "grid", "tile", "step": per-tile step counts, "state_tiles": per tile 1 when
   // its state holds a value}.
   // Blocks: reads every state tile (I/O), writes and syncs the file.

@@ -371,7 +371,8 @@ def _classes() -> dict:
         """``torch.optim.SGD`` over the torch parameters and ``strideweave.optim.SGD`` over the tiled experts of
         each group: ``SGD(model_or_params, lr=1e-3, momentum=0, dampening=0, weight_decay=0, nesterov=False,
         *, state_folder=None, state_dtype=None)`` (``state_dtype``: how the tiled engines store their state,
-        ``strideweave.DType.Float32`` (None: the default) or ``DType.BFloat16``; torch's own state is torch's)."""
+        ``strideweave.DType.Float32`` (None: the default), ``DType.BFloat16`` or ``"8bit"``
+        (``strideweave.optim.STATE_8BIT``: 8-bit block-wise); torch's own state is torch's)."""
 
         _torch_cls = torch.optim.SGD
         _FIXED = {"maximize": False, "differentiable": False}
