@@ -1,5 +1,6 @@
 // 8-bit block-wise optimizer state (cpp/src/optim/quantized_state.hpp): the quantizer's AVX-512 and portable paths
-// give the same codes, each the nearest map entry (a tie to the larger), and the packed format round-trips.
+// give the same codes and decoded values, each code the nearest map entry (a tie to the larger), and the packed
+// format round-trips.
 // The NumPy reference and the optimizer-level checks are in tests/test_optim_state_8bit.py.
 #include <gtest/gtest.h>
 
@@ -79,8 +80,12 @@ TEST(OptimQuantized, CodesAreTheNearestEntryOnBothPaths) {
       quantize_blocks(x.data(), portable.slots.data(), n, 0, n, is_signed);
       force_portable_quantize(false);
       ASSERT_EQ(std::memcmp(avx.slots.data(), portable.slots.data(), avx.slots.size() * 4), 0) << n;
-      std::vector<float> back(static_cast<size_t>(n));
+      std::vector<float> back(static_cast<size_t>(n)), back_portable(static_cast<size_t>(n));
       dequantize_blocks(avx.slots.data(), n, 0, n, back.data(), is_signed);
+      force_portable_quantize(true);
+      dequantize_blocks(avx.slots.data(), n, 0, n, back_portable.data(), is_signed);
+      force_portable_quantize(false);
+      ASSERT_EQ(std::memcmp(back.data(), back_portable.data(), back.size() * 4), 0) << n;
       for (int64_t b = 0; b < quant_blocks(n); ++b) {
         float a = 0;
         for (int64_t k = 256 * b; k < std::min(n, 256 * (b + 1)); ++k) a = std::max(a, std::fabs(x[k]));

@@ -44,7 +44,8 @@ void quantize_blocks(const float* in, void* packed, int64_t n, int64_t first, in
 TensorPtr decoded_state(const TensorPtr& param, const std::shared_ptr<TiledEvictable>& tiled, const TensorPtr& state,
                         bool is_signed);
 
-// "avx512f" or "portable": the path quantize_blocks takes; tests force the portable one (same results).
+// "avx512f" or "portable": the path quantize_blocks and dequantize_blocks take; tests force the portable one (same
+// results).
 const char* quantize_kernel_path() noexcept;
 void force_portable_quantize(bool portable) noexcept;
 
