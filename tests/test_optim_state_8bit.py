@@ -637,3 +637,42 @@ def test_finetune_loss_curve_stays_close_to_float32_moments(tmp_path):
     assert np.all(gap <= 0.01)
     assert f32[-1] < 0.1 * f32[0] and q8[-1] < 0.1 * q8[0]
     assert gap.max() > 0
+
+
+@pytest.mark.parametrize("kind,hyper", [CASES[1], CASES[5]], ids=["SGD", "AdamW"])
+def test_bfloat16_weights_with_8bit_state_bit_exact(kind, hyper):
+    """BFloat16 weights (widened, updated in Float32, rounded once to nearest even) with 8-bit state: as the test
+    above with torch on Float32 copies of the weights, rounded to BFloat16 after each step (ml_dtypes), bound 0."""
+    import ml_dtypes
+
+    bf16 = ml_dtypes.bfloat16
+    out, inn = 23, 29
+    rng = np.random.default_rng(seed_of("bf16w" + kind))
+    experts = rng.standard_normal((E, out, inn)).astype(bf16)
+    tier = sw.move(friendly.tensor(experts.reshape(-1).copy()), sw.FileBacked(dtype=sw.DType.BFloat16))
+    c = TiledEvictable(sw.CPU(0, dtype=sw.DType.BFloat16), tier.carrier, (1, E), (out, inn))
+    full = sw.Tensor(c, 0, sw.Layout(sw.Shape(out, [inn, E]), sw.Stride(inn, [1, out * inn])))
+    opt = getattr(sw.optim, kind)([full], state_dtype="8bit", **hyper)
+    params = [torch.nn.Parameter(torch.from_numpy(experts[e].astype(np.float32))) for e in range(E)]
+    ref = getattr(torch.optim, kind)(params, foreach=False, **hyper)
+    weights = experts.copy()
+    for route in ROUTES:
+        grads = {e: rng.standard_normal((out, inn)).astype(bf16).astype(np.float32) for e in route}
+        backward_grads(c, full, grads)
+        for e, p in enumerate(params):
+            with torch.no_grad():
+                p.copy_(torch.from_numpy(weights[e].astype(np.float32)))
+            p.grad = torch.from_numpy(grads[e].copy()) if e in route else None
+        opt.step()
+        with correctly_rounded_sqrt():
+            ref.step()
+        quantize_torch_state(ref, kind, params)
+        weights = np.stack([p.detach().numpy().astype(bf16) for p in params])
+        got = experts_of(full, (E, out, inn))
+        assert got.dtype == bf16
+        assert np.array_equal(got.view(np.uint16), weights.view(np.uint16))
+    st = opt.state(full)
+    for name in state_names(kind):
+        got = experts_of(st[name], (E, out, inn))
+        for e, p in enumerate(params):
+            assert np.array_equal(got[e].view(np.uint32), ref.state[p][name].numpy().view(np.uint32)), (name, e)
