@@ -608,8 +608,8 @@ def test_finetune_loss_curve_stays_close_to_float32_moments(tmp_path):
     two loss curves is an engineering tolerance, not a derived bound (the effect of the quantization error on the
     loss has no useful bound): at every step |loss_8bit - loss_f32| <= 1% of loss_f32. Why 1%: the paper reports
     8-bit Adam matching 32-bit Adam's results; here the largest relative gap measured with this seed is 0.15%
-    (printed), so 1% leaves a 6-fold margin for other machines' kernels. Both curves fall below a tenth of the initial loss; the 8-bit moments decide the
-    weights (the curves are not identical)."""
+    (printed), so 1% leaves a 6-fold margin for other machines' kernels. Both curves fall below a tenth of the
+    initial loss; the 8-bit moments decide the weights (the curves are not identical)."""
     import hf_families as zoo
     import strideweave.torch as swt
 

@@ -9,8 +9,9 @@
 //    moves every expert on every step;
 //  * the state (SGD's momentum buffer, Adam's exp_avg and exp_avg_sq) is Float32 by default, or BFloat16 or 8-bit
 //    block-wise when the optimizer is built with StateDType::BFloat16 or Int8Blockwise (Note [Compact optimizer
-//    state]), held in TiledEvictables of the weight's geometry (8-bit: packed tiles, one per weight tile) beside it: a primary tier of the weight's primary kind, a secondary tier of their
-//    own (an anonymous FileBacked scratch file, removed on release), the weight's ResidencyBudget when it has one,
+//    state]), held in TiledEvictables of the weight's geometry (8-bit: packed tiles, one per weight tile) beside
+//    it: a primary tier of the weight's primary kind, a secondary tier of their own (an anonymous FileBacked
+//    scratch file, removed on release), the weight's ResidencyBudget when it has one,
 //    no residency policy; every tile is an implicit zero until its first step;
 //  * a step brings one tile's weight, gradient and state tiles resident through the normal residency paths (so a
 //    budget bounds them and evicts least recently used tiles to make room), updates them in place with one
