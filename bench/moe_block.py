@@ -46,6 +46,8 @@ interleaved, so the ranges come from the fastest and slowest calls of both sides
 
 Usage: python bench/moe_block.py [--quick] [--calls N] [--dtypes float32 bfloat16] [--quiet]
        [--hidden 1024 --intermediate 2816 --experts 32 --top-k 2 --tokens 128]
+SW_PROMOTION_PATH=map|read in the environment forces how StrideWeave promotes its tiles (default: auto, Note
+[Promotion by the cheaper path]); the workers' stats count the promotions by path (promoted_mapped, promoted_read).
 """
 
 from __future__ import annotations
@@ -253,6 +255,8 @@ def worker(job: dict) -> dict:
 
         prefix = "model.layers.0.block_sparse_moe"
         ckpt = sw.safetensors.open(folder)  # opened where it lies: headers only
+        if os.environ.get("SW_PROMOTION_PATH"):  # force "map" or "read" (Note [Promotion by the cheaper path])
+            sw.safetensors.set_promotion_path(os.environ["SW_PROMOTION_PATH"])
         experts = {w: ckpt.tiled([f"{prefix}.experts.{e}.{w}.weight" for e in range(shape["experts"])])
                    for w in ("w1", "w2", "w3")}
         weight_bytes = 3 * H * shape["intermediate"] * shape["experts"] * (4 if job["dtype"] == "float32" else 2)
@@ -279,6 +283,12 @@ def worker(job: dict) -> dict:
             b = budget.stats()
             st.update({"budget_bytes": budget.max_bytes, "budget_peak_bytes": b["peak_bytes"],
                        "budget_evictions": b["evictions"], "weight_bytes": weight_bytes})
+            for t in experts.values():  # promotions by path, the untimed first call included
+                for k, v in t.carrier.secondary.promotion_stats().items():
+                    if k.endswith("_per_mib"):  # each path's cost estimate: the largest of the three tiers'
+                        st[k] = max(st.get(k, -1), v)
+                    else:
+                        st[f"promoted_{k}"] = st.get(f"promoted_{k}", 0) + v
             return st
     else:
         raise SystemExit(f"moe_block: unknown worker mode {mode!r}")

@@ -78,7 +78,38 @@ void bind_checkpoint(nb::module_& m) {
       .def_prop_ro("range_count", [](const CheckpointCarrier& c) { return c.ranges().size(); },
                    "The number of byte ranges (tiles of a tiled checkpoint tensor).")
       .def_prop_ro("overlaid_ranges", &CheckpointCarrier::overlaid_ranges,
-                   "Ranges whose values now live in the scratch overlay (writes='overlay').");
+                   "Ranges whose values now live in the scratch overlay (writes='overlay').")
+      .def("promotion_stats", [](const CheckpointCarrier& c) {
+        const sw::PromotionStats s = c.promotion_stats();
+        nb::typed<nb::dict, std::string, int64_t> d;
+        d["mapped"] = s.mapped;
+        d["mapped_huge"] = s.mapped_huge;
+        d["read"] = s.read;
+        d["read_reused"] = s.read_reused;
+        d["map_ns_per_mib"] = s.map_ns_per_mib;
+        d["unmap_ns_per_mib"] = s.unmap_ns_per_mib;
+        d["read_ns_per_mib"] = s.read_ns_per_mib;
+        return d;
+      }, "Tiles of 1 MiB and more this read-only tier promoted, by path (Note [Promotion by the cheaper path] in "
+         "cpp/src/carriers/checkpoint.cpp): 'mapped' (the file's pages mapped copy-on-write), of which "
+         "'mapped_huge' came wholly in 2 MiB page-table entries, and 'read' (read into a buffer of the tile's own), "
+         "of which 'read_reused' went into a buffer already faulted in (a recycled one from the mapping cache). "
+         "Smaller tiles, and tiers written in place, are read by the engine and not counted here. "
+         "'map_ns_per_mib', 'unmap_ns_per_mib' and 'read_ns_per_mib' are the moving averages of each path's cost "
+         "that 'auto' compares (-1 until measured).");
+  m.def("_set_promotion_path", [](nb::handle path) {
+    const std::string p = str_arg(path, "a promotion path");
+    sw::PromotionPath want;
+    if (p == "auto") want = sw::PromotionPath::Auto;
+    else if (p == "map") want = sw::PromotionPath::Map;
+    else if (p == "read") want = sw::PromotionPath::Read;
+    else sw::raise<sw::ValueError>("set_promotion_path takes 'auto', 'map' or 'read', got '", p, "'");
+    switch (sw::set_promotion_path(want)) {
+      case sw::PromotionPath::Map: return std::string("map");
+      case sw::PromotionPath::Read: return std::string("read");
+      default: return std::string("auto");
+    }
+  }, nb::arg("path"), nb::sig("def _set_promotion_path(path: str) -> str"));
 
   nb::class_<Checkpoint>(m, "Checkpoint",
                          "A safetensors checkpoint opened where it lies (sw.safetensors.open): headers read and "

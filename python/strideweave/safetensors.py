@@ -16,7 +16,7 @@ from typing import Optional, Union
 from . import _core
 from ._core import Checkpoint, CheckpointCarrier, Tensor
 
-__all__ = ["Checkpoint", "CheckpointCarrier", "open", "save"]
+__all__ = ["Checkpoint", "CheckpointCarrier", "open", "save", "set_promotion_path"]
 
 StrPath = Union[str, "os.PathLike[str]"]
 
@@ -40,3 +40,16 @@ def save(path: StrPath, tensors: Mapping[str, Tensor], metadata: Optional[Mappin
     never gathered whole. The file appears whole or not at all (written under a temporary name, then renamed).
     """
     _core._safetensors_save(os.fspath(path), tensors, metadata)
+
+
+def set_promotion_path(path: str) -> str:
+    """How read-only checkpoint tiers promote tiles of 1 MiB and more, process-wide; returns the previous setting.
+
+    ``"auto"`` (the default) chooses per promotion: a first promotion, or a range the page cache holds in 2 MiB
+    folios, maps the file's pages; otherwise the path whose measured cost (CPU time per MiB, kept per tier) is
+    lower: mapping, or reading into a buffer recycled through the mapping cache (Note [Promotion by the cheaper
+    path] in cpp/src/carriers/checkpoint.cpp). ``"map"`` and ``"read"`` force one path (tests, benchmarks).
+    ``CheckpointCarrier.promotion_stats()`` counts what each tier did and gives its estimates. ValueError for
+    another string, TypeError for a value that is not a str.
+    """
+    return _core._set_promotion_path(path)

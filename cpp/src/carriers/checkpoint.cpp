@@ -2,11 +2,14 @@
 #include "strideweave/carriers/checkpoint.hpp"
 
 #include <fcntl.h>
+#include <sys/ioctl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <ctime>
 #include <cstring>
 #include <filesystem>
 #include <vector>
@@ -118,6 +121,8 @@ CheckpointCarrier::CheckpointCarrier(std::vector<Range> ranges, const DType& dty
   starts_.push_back(total_);
   overlay_at_ = std::make_unique<std::atomic<int64_t>[]>(ranges_.size());
   for (size_t r = 0; r < ranges_.size(); ++r) overlay_at_[r].store(-1, std::memory_order_relaxed);
+  path_state_ = std::make_unique<std::atomic<uint8_t>[]>(ranges_.size());
+  for (size_t r = 0; r < ranges_.size(); ++r) path_state_[r].store(0, std::memory_order_relaxed);
 }
 
 CheckpointCarrier::~CheckpointCarrier() { do_release(); }
@@ -179,8 +184,9 @@ void CheckpointCarrier::read_slots(int64_t start, int64_t count, void* out) cons
 // memory without a copy, which is what mapped loaders (safetensors' safe_open, torch.load(mmap=True)) do. The
 // mapping is private: a write to the tile copies the page it lands in, so the checkpoint file never changes,
 // and an evicted dirty tile goes to the overlay as before (from then on that range is read there). So a
-// TiledEvictable with a CPU primary tier promotes a tile of a Writes::Overlay checkpoint by mapping when the
-// tile is one range, still in its file, of at least 1 MiB (below that, a read is as cheap as a mapping and
+// TiledEvictable with a CPU primary tier may promote a tile of a Writes::Overlay checkpoint by mapping (where that
+// is the cheaper path: Note [Promotion by the cheaper path] below) when the tile is one range, still in its file, of
+// at least 1 MiB (below that, a read is as cheap as a mapping and
 // leaves no mapping to count against the process's limit), its file still holds the range (checked with
 // fstat: a range past a truncated end is read, and the read reports the error), and its bytes are aligned to
 // the dtype. The mapping counts in bytes_read() like a read. It is given back when the tile is evicted.
@@ -199,6 +205,128 @@ void CheckpointCarrier::read_slots(int64_t start, int64_t count, void* out) cons
 // it after a truncation raises SIGBUS, as for every mapped loader. A checkpoint file is an input nobody
 // rewrites in place (tools write a new file and rename it, which a mapping does not see); Writes::InPlace
 // (fine-tuning a private copy, written by this process) always reads.
+// Note [Promotion by the cheaper path]: a tile of a read-only checkpoint can reach memory two ways, and which is
+// cheaper depends on the kernel, on how the page cache holds the file and on what happens to the tile afterwards.
+//
+// (a) Mapping (Note [Promotion by mapping]) copies nothing; it pays per page-table entry: faults to map the page
+//     cache's folios (one per folio with fault-around), and at eviction munmap, whose zap and TLB shootdown
+//     interrupt the process's other threads. Where the page cache holds the range in 2 MiB folios, the aligned
+//     mapping takes one entry per folio and costs almost nothing either way.
+// (b) Reading copies the bytes (pread out of the page cache) into a buffer of the tile's own. A fresh buffer
+//     first pays its page faults (the kernel zeroes each page; on this virtual machine a huge page the host took
+//     back costs about 2 ms, Note [Mapping cache] in native.cpp), but the buffer of an evicted tile goes to the
+//     mapping cache already faulted in, huge-page advised from 2 MiB up, and the next allocation of its length
+//     takes it: no fault, and no munmap at eviction (the buffer goes back to the cache). The mapping cache is
+//     this pool: bounded (1 GiB, or a sixteenth of the memory available where less; sw.set_mapping_cache_limit),
+//     it gives back a buffer unused for 2 s (sw.set_mapping_cache_decay) and reports its bytes
+//     (sw.mapping_cache_bytes). A pooled buffer holding no tile is not counted by any ResidencyBudget, as
+//     before: a budget counts the bytes of resident tiles, whichever path brought them.
+//
+// Measured on the bench machine (AMD EPYC, 2 vCPU, KVM; Linux 6.18, ext4; transparent huge pages "madvise"),
+// per tile of 5.5 MiB (one BFloat16 expert of bench/moe_block.py, 2816 x 1024) in the page cache, one thread:
+// in 4 KiB folios (a file written 8 KiB at a time) map and touch 390-410 us, munmap 110-260 us, pread into a
+// faulted buffer 510-520 us, into a fresh one 990-1,460 us (a first touch of reclaimed huge pages up to 15 ms);
+// in 2 MiB folios (written whole) map and touch 37 us, munmap 3-5 us, pread 350-1,040 us. In the MoE block
+// itself (BFloat16 inference, 96 tiles promoted a call, save_pretrained's file; Linux 6.18 caches it in large
+// folios that are not PMD-mapped), CPU time per MiB: map 35-46 us and munmap 13-21 us against 92-118 us for a
+// read into a recycled buffer, and forcing reads cost 0.04-0.05 CPU-s more a call. An earlier kernel and
+// build had measured the opposite (docs/performance.md: reads into recycled buffers 94-103 ms a call against
+// 130-145 ms mapped). So the choice is measured where it runs, per carrier (Auto):
+//   1. the range's last mapping was wholly in huge page-table entries (asked of the kernel with PAGEMAP_SCAN on
+//      /proc/self/pagemap, Linux 6.7 and later; where that fails, the range counts as small folios): map;
+//   2. nothing measured yet: map (a first promotion; from nothing a mapping costs less than a fresh buffer's
+//      faults, and a tile that stays resident never pays the munmap);
+//   3. otherwise the path with the lower moving average of CPU time per MiB (the calling thread's CPU clock, so
+//      a thread's waits and the compute threads' load count for neither): a mapping's mmap and touch plus its
+//      munmap (timed when the tile lets go of the buffer), against a read's pread into a buffer already faulted
+//      in (a fresh buffer is populated before the read is timed: once reads are the path, their buffers are
+//      recycled). Reads must be cheaper by a fifth: within that the estimates' noise decides nothing, and a
+//      mapping holds no memory of its own. The dearer path is measured again once in 64 times the cost ratio
+//      choices (about 1/64 of the promotions' time whatever the ratio); a read is measured by a probe (a read of
+//      up to 1 MiB of the range into a per-thread buffer, beside the mapping), so no read buffer is left behind.
+// set_promotion_path forces either path (tests, benchmarks). Both paths leave the same bytes in the tile, and
+// neither writes the file: a read tile is memory of its own, a mapped one a private mapping; an evicted dirty
+// tile goes to the overlay either way. A range past a truncated end is left to the engine's read, which reports
+// the error as before; tiers written in place always read (Note [Promotion by mapping]).
+namespace {
+std::atomic<PromotionPath> g_promotion_path{PromotionPath::Auto};
+
+constexpr uint8_t kPromoted = 1;  // the range was promoted before (by either path)
+constexpr uint8_t kHuge = 2;      // the range's last mapping was wholly in huge page-table entries
+
+// PAGEMAP_SCAN (linux/fs.h since 6.7; older headers lack it).
+struct PageRegion {
+  uint64_t start, end, categories;
+};
+struct PmScanArg {
+  uint64_t size, flags, start, end, walk_end, vec, vec_len, max_pages, category_inverted, category_mask,
+      category_anyof_mask, return_mask;
+};
+constexpr uint64_t kPageIsHuge = uint64_t{1} << 6;
+constexpr unsigned long kPagemapScan = _IOWR('f', 16, PmScanArg);
+
+// Whether every page of [p, p + bytes) is mapped by a huge page-table entry; false where the kernel cannot say.
+bool huge_mapped(const std::byte* p, size_t bytes) {
+  const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t lo = reinterpret_cast<uintptr_t>(p) / page * page;
+  const uintptr_t hi = (reinterpret_cast<uintptr_t>(p) + bytes + page - 1) / page * page;
+  const int fd = ::open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);  // per call: /proc/self is this process's
+  if (fd < 0) return false;
+  PageRegion region{};
+  PmScanArg arg{};
+  arg.size = sizeof(arg);
+  arg.start = lo;
+  arg.end = hi;
+  arg.vec = reinterpret_cast<uint64_t>(&region);
+  arg.vec_len = 1;
+  arg.category_inverted = kPageIsHuge;  // the pages that are NOT huge-mapped
+  arg.category_mask = kPageIsHuge;
+  arg.return_mask = kPageIsHuge;
+  const int found = ::ioctl(fd, kPagemapScan, &arg);
+  ::close(fd);
+  return found == 0;  // no page outside a huge entry (-1: no PAGEMAP_SCAN here)
+}
+
+// Whether every page of [p, p + bytes) is resident: a buffer taken from the mapping cache, already faulted in.
+bool resident(const std::byte* p, size_t bytes) {
+  const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t lo = reinterpret_cast<uintptr_t>(p) / page * page;
+  const uintptr_t hi = (reinterpret_cast<uintptr_t>(p) + bytes + page - 1) / page * page;
+  thread_local std::vector<unsigned char> in_core;
+  in_core.resize((hi - lo) / page);
+  return ::mincore(reinterpret_cast<void*>(lo), hi - lo, in_core.data()) == 0 &&
+         std::all_of(in_core.begin(), in_core.end(), [](unsigned char c) { return (c & 1) != 0; });
+}
+}  // namespace
+
+PromotionPath set_promotion_path(PromotionPath path) noexcept { return g_promotion_path.exchange(path); }
+PromotionPath promotion_path() noexcept { return g_promotion_path.load(std::memory_order_relaxed); }
+
+PromotionStats CheckpointCarrier::promotion_stats() const noexcept {
+  return {mapped_.load(std::memory_order_relaxed),      mapped_huge_.load(std::memory_order_relaxed),
+          read_.load(std::memory_order_relaxed),        read_reused_.load(std::memory_order_relaxed),
+          costs_->map.load(std::memory_order_relaxed),  costs_->unmap.load(std::memory_order_relaxed),
+          costs_->read.load(std::memory_order_relaxed)};
+}
+
+namespace {
+// The calling thread's CPU time: what a path costs, without the time the thread waited (a lock, the scheduler
+// running the compute threads on this machine's two cores), which would credit one path with the other's load.
+int64_t now_ns() noexcept {
+  struct timespec t;
+  ::clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return static_cast<int64_t>(t.tv_sec) * 1000000000 + t.tv_nsec;
+}
+// Folds one measurement (ns for `bytes`) into a moving average of ns per MiB (weight 1/8; the first sets it).
+// Concurrent updates may lose one another's sample: an estimate, never a count.
+void fold(std::atomic<int64_t>& average, int64_t ns, size_t bytes) noexcept {
+  const int64_t sample = static_cast<int64_t>(static_cast<double>(ns) * double(1 << 20) / static_cast<double>(bytes));
+  const int64_t old = average.load(std::memory_order_relaxed);
+  average.store(old < 0 ? sample : old + (sample - old) / 8, std::memory_order_relaxed);
+}
+constexpr int64_t kExploreEvery = 64;  // Auto re-measures the dearer path (Note [Promotion by the cheaper path])
+}  // namespace
+
 CarrierPtr CheckpointCarrier::map_slots(int64_t start, int64_t count) const {
   constexpr size_t kMapMin = size_t{1} << 20;
   if (writes_ != Writes::Overlay || is_released() || count <= 0 || static_cast<size_t>(count) * itemsize_ < kMapMin)
@@ -212,10 +340,83 @@ CarrierPtr CheckpointCarrier::map_slots(int64_t start, int64_t count) const {
   if (offset % itemsize_ != 0) return nullptr;
   struct stat st;
   if (::fstat(g.file->fd(), &st) != 0 || static_cast<uint64_t>(st.st_size) < offset + bytes) return nullptr;
-  auto buffer = AlignedBuffer::map_file(g.file->fd(), offset, bytes, static_cast<uint64_t>(st.st_size));
-  if (!buffer) return nullptr;
+  const uint8_t state = path_state_[r].fetch_or(kPromoted, std::memory_order_acq_rel);
+  PromotionPath path = promotion_path();
+  if (path == PromotionPath::Auto) {
+    const Choice c = choose(state);
+    if (c.probe_read) probe_read(g.file->fd(), offset, bytes);
+    path = c.path;
+  }
+  if (path == PromotionPath::Map) {
+    const int64_t t0 = now_ns();
+    if (auto mapping = AlignedBuffer::map_file(g.file->fd(), offset, bytes, static_cast<uint64_t>(st.st_size))) {
+      const bool huge = huge_mapped(mapping->data(), bytes);
+      fold(costs_->map, now_ns() - t0, bytes);
+      g.file->count_read(bytes);
+      if (huge) path_state_[r].fetch_or(kHuge, std::memory_order_acq_rel);
+      else path_state_[r].fetch_and(static_cast<uint8_t>(~kHuge), std::memory_order_acq_rel);
+      mapped_.fetch_add(1, std::memory_order_relaxed);
+      mapped_huge_.fetch_add(huge, std::memory_order_relaxed);
+      // The munmap at eviction is part of the mapping's cost: timed when the last holder lets go.
+      AlignedBuffer* raw = new AlignedBuffer(std::move(*mapping));
+      mapping.reset();
+      std::shared_ptr<AlignedBuffer> buffer(raw, [costs = costs_, bytes](AlignedBuffer* b) {
+        const int64_t t = now_ns();
+        delete b;
+        fold(costs->unmap, now_ns() - t, bytes);
+      });
+      return std::make_shared<CPUCarrier>(std::move(buffer), count, dtype(), true);
+    }
+    // The system refused the mapping: read instead.
+  }
+  auto buffer = std::make_shared<AlignedBuffer>(bytes, false, "a promoted checkpoint tile");
+  const bool reused = resident(buffer->data(), bytes);
+#ifdef MADV_POPULATE_WRITE
+  // A fresh buffer is faulted in before the read is timed: the estimate is a read into a recycled buffer, what
+  // every read costs once reads are the path taken (their buffers come back through the mapping cache).
+  if (!reused) ::madvise(buffer->data(), buffer->bytes(), MADV_POPULATE_WRITE);
+#endif
+  const int64_t t0 = now_ns();
+  io::pread_full(g.file->fd(), buffer->data(), bytes, static_cast<int64_t>(offset), g.file->path());
+  fold(costs_->read, now_ns() - t0, bytes);
   g.file->count_read(bytes);
+  read_.fetch_add(1, std::memory_order_relaxed);
+  read_reused_.fetch_add(reused, std::memory_order_relaxed);
   return std::make_shared<CPUCarrier>(std::move(buffer), count, dtype(), true);
+}
+
+CheckpointCarrier::Choice CheckpointCarrier::choose(uint8_t state) const noexcept {
+  if (state & kHuge) return {PromotionPath::Map, false};
+  const int64_t map = costs_->map.load(std::memory_order_relaxed), read = costs_->read.load(std::memory_order_relaxed);
+  if (map < 0) return {PromotionPath::Map, false};  // nothing measured yet: map, and so measure a mapping
+  if (read < 0) return {PromotionPath::Map, true};  // and a read
+  const int64_t map_total = map + std::max<int64_t>(0, costs_->unmap.load(std::memory_order_relaxed));
+  const int64_t cheap = std::max<int64_t>(1, std::min(read, map_total)), dear = std::max(read, map_total);
+  // Reads must be cheaper by a fifth: within that, the estimates' noise decides nothing, and a mapping holds no
+  // memory of its own (the page cache's pages are shared and reclaimable; a read leaves a buffer in the cache).
+  const PromotionPath cheaper = read * 5 < map_total * 4 ? PromotionPath::Read : PromotionPath::Map;
+  // The dearer path is measured again once in kExploreEvery times the cost ratio choices (the ratio at most 16):
+  // its estimate stays current, and doing so costs about 1/kExploreEvery of the promotions' time whatever the
+  // ratio. Reads are re-measured by a probe (a 1 MiB read beside the mapping), so a tile mapped as usual leaves
+  // no read buffer behind; mappings by mapping the tile.
+  const int64_t every = kExploreEvery * std::clamp<int64_t>(dear / cheap, 1, 16);
+  const bool explore = costs_->choices.fetch_add(1, std::memory_order_relaxed) % every == every - 1;
+  if (!explore) return {cheaper, false};
+  return cheaper == PromotionPath::Map ? Choice{PromotionPath::Map, true} : Choice{PromotionPath::Map, false};
+}
+
+void CheckpointCarrier::probe_read(int fd, uint64_t offset, size_t bytes) const noexcept {
+  constexpr size_t kProbe = size_t{1} << 20;
+  thread_local std::vector<std::byte> scratch;  // faulted in once per thread, as a recycled buffer is
+  try {
+    if (scratch.empty()) scratch.assign(kProbe, std::byte{1});
+  } catch (...) {
+    return;
+  }
+  const size_t n = std::min(bytes, kProbe);
+  const int64_t t0 = now_ns();
+  if (::pread(fd, scratch.data(), n, static_cast<off_t>(offset)) == static_cast<ssize_t>(n))
+    fold(costs_->read, now_ns() - t0, n);
 }
 
 int64_t CheckpointCarrier::overlay_for(size_t r, bool whole) {

@@ -101,6 +101,26 @@ class CheckpointFile {
   mutable std::atomic<uint64_t> bytes_read_{0};
 };
 
+// How a read-only (Writes::Overlay) checkpoint tier promotes a tile of at least 1 MiB that is one range still in
+// its file (Note [Promotion by the cheaper path] in checkpoint.cpp): Auto chooses per promotion; Map always maps
+// the file's pages; Read always reads into a buffer of the tile's own (recycled through the mapping cache). The
+// setting is process-wide (tests and benchmarks force a path); set_promotion_path returns the previous one.
+enum class PromotionPath { Auto, Map, Read };
+PromotionPath set_promotion_path(PromotionPath path) noexcept;
+PromotionPath promotion_path() noexcept;
+
+// A checkpoint tier's promotions by each path (CheckpointCarrier::promotion_stats).
+struct PromotionStats {
+  int64_t mapped = 0;       // tiles promoted by mapping the file's pages
+  int64_t mapped_huge = 0;  // of those, mappings whose every page came in huge page-table entries (2 MiB folios)
+  int64_t read = 0;         // tiles promoted by reading into a buffer of their own
+  int64_t read_reused = 0;  // of those, reads into a buffer already faulted in (taken from the mapping cache)
+  // What Auto compares (Note [Promotion by the cheaper path]): moving averages of the nanoseconds per MiB a
+  // mapping took (mmap and touch), its munmap at eviction took, and a read took (buffer and pread); -1 until
+  // measured.
+  int64_t map_ns_per_mib = -1, unmap_ns_per_mib = -1, read_ns_per_mib = -1;
+};
+
 class CheckpointCarrier final : public Carrier, public AtomicSlotWrites {
  public:
   enum class Writes { Overlay, InPlace };
@@ -118,9 +138,12 @@ class CheckpointCarrier final : public Carrier, public AtomicSlotWrites {
   int64_t size() const override { return is_released() ? 0 : total_; }
   void read_slots(int64_t start, int64_t count, void* out) const override;
   void write_slots(int64_t start, int64_t count, const void* in) override;
-  // Writes::Overlay: slots of at least 1 MiB within one range still in its file, mapped copy-on-write (Note
-  // [Promotion by mapping] in checkpoint.cpp); nullptr otherwise.
+  // Writes::Overlay: slots of at least 1 MiB within one range still in its file, either mapped copy-on-write
+  // (Note [Promotion by mapping] in checkpoint.cpp) or read into a buffer of their own, whichever is cheaper
+  // (Note [Promotion by the cheaper path]); nullptr otherwise (the engine then reads them).
   CarrierPtr map_slots(int64_t start, int64_t count) const override;
+  // Counters of the promotions map_slots made, by path.
+  PromotionStats promotion_stats() const noexcept;
   bool supports_storage_dtype(const DType& dtype) const override;
   bool can_grow() const override { return false; }
   void check_storage_intact(const char* action) const override;
@@ -143,6 +166,14 @@ class CheckpointCarrier final : public Carrier, public AtomicSlotWrites {
   void do_release() override;
 
  private:
+  // Auto's choice for a range in `state`, and whether to measure a read first (Note [Promotion by the cheaper
+  // path]); probe_read times a read of up to 1 MiB of the range into memory already faulted in.
+  struct Choice {
+    PromotionPath path;
+    bool probe_read;
+  };
+  Choice choose(uint8_t state) const noexcept;
+  void probe_read(int fd, uint64_t offset, size_t bytes) const noexcept;
   // Index of the range holding `slot`.
   size_t range_of(int64_t slot) const;
   // The overlay offset of range r, copying the range there first unless `whole` (Writes::Overlay).
@@ -159,6 +190,15 @@ class CheckpointCarrier final : public Carrier, public AtomicSlotWrites {
   bool crash_safe_ = false;
   // Overlay: byte offset of each range in the scratch file, -1 while it lives in the checkpoint.
   std::unique_ptr<std::atomic<int64_t>[]> overlay_at_;
+  // Per range, what promotions have learnt (Note [Promotion by the cheaper path]): kPromoted, kHuge bits.
+  std::unique_ptr<std::atomic<uint8_t>[]> path_state_;
+  mutable std::atomic<int64_t> mapped_{0}, mapped_huge_{0}, read_{0}, read_reused_{0};
+  // Moving averages of each path's cost in ns per MiB (-1: not measured yet), shared with the mapped buffers
+  // (their munmap is timed when the tile lets go of them, possibly after this carrier is gone).
+  struct PathCosts {
+    std::atomic<int64_t> map{-1}, unmap{-1}, read{-1}, choices{0};
+  };
+  std::shared_ptr<PathCosts> costs_ = std::make_shared<PathCosts>();
   mutable std::mutex overlay_mutex_;  // guards overlay_fd_/overlay_end_ and first writes
   int overlay_fd_ = -1;
   std::string overlay_name_;
