@@ -460,3 +460,24 @@ def test_demo_passes_and_fails_when_the_command_is_wrong(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(shim))
     r = subprocess.run(argv + ["--dir", str(tmp_path / "bad")], capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 1 and "FAIL" in r.stdout and "experts" in r.stdout, r.stdout + r.stderr
+
+
+def test_step_in_backward_gives_the_same_model(folders, tmp_path, capsys):
+    """--step-in-backward (with 2 micro-batches per step: the first accumulates, the second's backward steps the
+    experts) writes the model of the run that steps after backward, bit for bit, and the same loss.csv."""
+    argv = [folders["model"], "--data", folders["data"], *TRAIN, "--grad-accum", "2", "--max-grad-norm", "0",
+            "--save-every", "0", "--no-progress"]
+    code, _, err = run(capsys, *argv, "--output", tmp_path / "after")
+    assert code == 0, err
+    code, _, err = run(capsys, *argv, "--output", tmp_path / "inside", "--step-in-backward")
+    assert code == 0, err
+    assert (tmp_path / "after" / "loss.csv").read_bytes() == (tmp_path / "inside" / "loss.csv").read_bytes()
+    a, b = safetensors_of(tmp_path / "after"), safetensors_of(tmp_path / "inside")
+    assert sorted(a) == sorted(b) and a
+    for name in a:
+        assert torch.equal(a[name], b[name]), name  # bound 0: the same updates (docs/guide.md, "Stepping in backward")
+
+
+def test_step_in_backward_with_clipping_is_refused(folders, tmp_path, capsys):
+    assert_refused(capsys, str(tmp_path / "o"), "--step-in-backward steps each expert before the other gradients",
+                   folders["model"], "--data", folders["data"], *TRAIN, "--step-in-backward", "--max-grad-norm", "1")

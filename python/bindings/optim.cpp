@@ -7,6 +7,7 @@
 #include "common.hpp"
 #include "strideweave/errors.hpp"
 #include "strideweave/optim.hpp"
+#include "strideweave/tiled/tiled_evictable.hpp"
 
 namespace swpy {
 
@@ -108,6 +109,30 @@ void bind_optim(nb::module_& m) {
     return std::vector<float>(v, v + 256);
   }, nb::arg("is_signed"), nb::sig("def _optim_quantization_map(is_signed: bool) -> list[float]"),
   "The 256 entries of the dynamic quantization map of 8-bit optimizer state (signed or unsigned), ascending.");
+  // Note [Gradient reservations]: the torch bridge's per-expert arithmetic reserves its experts' tiles in forward
+  // and finishes each as its backward delivers it (python/strideweave/torch/_experts.py).
+  nb::class_<sw::GradientReservation>(m, "_GradientReservation")
+      .def("finish", [](sw::GradientReservation& r, int64_t tile, bool delivered) {
+        GilRelease nogil;
+        r.finish(tile, delivered);
+      }, nb::arg("tile"), nb::arg("delivered"))
+      .def("finish_all", [](sw::GradientReservation& r, bool delivered) {
+        GilRelease nogil;
+        r.finish_all(delivered);
+      }, nb::arg("delivered"));
+  m.def("_reserve_gradients", [](const TensorPtr& t, std::vector<int64_t> tiles) {
+    auto c = std::dynamic_pointer_cast<sw::TiledEvictable>(t->carrier);
+    if (!c) sw::raise<sw::TypeError>("_reserve_gradients: the tensor is not over a TiledEvictable");
+    for (int64_t i : tiles)
+      if (i < 0 || i >= c->tile_count())
+        sw::raise<sw::ValueError>("_reserve_gradients: tile ", i, " is outside the grid's ", c->tile_count(), " tiles");
+    GilRelease nogil;
+    return c->reserve_gradients(std::move(tiles));
+  }, nb::arg("tensor"), nb::arg("tiles"));
+  m.def("_steps_in_backward", [](const TensorPtr& t) {
+    auto c = std::dynamic_pointer_cast<sw::TiledEvictable>(t->carrier);
+    return c && c->gradient_hook() != nullptr;
+  }, nb::arg("tensor"), "Whether an optimizer with step_in_backward steps this tiled tensor's tiles in backward.");
   m.def("_optim_grad_norm", [](nb::handle params, nb::handle norm_type) {
     const double p = number_of(norm_type, "grad_norm", "norm_type");
     std::vector<TensorPtr> ps = tensors_of(params, "grad_norm");
@@ -127,7 +152,7 @@ void bind_optim(nb::module_& m) {
       .def("__init__",
            [](optim::Optimizer* self, const std::string& algorithm, nb::handle params, nb::handle lr,
               nb::handle momentum, nb::handle dampening, bool nesterov, nb::handle beta1, nb::handle beta2,
-              nb::handle eps, nb::handle weight_decay, nb::handle state_dtype) {
+              nb::handle eps, nb::handle weight_decay, nb::handle state_dtype, bool step_in_backward) {
              const optim::Algorithm a = algorithm_of(algorithm);
              const char* name = optim::algorithm_name(a);
              optim::Hyperparameters h;
@@ -141,14 +166,14 @@ void bind_optim(nb::module_& m) {
              h.weight_decay = number_of(weight_decay, name, "weight_decay");
              const optim::StateDType sd = state_dtype_of(state_dtype, name);
              std::vector<TensorPtr> ps = params_of(params, name);
-             new (self) optim::Optimizer(a, std::move(ps), h, sd);
+             new (self) optim::Optimizer(a, std::move(ps), h, sd, step_in_backward);
            },
            nb::arg("algorithm"), nb::arg("params"), nb::arg("lr"), nb::arg("momentum"), nb::arg("dampening"),
            nb::arg("nesterov"), nb::arg("beta1"), nb::arg("beta2"), nb::arg("eps"), nb::arg("weight_decay"),
-           nb::arg("state_dtype") = nb::none(),
+           nb::arg("state_dtype") = nb::none(), nb::arg("step_in_backward") = false,
            nb::sig("def __init__(self, algorithm: str, params: collections.abc.Iterable[Tensor], lr: float, "
                    "momentum: float, dampening: float, nesterov: bool, beta1: float, beta2: float, eps: float, "
-                   "weight_decay: float, state_dtype: DType | str | None = None) -> None"))
+                   "weight_decay: float, state_dtype: DType | str | None = None, step_in_backward: bool = False) -> None"))
       .def("hyperparameters", [](const optim::Optimizer& o) { return hyper_dict(o.hyperparameters()); },
            nb::sig("def hyperparameters(self) -> dict[str, typing.Any]"),
            "The current hyperparameters (lr, momentum, dampening, nesterov, beta1, beta2, eps, weight_decay).")
@@ -191,6 +216,14 @@ void bind_optim(nb::module_& m) {
         o.load_state(path);
       }, nb::arg("path"), "Restores a file of save_state, tile by tile under the budget.")
       .def("zero_grad", &optim::Optimizer::zero_grad, "Drops every parameter's gradient (.grad = None).")
+      .def_prop_ro("step_in_backward", &optim::Optimizer::step_in_backward,
+                   "Whether tiles are stepped in backward, the moment their gradient is final.")
+      .def_prop_rw("accumulating", &optim::Optimizer::accumulating,
+                   [](optim::Optimizer& o, bool on) {
+                     GilRelease nogil;
+                     o.set_accumulating(on);
+                   },
+                   "While True, backward only adds into .grad (step_in_backward: micro-batches before the last).")
       .def_prop_rw("prefetch", &optim::Optimizer::prefetch, &optim::Optimizer::set_prefetch,
                    "Whether a step promotes the next tile during the current tile's update (default False).")
       .def_prop_ro("params", [](const optim::Optimizer& o) { return o.params(); })
@@ -222,6 +255,7 @@ void bind_optim(nb::module_& m) {
         d["tiles_stepped"] = s.tiles_stepped;
         d["tiles_skipped"] = s.tiles_skipped;
         d["prefetches"] = s.prefetches;
+        d["tiles_stepped_in_backward"] = s.tiles_stepped_in_backward;
         d["weights"] = traffic(s.weights);
         d["gradients"] = traffic(s.gradients);
         d["state"] = traffic(s.state);

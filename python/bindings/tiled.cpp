@@ -471,9 +471,23 @@ void bind_tiled(nb::module_& m) {
         d["peak_bytes"] = s.peak_bytes;
         d["evictions"] = s.evictions;
         d["members"] = s.members;
+        d["write_behind_limit"] = s.write_behind_limit;
+        d["write_behind_tiles"] = s.write_behind_tiles;
+        d["write_behind_bytes"] = s.write_behind_bytes;
+        d["write_behind_evictions"] = s.write_behind_evictions;
+        d["write_behind_cancelled"] = s.write_behind_cancelled;
+        d["write_behind_failures"] = s.write_behind_failures;
+        d["eviction_waits"] = s.eviction_waits;
+        d["eviction_wait_ns"] = s.eviction_wait_ns;
         return d;
       }, "Resident tiles and bytes under the budget now and at their peak (since construction or reset_peak()), "
-         "tiles the budget evicted to make room, and live member carriers.")
+         "tiles the budget evicted to make room, and live member carriers; write-behind (Note [Write-behind "
+         "evictions]): the queue's bound, the tiles and bytes queued or being written now, tiles evicted that way, "
+         "queued tiles taken back, failed writes; and the waits on evictions (count, nanoseconds).")
+      .def_prop_rw("write_behind_bytes", &sw::ResidencyBudget::write_behind_bytes,
+                   [](sw::ResidencyBudget& b, int64_t bytes) { b.set_write_behind_bytes(bytes); },
+                   "Bound in bytes on the dirty tiles written ahead on the I/O threads at once (default max_bytes // 8; "
+                   "0 turns write-behind off and evictions are written in the thread that needs the room).")
       .def("reset_peak", &sw::ResidencyBudget::reset_peak, "Restarts the peaks from what is resident now.")
       .def("__repr__", [](const sw::ResidencyBudget& b) {
         return "ResidencyBudget(max_bytes=" + std::to_string(b.max_bytes()) + ")";

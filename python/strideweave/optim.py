@@ -12,8 +12,9 @@ weight's residency budget). docs/guide.md, "Optimizers on tiled parameters".
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from . import _core
@@ -107,8 +108,28 @@ class _Optimizer:
     def prefetch(self, on: bool) -> None:
         self._engine.prefetch = bool(on)
 
+    @property
+    def step_in_backward(self) -> bool:
+        """Whether tiled parameters are stepped in backward, each tile the moment its gradient is final (fixed at
+        construction; docs/guide.md, "Stepping in backward")."""
+        return self._engine.step_in_backward
+
+    @contextlib.contextmanager
+    def no_step(self) -> Iterator[None]:
+        """For gradient accumulation with ``step_in_backward``: backwards run inside only add into ``.grad``
+        (the micro-batches before the last); the last backward, outside, steps the tiles it reaches, and
+        :meth:`step` the rest. Without step_in_backward it changes nothing. Not reentrant."""
+        previous = self._engine.accumulating
+        self._engine.accumulating = True
+        try:
+            yield
+        finally:
+            self._engine.accumulating = previous
+
     def step(self) -> None:
-        """One step over every parameter with a gradient, tile by tile (the GIL is released meanwhile)."""
+        """One step over every parameter with a gradient, tile by tile (the GIL is released meanwhile). With
+        ``step_in_backward``: the dense parameters and the tiles not stepped in backward; call it after every
+        backward all the same (a tile stepped in backward refuses a new forward use until it has run)."""
         self._engine.step()
 
     def zero_grad(self) -> None:
@@ -203,9 +224,10 @@ class SGD(_Optimizer):
         self._engine.set_hyperparameters({"nesterov": bool(value)})
 
     def __init__(self, params: Iterable[Tensor], lr: float, momentum: float = 0.0, dampening: float = 0.0,
-                 weight_decay: float = 0.0, nesterov: bool = False, *, state_dtype: Any = None) -> None:
+                 weight_decay: float = 0.0, nesterov: bool = False, *, state_dtype: Any = None,
+                 step_in_backward: bool = False) -> None:
         self._engine = _Engine("SGD", params, lr, momentum, dampening, bool(nesterov), 0.9, 0.999, 1e-8,
-                               weight_decay, state_dtype)
+                               weight_decay, state_dtype, bool(step_in_backward))
 
 
 class Adam(_AdamBase):
@@ -213,9 +235,11 @@ class Adam(_AdamBase):
     weight_decay=0.0, *, state_dtype=DType.Float32)`` (or ``DType.BFloat16``, ``STATE_8BIT``) (weight decay added to the gradient)."""
 
     def __init__(self, params: Iterable[Tensor], lr: float = 1e-3, betas: Iterable[float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, *, state_dtype: Any = None) -> None:
+                 eps: float = 1e-8, weight_decay: float = 0.0, *, state_dtype: Any = None,
+                 step_in_backward: bool = False) -> None:
         b1, b2 = _betas(betas, "Adam")
-        self._engine = _Engine("Adam", params, lr, 0.0, 0.0, False, b1, b2, eps, weight_decay, state_dtype)
+        self._engine = _Engine("Adam", params, lr, 0.0, 0.0, False, b1, b2, eps, weight_decay, state_dtype,
+                               bool(step_in_backward))
 
 
 class AdamW(_AdamBase):
@@ -224,6 +248,8 @@ class AdamW(_AdamBase):
     first)."""
 
     def __init__(self, params: Iterable[Tensor], lr: float = 1e-3, betas: Iterable[float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, *, state_dtype: Any = None) -> None:
+                 eps: float = 1e-8, weight_decay: float = 1e-2, *, state_dtype: Any = None,
+                 step_in_backward: bool = False) -> None:
         b1, b2 = _betas(betas, "AdamW")
-        self._engine = _Engine("AdamW", params, lr, 0.0, 0.0, False, b1, b2, eps, weight_decay, state_dtype)
+        self._engine = _Engine("AdamW", params, lr, 0.0, 0.0, False, b1, b2, eps, weight_decay, state_dtype,
+                               bool(step_in_backward))

@@ -22,6 +22,23 @@
 //    with a fused multiply-add exactly where torch's CPU kernels use one (add with alpha, lerp, addcmul); the
 //    square root is correctly rounded (torch's vectorised sqrt through MKL is not: within 1 ulp).
 // Design and the formulas: docs/guide.md, "Optimizers on tiled parameters".
+//
+// Note [Stepping in backward]: an optimizer built with step_in_backward steps each tile of a tiled parameter
+// during backward, the moment its gradient is final (Note [Gradient reservations] in
+// strideweave/tiled/gradient_hook.hpp: the last recorded use of the tile has delivered its contribution), while
+// its weight tile is still resident from that backward; the gradient tile is then dropped (an implicit zero),
+// never written to its scratch file. The update is the same per-tile update step() runs, on the same gradient
+// value, so the result is bit-identical to stepping after backward. What it asks of the loop:
+//  * step() is still called after every backward, as usual: it steps the dense parameters, any tile whose gradient
+//    was not final within a backward (a graph freed without reaching it, retain_graph, a budget too small for the
+//    step), and it closes the step: a tile stepped in backward refuses a new recorded use (RuntimeError at the
+//    forward) until step() has run, so a second forward of the old step cannot read updated weights;
+//  * gradient accumulation: the backwards of all but the last micro-batch run with accumulating on
+//    (set_accumulating(true); Python: `with opt.no_step():`), which only adds into .grad; the last backward steps
+//    each tile it reaches; step() steps those that only earlier micro-batches reached;
+//  * the hyperparameters are those in force when the tile's gradient becomes final (set them before backward);
+//  * excluded: clipping by the global norm needs every gradient before any step, so grad_norm and scale_grads
+//    refuse parameters of such an optimizer (ValueError); clip in one pass by another rule, or step after backward.
 #pragma once
 
 #include <cstdint>
@@ -90,6 +107,7 @@ struct OptimizerStats {
   int64_t tiles_stepped = 0;  // tiles updated, over every step
   int64_t tiles_skipped = 0;  // tiles whose gradient was an implicit zero or absent
   int64_t prefetches = 0;     // tiles whose transfers began while the previous tile was updated
+  int64_t tiles_stepped_in_backward = 0;  // of tiles_stepped: in backward (Note [Stepping in backward])
   TierTraffic weights, gradients, state;
 };
 
@@ -114,13 +132,20 @@ class Optimizer {
   //  TypeError: a parameter whose dtype is not Float32, BFloat16 or Float16.
   // Blocks: allocates the state carriers (their tiles are implicit: no storage yet).
   // `state_dtype`: how the state is stored (Note [Compact optimizer state]).
+  // `step_in_backward`: Note [Stepping in backward]; installs a gradient hook on each tiled parameter (ValueError,
+  // nothing changed, when another such optimizer already has one), removed by the destructor.
   Optimizer(Algorithm algorithm, std::vector<TensorPtr> params, Hyperparameters h,
-            StateDType state_dtype = StateDType::Float32);
+            StateDType state_dtype = StateDType::Float32, bool step_in_backward = false);
   ~Optimizer();
   Optimizer(const Optimizer&) = delete;
   Optimizer& operator=(const Optimizer&) = delete;
 
   Algorithm algorithm() const noexcept { return algorithm_; }
+  bool step_in_backward() const noexcept { return link_ != nullptr; }
+  // Note [Stepping in backward]: while accumulating, backward only adds into .grad (micro-batches before the
+  // last). Blocks: waits for a tile being stepped in backward.
+  void set_accumulating(bool on);
+  bool accumulating() const;
   StateDType state_dtype() const noexcept { return state_dtype_; }
   // A copy: set_hyperparameters may replace them from another thread. Blocks: waits for a running step.
   Hyperparameters hyperparameters() const;
@@ -183,7 +208,16 @@ class Optimizer {
 
  private:
   struct Slot;
+  struct Link;
+  class InBackward;
   void step_slot(Slot& s, const TensorPtr& grad);
+  // Tile `i` of slot `k` stepped in backward from its gradient tile, which is then dropped; nothing when the
+  // gradient is absent, implicit there or unusable (step() reports that). Blocks: as step().
+  void step_tile_in_backward(size_t k, int64_t i);
+  // One tile's update (the step count, the state's first use, the update pass) over held memory.
+  void update_tile(Slot& s, int64_t i, void* w, const void* g, DTypeId gd, void* s1, void* s2);
+  void install_hooks();
+  void remove_hooks() noexcept;
   TensorPtr make_state(const Slot& s) const;
   // Whether a step reads and writes the first state tensor (SGD's momentum buffer only while momentum is nonzero).
   bool uses_state1() const noexcept { return algorithm_ != Algorithm::SGD || h_.momentum != 0; }
@@ -197,6 +231,8 @@ class Optimizer {
   mutable std::mutex mutex_;  // one step (or state read) at a time
   OptimizerStats counts_;
   bool prefetch_ = false;
+  bool accumulating_ = false;
+  std::shared_ptr<Link> link_;  // step_in_backward: what the hooks reach this optimizer through
 };
 
 // Note [Gradients of tiled parameters together]: grad_norm and scale_grads read or scale the gradients of a list of

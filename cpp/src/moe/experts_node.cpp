@@ -216,12 +216,16 @@ struct ExpertsNode final : Node {
   TensorPtr x, weights;
   int64_t tokens = 0;
   std::vector<ExpertRecord> records;  // in forward order
+  // The routed experts' tiles of w1, w2, w3 (Note [Gradient reservations]): each finished as delivered once its
+  // gradients are in the tiled .grad (an optimizer stepping in backward steps the expert then).
+  std::array<GradientReservation, 3> reservations;
 
   std::vector<TensorPtr> apply(const TensorPtr& g) override;
   void release_saved() override {
     saved.clear();
     records.clear();
     x = weights = nullptr;
+    for (auto& r : reservations) r.finish_all(false);
   }
 };
 
@@ -301,6 +305,7 @@ std::vector<TensorPtr> ExpertsNode::apply(const TensorPtr& g) {
       if (!add_into_resident_gradient(st.w[k], r.expert, dW[k]))
         backward(tiles.compact[k], compact_of(widened(dW[k])), false);
     window.pop_front();  // the expert's tiles go
+    for (auto& res : reservations) res.finish(r.expert, true);
   }
   std::vector<float> dwf(dw.begin(), dw.end());
   const int64_t k = st.top_k;
@@ -316,13 +321,17 @@ TensorPtr run_experts(const std::shared_ptr<MoEShared>& sp, const TensorPtr& x, 
   const bool record = is_grad_enabled() && (x->is_differentiable() || weights->is_differentiable());
   GradModeGuard off(false);
   s.settle_prefetches();
+  const int64_t T = x->layout.flat().extents[0], H = s.hidden, k = s.top_k;
+  const DTypeId bd = s.dtype->id();
+  const Dispatch d = dispatch(detail::read_doubles(*indices), T, k, s.experts);
+  // Reserved before any work: a refusal (Note [Gradient reservations]) changes nothing.
+  std::array<GradientReservation, 3> reservations;
+  if (record)
+    for (size_t w = 0; w < 3; ++w) reservations[w] = s.w[w].carrier->reserve_gradients(d.experts);
   {
     std::lock_guard l(s.stats_mutex);
     s.stats.calls++;
   }
-  const int64_t T = x->layout.flat().extents[0], H = s.hidden, k = s.top_k;
-  const DTypeId bd = s.dtype->id();
-  const Dispatch d = dispatch(detail::read_doubles(*indices), T, k, s.experts);
   const std::vector<float> wv = floats_of(*weights);
   std::vector<float> out(static_cast<size_t>(T * H), 0.0f);  // row-major
   std::vector<ExpertRecord> records;
@@ -371,6 +380,7 @@ TensorPtr run_experts(const std::shared_ptr<MoEShared>& sp, const TensorPtr& x, 
     node->weights = weights;
     node->tokens = T;
     node->records = std::move(records);
+    node->reservations = std::move(reservations);
     attach_node(node, result);
   }
   return result;

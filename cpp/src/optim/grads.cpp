@@ -30,6 +30,11 @@ std::vector<Gradient> gradients_of(const std::vector<TensorPtr>& params, const c
   for (size_t i = 0; i < params.size(); ++i) {
     const TensorPtr& p = params[i];
     if (!p) raise<TypeError>(fn, ": params[", i, "] is None, not a Tensor");
+    // Note [Stepping in backward]: such a parameter's tiles are stepped before its other gradients exist.
+    if (auto pt = std::dynamic_pointer_cast<TiledEvictable>(p->carrier); pt && pt->gradient_hook())
+      raise<ValueError>(fn, ": params[", i, "] belongs to an optimizer with step_in_backward, which steps each tile "
+                        "in backward before the other gradients exist; clipping by the total norm needs them all "
+                        "first (build the optimizer without step_in_backward to clip)");
     TensorPtr g;
     {
       std::lock_guard lock(p->mutex);

@@ -20,6 +20,18 @@ struct Optimizer::Slot {
   // Per tile: 1 once its state holds a value (an Adam tile stepped; an SGD tile stepped with momentum, so its next
   // step with momentum updates the buffer instead of starting it from the gradient, as torch's buffer is not None).
   std::vector<uint8_t> stateful;
+  // Step in backward (Note [Stepping in backward]), tiled parameters: per tile, the recorded uses outstanding
+  // (Note [Gradient reservations]) and whether it was stepped in backward since step() last ran.
+  std::vector<int32_t> reserved;
+  std::vector<uint8_t> stepped_in_backward;
+  std::shared_ptr<TileGradientHook> hook;
+};
+
+// The hooks' way to their optimizer: cleared (under `m`) when the optimizer goes; a hook holds `m` while it calls
+// into the optimizer, so it never reaches one being destroyed.
+struct Optimizer::Link {
+  std::mutex m;
+  Optimizer* optimizer = nullptr;
 };
 
 }  // namespace sw::optim

@@ -58,7 +58,8 @@ void validate(Algorithm algorithm, const Hyperparameters& h) {
   }
 }
 
-Optimizer::Optimizer(Algorithm algorithm, std::vector<TensorPtr> params, Hyperparameters h, StateDType state_dtype)
+Optimizer::Optimizer(Algorithm algorithm, std::vector<TensorPtr> params, Hyperparameters h, StateDType state_dtype,
+                     bool step_in_backward)
     : algorithm_(algorithm), state_dtype_(state_dtype), h_(h) {
   const char* name = algorithm_name(algorithm);
   validate(algorithm, h);
@@ -109,10 +110,11 @@ Optimizer::Optimizer(Algorithm algorithm, std::vector<TensorPtr> params, Hyperpa
     s->stateful.assign(s->steps.size(), 0);
     slots_.push_back(std::move(s));
   }
+  if (step_in_backward) install_hooks();  // ValueError (another optimizer's hook), nothing installed
   params_ = std::move(params);
 }
 
-Optimizer::~Optimizer() = default;
+Optimizer::~Optimizer() { remove_hooks(); }
 
 int64_t Optimizer::state_bytes(int64_t n) const noexcept {
   switch (state_dtype_) {

@@ -80,6 +80,11 @@ void Optimizer::step() {
   counts_.steps++;
   for (size_t k = 0; k < slots_.size(); ++k) {
     Slot& s = *slots_[k];
+    // Tiles stepped in backward in this step are neither stepped again nor skipped (their gradient is gone); the
+    // step ends here for them (Note [Stepping in backward]).
+    const auto in_backward = std::count(s.stepped_in_backward.begin(), s.stepped_in_backward.end(), uint8_t{1});
+    std::fill(s.stepped_in_backward.begin(), s.stepped_in_backward.end(), 0);
+    counts_.tiles_skipped -= in_backward;
     if (!grads[k]) {
       counts_.tiles_skipped += static_cast<int64_t>(s.steps.size());
       continue;
@@ -90,7 +95,7 @@ void Optimizer::step() {
 
 void Optimizer::step_slot(Slot& s, const TensorPtr& grad) {
   const char* name = algorithm_name(algorithm_);
-  const DTypeId wd = s.param->dtype().id(), gd = grad->dtype().id();
+  const DTypeId gd = grad->dtype().id();
   // SGD with momentum 0 neither reads nor writes its buffers (kept from a step with momentum, as torch keeps them).
   const TensorPtr state1 = uses_state1() ? s.state1 : nullptr;
   if (!s.tiled) {  // a dense parameter: one tile, its memory updated in place
@@ -103,19 +108,14 @@ void Optimizer::step_slot(Slot& s, const TensorPtr& grad) {
     claims.push_back(grad->carrier->claim(owner));
     if (state1) claims.push_back(state1->carrier->claim(owner));
     if (s.state2) claims.push_back(s.state2->carrier->claim(owner));
-    const int64_t n = s.param->layout.cosize();
     auto* w = s.param->carrier->mutable_native_data() + s.param->offset * static_cast<int64_t>(slot_bytes(s.param->dtype()));
     const auto* g = grad->carrier->native_data() + grad->offset * static_cast<int64_t>(slot_bytes(grad->dtype()));
     void* s1 = state1 ? state1->carrier->mutable_native_data() : nullptr;
     void* s2 = s.state2 ? s.state2->carrier->mutable_native_data() : nullptr;
-    const int64_t step = ++s.steps[0];
-    const bool first = !s.stateful[0];
-    if (state1) s.stateful[0] = 1;
-    detail::update(algorithm_, h_, step, first, w, wd, g, gd, s1, s2, state_dtype_, n);
+    update_tile(s, 0, w, g, gd, s1, s2);
     s.param->carrier->bump_version();
     if (state1) state1->carrier->bump_version();
     if (s.state2) s.state2->carrier->bump_version();
-    counts_.tiles_stepped++;
     return;
   }
   TiledEvictable& W = *s.tiled;
@@ -133,7 +133,6 @@ void Optimizer::step_slot(Slot& s, const TensorPtr& grad) {
   if (S1) carriers.push_back(S1);
   if (S2) carriers.push_back(S2);
   std::vector<CompletionPtr<std::monostate>> prefetch;
-  const int64_t n = W.tile_size();
   for (size_t k = 0; k < tiles.size(); ++k) {
     const int64_t i = tiles[k];
     for (auto& p : prefetch) p->wait();  // its errors, if any, come back from the promotions below
@@ -156,20 +155,59 @@ void Optimizer::step_slot(Slot& s, const TensorPtr& grad) {
         }
       }
     }
-    const int64_t step = ++s.steps[static_cast<size_t>(i)];
-    const bool first = !s.stateful[static_cast<size_t>(i)];
-    if (S1) s.stateful[static_cast<size_t>(i)] = 1;
-    detail::update(algorithm_, h_, step, first, hw->data(), wd, hg->data(), gd, h1 ? h1->data() : nullptr,
-           h2 ? h2->data() : nullptr, state_dtype_, n);
+    update_tile(s, i, hw->data(), hg->data(), gd, h1 ? h1->data() : nullptr, h2 ? h2->data() : nullptr);
     hw->commit();
     if (h1) h1->commit();
     if (h2) h2->commit();
     hg.reset();  // read only: the hold ends, the gradient tile unchanged
-    counts_.tiles_stepped++;
   }
   for (auto& p : prefetch) p->wait();
   detail::add_traffic(counts_.weights, w0, W.stats());
   detail::add_traffic(counts_.gradients, g0, G->stats());
+}
+
+void Optimizer::update_tile(Slot& s, int64_t i, void* w, const void* g, DTypeId gd, void* s1, void* s2) {
+  const int64_t step = ++s.steps[static_cast<size_t>(i)];
+  const bool first = !s.stateful[static_cast<size_t>(i)];
+  if (s1) s.stateful[static_cast<size_t>(i)] = 1;
+  detail::update(algorithm_, h_, step, first, w, s.param->dtype().id(), g, gd, s1, s2, state_dtype_,
+                 s.tiled ? s.tiled->tile_size() : s.param->layout.cosize());
+  counts_.tiles_stepped++;
+}
+
+void Optimizer::step_tile_in_backward(size_t k, int64_t i) {
+  std::lock_guard lock(mutex_);
+  const char* name = algorithm_name(algorithm_);
+  Slot& s = *slots_[k];
+  TensorPtr g;
+  {
+    std::lock_guard glock(s.param->mutex);
+    g = s.param->grad;
+  }
+  // Only a gradient step() would take; anything else is left for step() to report.
+  auto G = g ? std::dynamic_pointer_cast<TiledEvictable>(g->carrier) : nullptr;
+  if (!G || G->is_released() || !detail::float_dtype(g->dtype()) || !(g->layout == s.param->layout) ||
+      g->offset != s.param->offset || !(G->geometry() == s.tiled->geometry()) ||
+      G->tile_state(G->tile_coord(i)).location == TileLocation::Implicit)
+    return;
+  const TensorPtr state1 = uses_state1() ? s.state1 : nullptr;
+  auto* S1 = state1 ? static_cast<TiledEvictable*>(state1->carrier.get()) : nullptr;
+  auto* S2 = s.state2 ? static_cast<TiledEvictable*>(s.state2->carrier.get()) : nullptr;
+  if (const auto& budget = s.tiled->residency_budget()) {  // step() raises for this
+    const int64_t sb = state_bytes(s.tiled->tile_size());
+    if (s.tiled->tile_bytes() + G->tile_bytes() + (S1 ? sb : 0) + (S2 ? sb : 0) > budget->max_bytes()) return;
+  }
+  Hold hw = hold_resident(*s.tiled, i, "weight", name);
+  Hold hg = hold_resident(*G, i, "gradient", name);
+  Hold h1 = S1 ? hold_resident(*S1, i, "optimizer state", name) : nullptr;
+  Hold h2 = S2 ? hold_resident(*S2, i, "optimizer state", name) : nullptr;
+  update_tile(s, i, hw->data(), hg->data(), g->dtype().id(), h1 ? h1->data() : nullptr, h2 ? h2->data() : nullptr);
+  hw->commit();
+  if (h1) h1->commit();
+  if (h2) h2->commit();
+  hg->commit_zero();  // consumed: never written
+  s.stepped_in_backward[static_cast<size_t>(i)] = 1;
+  counts_.tiles_stepped_in_backward++;
 }
 
 }  // namespace sw::optim

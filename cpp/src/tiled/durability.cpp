@@ -46,6 +46,8 @@ CompletionPtr<std::monostate> TiledEvictable::flush_tiles(bool inline_, Turn* tu
     std::unique_lock lock(mutex_);
     check_live("flush");  // again under the lock: see Note [Release races with requests]
     if (turn) wait_turn(lock, *turn, /*pins_block=*/false, "flush");
+    raise_write_behind_failure();
+    settle_write_behind(lock, {}, /*all=*/true);  // takes back the queued writes, waits for the running ones
     for (int64_t i = 0; i < tile_count(); ++i)
       if (tiles_[i].pending) pending_conflict(i, "flushing");
     for (int64_t i = 0; i < tile_count(); ++i) {
@@ -70,8 +72,9 @@ CompletionPtr<std::monostate> TiledEvictable::flush_tiles(bool inline_, Turn* tu
 
 void TiledEvictable::check_releasable() const {
   std::lock_guard lock(mutex_);
-  if (active_requests_ > 0 || active_work_ > 0)
-    raise<RuntimeError>("TiledEvictable has incomplete work (", active_requests_, " residency request(s), ",
+  // A write-behind (Note [Write-behind evictions]) is not the caller's work: do_release waits for it.
+  if (active_requests_ - behind_requests_ > 0 || active_work_ > 0)
+    raise<RuntimeError>("TiledEvictable has incomplete work (", active_requests_ - behind_requests_, " residency request(s), ",
                         active_work_, " tiled operation(s)); wait for it before release()");
 }
 
@@ -85,7 +88,8 @@ void TiledEvictable::do_release() {
   std::vector<CarrierPtr> buffers;
   {
     std::unique_lock lock(mutex_);
-    idle_cv_.wait(lock, [&] { return active_requests_ == 0 && active_work_ == 0; });
+    // Queued write-behinds still write their tiles first (Note [Write-behind evictions]).
+    idle_cv_.wait(lock, [&] { return active_requests_ == 0 && active_work_ == 0 && behind_jobs_ == 0; });
     if (!named_file_.empty()) release_discards_.store(unsaved_tiles_locked());
     for (auto& t : tiles_) {
       if (t.buffer) buffers.push_back(std::move(t.buffer));

@@ -99,8 +99,9 @@ std::shared_ptr<TiledEvictable::Work> TiledEvictable::pin_for_reading() {
   auto work = std::make_shared<Work>();
   work->tiles.resize(static_cast<size_t>(tile_count()));
   for (int64_t i = 0; i < tile_count(); ++i) work->tiles[static_cast<size_t>(i)] = i;
-  std::lock_guard lock(mutex_);
+  std::unique_lock lock(mutex_);
   check_live("read its tiles");  // under the lock: Note [Release races with requests]
+  settle_write_behind(lock, {}, /*all=*/true);  // Note [Write-behind evictions]
   for (int64_t i = 0; i < tile_count(); ++i) {
     const Tile& t = tiles_[i];
     if (t.pending) pending_conflict(i, "reading it");
@@ -136,8 +137,9 @@ std::unique_ptr<TiledEvictable::TileWrite> TiledEvictable::hold_tile_for_update(
   // Made before the hold is taken, so that once taken only its destructor ends it.
   std::unique_ptr<TileWrite> write(new TileWrite(self, index, 0, nullptr, nullptr));
   {
-    std::lock_guard lock(mutex_);
+    std::unique_lock lock(mutex_);
     if (is_released()) return nullptr;
+    settle_write_behind(lock, {&index, 1});  // Note [Write-behind evictions]
     Tile& t = tiles_[index];
     if (t.loc != TileLocation::Primary || t.pending || t.pins > 0 || !t.buffer || !t.buffer->native_data())
       return nullptr;
@@ -187,6 +189,20 @@ bool TiledEvictable::accumulate_tiles(TiledEvictable& other, bool share_other) {
     TileLocation here, theirs;
     CarrierPtr mine;
   };
+  // Write-behinds of the tiles the sum touches (those `other` holds a value for), on either side, are taken back or
+  // waited for first (Note [Write-behind evictions]); the room made below never queues them again (it spares
+  // `other` and keeps the tiles touched here).
+  {
+    std::vector<int64_t> summed;
+    {
+      std::lock_guard lock(other.mutex_);
+      for (int64_t i = 0; i < tile_count(); ++i)
+        if (other.tiles_[i].loc != TileLocation::Implicit && other.tiles_[i].loc != TileLocation::Invalid)
+          summed.push_back(i);
+    }
+    settle_write_behind(summed);
+    other.settle_write_behind(summed);
+  }
   // Under a budget, room first for the tiles that become resident here (Note [One residency budget]): an implicit
   // or secondary tile that does not take `other`'s buffer as it is (that buffer moves, counted once). `other`'s
   // tiles, about to be read, are never evicted for it.

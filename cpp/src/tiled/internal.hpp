@@ -34,6 +34,11 @@ namespace sw {
 // "(1, 0)" (and "(3,)" for rank one), for messages.
 std::string coord_str(const TileCoord& t);
 
+// The message of the exception `e` holds, and an exception of `model`'s error kind (RuntimeError when it is not an
+// engine error) carrying `message` (work.cpp).
+std::string tiled_error_message(const std::exception_ptr& e);
+std::exception_ptr tiled_error_like(const std::exception_ptr& model, std::string message);
+
 // A residency transition of a set of tiles, committed all-or-nothing.
 struct TiledEvictable::Request {
   uint64_t id = 0;
@@ -42,6 +47,7 @@ struct TiledEvictable::Request {
   std::vector<int64_t> tiles;          // tiles that need a transfer
   std::vector<CarrierPtr> staged;      // promotion: new buffers
   std::vector<char> wrote;             // eviction: a write happened
+  bool write_behind = false;          // an eviction the budget handed to the I/O executor (write_behind.cpp)
   std::atomic<size_t> remaining{0};
   std::mutex m;
   std::exception_ptr error;
@@ -103,6 +109,10 @@ class TiledEvictable::TileWrite {
   float* data() const noexcept { return data_; }
   // The tile was written: dirty, its secondary copy stale, the version advanced; then the hold ends.
   void commit();
+  // The tile's value is zero from now on (a gradient consumed where it was made: Note [Stepping in backward] in
+  // strideweave/optim.hpp): its buffer is let go unwritten (under a budget, its bytes stop counting), the tile
+  // becomes an implicit zero (a stale secondary copy is never read back), the version advances; the hold ends.
+  void commit_zero();
 
  private:
   friend class TiledEvictable;

@@ -44,8 +44,17 @@ constexpr int64_t kGatherPiece = int64_t{64} << 10;
 struct ProjectionNode final : Node {
   std::shared_ptr<TiledEvictable> carrier;
   TileSelection selection;
+  // Note [Gradient reservations]: the projected tiles, reserved while the node lives; finished as delivered once
+  // a backward through it has ended (the engine has added its gradient into the leaf by then).
+  GradientReservation reservation;
+  bool ran = false;
   std::vector<TensorPtr> apply(const TensorPtr& g) override {
+    ran = true;
     return {scatter_add_gradient(carrier, inputs[0], selection, g)};
+  }
+  void release_saved() override {
+    saved.clear();
+    reservation.finish_all(ran);
   }
 
   // Note [Gradient sinks]: a one-tile projection of a leaf whose tiled .grad
@@ -206,6 +215,7 @@ CompletionPtr<TensorPtr> project_for(const std::shared_ptr<TiledEvictable>& c, c
         node->inputs = {tensor};
         node->carrier = c;
         node->selection = sel;
+        node->reservation = c->reserve_gradients(bind_selection(*c, sel));
         // Nothing is saved (Note [A projection saves no values]): the VJP reads only the full tensor's geometry.
         attach_node(node, result);
       }

@@ -38,6 +38,10 @@ CompletionPtr<std::monostate> TiledEvictable::promote_tiles(const std::vector<in
                                                             Turn* turn) {
   check_live("promote tiles");
   check_tile_indices(tiles, geometry_, "promote");
+  {
+    std::lock_guard lock(mutex_);
+    raise_write_behind_failure();  // before any room is made (Note [Write-behind evictions])
+  }
   admit(tiles, "promotion");  // under a budget: room first (Note [One residency budget])
   auto r = std::make_shared<Request>();
   r->promote = true;
@@ -48,6 +52,8 @@ CompletionPtr<std::monostate> TiledEvictable::promote_tiles(const std::vector<in
     std::vector<int64_t> uniq = tiles;
     std::sort(uniq.begin(), uniq.end());
     uniq.erase(std::unique(uniq.begin(), uniq.end()), uniq.end());
+    raise_write_behind_failure();
+    settle_write_behind(lock, uniq);  // Note [Write-behind evictions]
     for (int64_t i : uniq) {
       const Tile& t = tiles_[i];
       if (t.pending) pending_conflict(i, "promoting it");
@@ -84,6 +90,8 @@ CompletionPtr<std::monostate> TiledEvictable::evict_tiles(const std::vector<int6
     std::unique_lock lock(mutex_);
     check_live("evict tiles");  // again under the lock: see Note [Release races with requests]
     if (turn) wait_turn(lock, *turn, /*pins_block=*/true, "evict");
+    raise_write_behind_failure();
+    settle_write_behind(lock, tiles);  // Note [Write-behind evictions]
     prepare_eviction(tiles, *r, /*deferred=*/false);
     if (r->tiles.empty()) {
       r->done->set_value({});
@@ -112,6 +120,14 @@ void TiledEvictable::prepare_eviction(std::vector<int64_t> tiles, Request& r, bo
     if (t.loc == TileLocation::Primary && !(deferred && (t.pending || t.pins > 0))) r.tiles.push_back(i);
   }
   if (r.tiles.empty()) return;
+  if (behind_tiles_ > 0 && !r.write_behind) {  // this eviction takes them back (Note [Write-behind evictions])
+    for (int64_t i : r.tiles)
+      if (tiles_[i].behind == kBehindQueued) {
+        tiles_[i].behind = 0;
+        behind_tiles_--;
+        if (budget_) budget_->write_behind_ended(*this, i, /*failed=*/false);
+      }
+  }
   check_secondary_writable(r.tiles, "evict");
   ensure_secondary_storage();
   r.id = next_request_++;
@@ -474,6 +490,11 @@ void TiledEvictable::commit(const std::shared_ptr<Request>& r) {
     for (size_t k = 0; k < r->tiles.size(); ++k) {
       Tile& t = tiles_[r->tiles[k]];
       t.pending = 0;
+      if (r->write_behind && t.behind) {  // Note [Write-behind evictions]: its write has ended
+        t.behind = 0;
+        behind_tiles_--;
+        if (r->error && budget_) budget_->write_behind_ended(*this, r->tiles[k], /*failed=*/true);
+      }
       if (r->error) {  // all-or-nothing: the prior state stands
         if (budget_ && r->promote) budget_->evicted(*this, r->tiles[k]);  // counted when it was admitted
         continue;
@@ -508,6 +529,14 @@ void TiledEvictable::commit(const std::shared_ptr<Request>& r) {
       }
     }
     if (r->error) r->staged.clear();
+    if (r->write_behind) {
+      behind_requests_--;
+      if (r->error && !write_behind_failure_)  // reported by the next request (Note [Write-behind evictions])
+        write_behind_failure_ = tiled_error_like(
+            r->error, "a write-behind eviction of " + tile_list(r->tiles, "") + " of TiledEvictable to its secondary tier " +
+                          secondary_description() + " failed, so " + (r->tiles.size() == 1 ? "it stays" : "they stay") +
+                          " resident and dirty (nothing is lost): " + tiled_error_message(r->error));
+    }
     active_requests_--;
   }
   idle_cv_.notify_all();

@@ -14,6 +14,7 @@ namespace sw {
 
 const TiledEvictable::Tile& TiledEvictable::readable_tile(int64_t index, std::unique_lock<std::mutex>& lock) const {
   for (;;) {
+    const_cast<TiledEvictable*>(this)->settle_write_behind(lock, {&index, 1});  // Note [Write-behind evictions]
     const Tile& t = tiles_[index];
     if (t.pending) pending_conflict(index, "accessing its values");
     if (t.loc == TileLocation::Invalid)
@@ -89,6 +90,7 @@ void TiledEvictable::read_slots(int64_t start, int64_t count, void* out) const {
 void TiledEvictable::read_tile_run(int64_t index, int64_t slot, int64_t within, int64_t n, std::byte* out) const {
   std::unique_lock lock(mutex_);
   {
+    const_cast<TiledEvictable*>(this)->settle_write_behind(lock, {&index, 1});  // Note [Write-behind evictions]
     const Tile& t = tiles_[index];
     if (t.pending) pending_conflict(index, "accessing its values");
     if (t.loc == TileLocation::Secondary) {  // read through the secondary; the tile stays where it is

@@ -170,7 +170,12 @@ void TiledEvictable::restart_tile_tables_in_child() {
     for (Tile& t : c->tiles_) {
       t.pending = 0;
       t.pins = 0;
+      t.behind = 0;  // the parent writes them (Note [Write-behind evictions])
     }
+    c->behind_tiles_ = 0;
+    c->behind_requests_ = 0;
+    c->behind_jobs_ = 0;
+    c->behind_queue_.clear();
     c->active_requests_ = 0;
     c->active_work_ = 0;
     c->turns_.clear();  // the threads waiting in turn are not in the child (Note [Taking turns])

@@ -41,6 +41,11 @@ std::exception_ptr error_like(const std::exception_ptr& model, std::string messa
 }
 }  // namespace
 
+std::string tiled_error_message(const std::exception_ptr& e) { return message_of(e); }
+std::exception_ptr tiled_error_like(const std::exception_ptr& model, std::string message) {
+  return error_like(model, std::move(message));
+}
+
 // ---------------------------------------------------------------- work requests
 
 std::shared_ptr<TiledEvictable::Work> TiledEvictable::begin_work(const std::vector<int64_t>& tiles, const char* purpose,
@@ -68,8 +73,10 @@ std::shared_ptr<TiledEvictable::Work> TiledEvictable::begin_work(const std::vect
       for (const auto& t : *field) tile_index(t);  // ValueError for out-of-grid plans
   }
   {
-    std::lock_guard lock(mutex_);
+    std::unique_lock lock(mutex_);
     check_live("run tiled work");  // again under the lock: see Note [Release races with requests]
+    raise_write_behind_failure();
+    settle_write_behind(lock, work->tiles);  // Note [Write-behind evictions]
     for (int64_t i : work->tiles) {
       if (tiles_[i].pending) pending_conflict(i, "running tiled work on it");
       if (tiles_[i].loc == TileLocation::Invalid)
@@ -214,7 +221,12 @@ void TiledEvictable::install_tiles(const std::vector<std::pair<int64_t, CarrierP
   }
   std::vector<CarrierPtr> old;
   {
-    std::lock_guard lock(mutex_);
+    std::unique_lock lock(mutex_);
+    if (behind_tiles_ > 0) {  // Note [Write-behind evictions]: a tile replaced is taken back, or waited for
+      std::vector<int64_t> indices;
+      for (const auto& b : buffers) indices.push_back(b.first);
+      settle_write_behind(lock, indices);
+    }
     const int64_t bytes = tile_size() * static_cast<int64_t>(slot_bytes(dtype()));
     for (const auto& [i, buf] : buffers) {
       Tile& t = tiles_[i];

@@ -24,6 +24,7 @@ display may differ. Checkpoints of later steps left by the interrupted run are r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import io
 import json
@@ -38,12 +39,20 @@ from ._data import CommandError, Packing, format_bytes, parse_size, read_records
 
 PROG = "python -m strideweave.finetune"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+STATE_DTYPES = ("float32", "bfloat16", "8bit")
+
+
+def _state_dtype(name: str) -> Any:
+    """The tiled engines' state_dtype for --state-dtype."""
+    import strideweave as sw
+    return {"float32": None, "bfloat16": sw.DType.BFloat16, "8bit": sw.optim.STATE_8BIT}[name]
 STATE_JSON = "trainer_state.json"
 STATE_PT = "trainer_state.pt"
 OPTIMIZER_DIR = "optimizer"
 # The options whose values the run's arithmetic depends on: a resumed run must have the same.
 RESULT_OPTIONS = ("data_sha256", "lr", "weight_decay", "epochs", "max_steps", "batch_tokens", "seq_len",
-                  "grad_accum", "warmup", "max_grad_norm", "dtype", "seed", "total_steps")
+                  "grad_accum", "warmup", "max_grad_norm", "dtype", "seed", "total_steps", "step_in_backward",
+                  "state_dtype")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -72,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--warmup", type=int, default=0, help="linear warm-up steps, then linear decay to 0")
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the total gradient norm (0: no clipping)")
+    p.add_argument("--step-in-backward", action="store_true",
+                   help="step each expert inside backward, the moment its gradient is final (its gradient is never "
+                   "written out; needs --max-grad-norm 0)")
+    p.add_argument("--state-dtype", choices=STATE_DTYPES, default="float32",
+                   help="how the experts' AdamW moments are stored (bfloat16: half the bytes; 8bit: block-wise "
+                   "8-bit, about a quarter)")
     p.add_argument("--save-every", type=int, default=500, help="write OUT_DIR/checkpoint-N every N steps (0: never)")
     p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
                    help="continue from OUT_DIR's latest checkpoint (or the checkpoint folder given)")
@@ -120,6 +135,9 @@ def _check_args(args: Any) -> None:
     positive("warmup", args.warmup, zero=True)
     positive("max-grad-norm", args.max_grad_norm, zero=True)
     positive("save-every", args.save_every, zero=True)
+    if args.step_in_backward and args.max_grad_norm > 0:
+        raise CommandError(f"--step-in-backward steps each expert before the other gradients exist, so it cannot "
+                           f"clip by the total norm: give --max-grad-norm 0 (got {args.max_grad_norm})")
 
 
 def _fsync_dir(path: str) -> None:
@@ -221,7 +239,8 @@ class _Run:
                             "epochs": args.epochs, "max_steps": args.max_steps, "batch_tokens": args.batch_tokens,
                             "seq_len": seq_len, "grad_accum": args.grad_accum, "warmup": args.warmup,
                             "max_grad_norm": args.max_grad_norm, "dtype": args.dtype, "seed": args.seed,
-                            "total_steps": total}
+                            "total_steps": total, "step_in_backward": args.step_in_backward,
+                            "state_dtype": args.state_dtype}
         state = self._read_state(resume_from) if resume_from else None
 
         dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
@@ -247,7 +266,8 @@ class _Run:
         model.train()
         if hasattr(model.config, "use_cache"):
             model.config.use_cache = False
-        optimizer = swt.AdamW(param_groups(model, args.weight_decay), lr=args.lr)
+        optimizer = swt.AdamW(param_groups(model, args.weight_decay), lr=args.lr,
+                              state_dtype=_state_dtype(args.state_dtype), step_in_backward=args.step_in_backward)
         scheduler = transformers.get_linear_schedule_with_warmup(optimizer, args.warmup, total)
         history: list = []
         tokens = 0
@@ -272,10 +292,13 @@ class _Run:
         began, trained = time.perf_counter(), 0
         for step in range(start, total):
             loss_sum = 0.0
-            for rows in packing.step(step):
+            micro = list(packing.step(step))
+            for m, rows in enumerate(micro):
                 ids = torch.from_numpy(rows)
                 out = model(input_ids=ids, labels=ids, use_cache=False)
-                (out.loss / args.grad_accum).backward()
+                # With --step-in-backward the last micro-batch's backward steps the experts; the others accumulate.
+                with optimizer.no_step() if m + 1 < len(micro) else contextlib.nullcontext():
+                    (out.loss / args.grad_accum).backward()
                 loss_sum += float(out.loss.detach())
                 del out
             loss = loss_sum / args.grad_accum

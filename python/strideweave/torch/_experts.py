@@ -32,6 +32,7 @@ from typing import Any, Optional
 
 from .._core import _dlpack_read_only
 from ._bridge import _leaf_grads, _sw, _sw_dtype, _torch, from_torch, to_torch
+from ._optim import push_in_backward
 from .families import COMMON_FORMS, Family, Fused, Separate, checkpoint_prefix
 
 IMPLEMENTATION = "strideweave"
@@ -465,6 +466,7 @@ def _classes() -> dict:
                                    "freed; retain_graph is not supported)")
             xs, ws, out = ctx.graph
             ctx.graph = None
+            push_in_backward()  # Note [Stepping in backward through torch]
             out.backward(from_torch(grad_out.detach().float().contiguous()))
             nxt = ctx.binding.prefetch_next
             if nxt is not None and nxt.native and nxt._last_index is not None:
@@ -484,6 +486,11 @@ def _classes() -> dict:
                 0, tokens, _contribution(binding, W, e, x[tokens], weights[pos], bgu, bd, scale_input).float()))
             ctx.save_for_backward(x, weights, bgu, bd)
             ctx.binding, ctx.groups, ctx.scale_input = binding, groups, scale_input
+            # Note [Gradient reservations]: the routed experts' tiles, each finished once backward has delivered
+            # it (freed unfinished with the graph otherwise).
+            experts = [e for e, _, _ in groups]
+            ctx.reservations = [_sw()._core._reserve_gradients(t, experts) for t in binding.tiled.values()] \
+                if any(ctx.needs_input_grad) else []
             return acc.to(x.dtype)
 
         @staticmethod
@@ -494,6 +501,7 @@ def _classes() -> dict:
             dw = torch.zeros(weights.shape, dtype=torch.float32)
             leaves = [b.detach().requires_grad_(True) if b is not None else None for b in (bgu, bd)]
             g = grad_out.float()
+            push_in_backward()  # Note [Stepping in backward through torch]
 
             def step(W: dict, e: int, tokens: Any, pos: Any, compact: dict) -> None:
                 with torch.enable_grad():
@@ -507,8 +515,13 @@ def _classes() -> dict:
                 for r, w in Wl.items():
                     compact[r].backward(from_torch(w.grad.float().unsqueeze(-1).contiguous()))
 
-            _visit(binding, list(reversed(ctx.groups)), True, step)
+            def delivered(e: int) -> None:  # the expert's gradients are in its tiled .grad; its tiles let go
+                for r in ctx.reservations:
+                    r.finish(e, True)
+
+            _visit(binding, list(reversed(ctx.groups)), True, step, delivered)
             ctx.groups = None
+            ctx.reservations = []
             gb = [None if leaf is None else (leaf.grad if leaf.grad is not None else torch.zeros_like(leaf))
                   for leaf in leaves]
             return dx.to(x.dtype), dw.to(weights.dtype), gb[0], gb[1], None, None, None
@@ -524,9 +537,9 @@ def _contribution(binding: Any, W: dict, e: int, xe: Any, we: Any, bgu: Any, bd:
     return binding._expert(W, e, xe, bgu, bd) * we[:, None]
 
 
-def _visit(binding: Any, groups: list, backward: bool, fn: Any) -> None:
+def _visit(binding: Any, groups: list, backward: bool, fn: Any, after: Any = None) -> None:
     """Calls fn(W, e, tokens, positions[, compact]) per routed expert, its tiles projected (the next expert's
-    projection in flight when the budget holds two)."""
+    projection in flight when the budget holds two), then after(e), once its projections are dropped."""
     depth = binding._depth(backward)
     window: list = []
     nxt = 0
@@ -541,6 +554,8 @@ def _visit(binding: Any, groups: list, backward: bool, fn: Any) -> None:
         else:
             fn(W, e, tokens, pos)
         del compact, W
+        if after is not None:
+            after(e)
 
 
 def attach(module: Any, binding: OffloadedExperts) -> None:

@@ -21,8 +21,10 @@ The tiled state (momenta, per-tile step counts) is never gathered into RAM: ``sa
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any, Optional
+import weakref
+from typing import Any, Iterator, Optional
 
 from ._bridge import _sw, _torch
 
@@ -135,6 +137,21 @@ def _groups_of(model_or_params: Any, what: str) -> list:
     return out
 
 
+# Note [Stepping in backward through torch]: an optimizer built with step_in_backward=True steps each expert's tiles
+# inside backward (Note [Stepping in backward] in strideweave/optim.hpp), before torch's step() runs; the experts
+# Functions' backward (_experts.py) pushes every such optimizer's group options to its engines first, so a tile
+# stepped in backward uses the lr a scheduler set after the previous step(), as step() would.
+_IN_BACKWARD: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def push_in_backward() -> None:
+    """Pushes the group options of every live optimizer with step_in_backward to its engines."""
+    for opt in list(_IN_BACKWARD):
+        for group, tg in zip(opt.param_groups, opt._tiled_groups):
+            if tg.engine is not None:
+                opt._push(tg.engine, group)
+
+
 def _is_tiled_like(x: Any) -> bool:
     from ._experts import OffloadedExperts
     return isinstance(x, (_sw().Tensor, OffloadedExperts))
@@ -159,8 +176,10 @@ class _Bridge:
     # The group options the tiled engine does not implement, with the only value it accepts.
     _FIXED: dict = {}
 
-    def _init(self, torch_cls: Any, model_or_params: Any, state_folder: Any, kwargs: dict) -> None:
+    def _init(self, torch_cls: Any, model_or_params: Any, state_folder: Any, kwargs: dict,
+              step_in_backward: bool = False) -> None:
         what = f"strideweave.torch.{type(self).__name__}"
+        self._step_in_backward = bool(step_in_backward)
         self._what = what
         self._tiled_groups: list = []
         self.state_folder = state_folder
@@ -170,6 +189,8 @@ class _Bridge:
         # torch.optim.Optimizer.__init__ validates the options and calls add_param_group for each group.
         torch_cls.__init__(self, [g for g, _ in groups], **kwargs)
         del self._pending
+        if self._step_in_backward:
+            _IN_BACKWARD.add(self)
 
     def _check_duplicates(self, new: list, what: str) -> None:
         seen = {id(t) for g in self._tiled_groups for t in g.tensors}
@@ -222,6 +243,23 @@ class _Bridge:
                 self.param_groups.pop()
                 raise
         self._tiled_groups.append(_TiledGroup(tiled, engine))
+
+    @property
+    def step_in_backward(self) -> bool:
+        """Whether the experts' tiles are stepped in backward, each the moment its gradient is final (fixed at
+        construction; docs/guide.md, "Stepping in backward")."""
+        return self._step_in_backward
+
+    @contextlib.contextmanager
+    def no_step(self) -> Iterator[None]:
+        """Gradient accumulation with ``step_in_backward``: backwards inside only add into the experts' ``.grad``
+        (the micro-batches before the last); the last backward, outside, steps the experts it reaches and
+        ``step()`` the rest. Without step_in_backward it changes nothing."""
+        with contextlib.ExitStack() as stack:
+            for tg in self._tiled_groups:
+                if tg.engine is not None:
+                    stack.enter_context(tg.engine.no_step())
+            yield
 
     @property
     def tiled_param_groups(self) -> list:
@@ -370,25 +408,29 @@ def _classes() -> dict:
     class SGD(_Bridge, torch.optim.SGD):
         """``torch.optim.SGD`` over the torch parameters and ``strideweave.optim.SGD`` over the tiled experts of
         each group: ``SGD(model_or_params, lr=1e-3, momentum=0, dampening=0, weight_decay=0, nesterov=False,
-        *, state_folder=None, state_dtype=None)`` (``state_dtype``: how the tiled engines store their state,
-        ``strideweave.DType.Float32`` (None: the default), ``DType.BFloat16`` or ``"8bit"``
-        (``strideweave.optim.STATE_8BIT``: 8-bit block-wise); torch's own state is torch's)."""
+        *, state_folder=None, state_dtype=None, step_in_backward=False)`` (``state_dtype``: how the tiled engines store
+        their state, ``strideweave.DType.Float32`` (None: the default), ``DType.BFloat16`` or ``"8bit"``
+        (``strideweave.optim.STATE_8BIT``: 8-bit block-wise); torch's own state is
+        torch's; ``step_in_backward``: the experts stepped in backward, Note [Stepping in backward through
+        torch])."""
 
         _torch_cls = torch.optim.SGD
         _FIXED = {"maximize": False, "differentiable": False}
 
         def __init__(self, model_or_params: Any, lr: Any = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
                      weight_decay: float = 0.0, nesterov: bool = False, *, state_folder: Any = None,
-                     foreach: Optional[bool] = None, state_dtype: Any = None) -> None:
+                     foreach: Optional[bool] = None, state_dtype: Any = None,
+                     step_in_backward: bool = False) -> None:
             self._state_dtype = state_dtype
             self._init(torch.optim.SGD, model_or_params, state_folder,
                        dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                            nesterov=nesterov, foreach=foreach))
+                            nesterov=nesterov, foreach=foreach), step_in_backward)
 
         def _engine_for(self, tiled: list, group: dict) -> Any:
             return sw.optim.SGD(tiled, lr=_number(group["lr"]), momentum=_number(group["momentum"]),
                                 dampening=_number(group["dampening"]), weight_decay=_number(group["weight_decay"]),
-                                nesterov=bool(group["nesterov"]), state_dtype=self._state_dtype)
+                                nesterov=bool(group["nesterov"]), state_dtype=self._state_dtype,
+                                step_in_backward=self._step_in_backward)
 
         def _push(self, engine: Any, group: dict) -> None:
             nesterov = bool(group["nesterov"])
@@ -402,7 +444,8 @@ def _classes() -> dict:
     def adam_engine(self: Any, tiled: list, group: dict) -> Any:
         cls = sw.optim.AdamW if self._decoupled else sw.optim.Adam
         return cls(tiled, lr=_number(group["lr"]), betas=_pair(group["betas"]), eps=_number(group["eps"]),
-                   weight_decay=_number(group["weight_decay"]), state_dtype=self._state_dtype)
+                   weight_decay=_number(group["weight_decay"]), state_dtype=self._state_dtype,
+                   step_in_backward=self._step_in_backward)
 
     def adam_push(self: Any, engine: Any, group: dict) -> None:
         _set(engine, "lr", _number(group["lr"]))
@@ -413,7 +456,8 @@ def _classes() -> dict:
     class Adam(_Bridge, torch.optim.Adam):
         """``torch.optim.Adam`` over the torch parameters and ``strideweave.optim.Adam`` over the tiled experts
         of each group: ``Adam(model_or_params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
-        *, state_folder=None, state_dtype=None)`` (``state_dtype``: as SGD's)."""
+        *, state_folder=None, state_dtype=None, step_in_backward=False)`` (``state_dtype``, ``step_in_backward``: as
+        SGD's)."""
 
         _torch_cls = torch.optim.Adam
         _decoupled = False
@@ -423,15 +467,18 @@ def _classes() -> dict:
 
         def __init__(self, model_or_params: Any, lr: Any = 1e-3, betas: Any = (0.9, 0.999), eps: float = 1e-8,
                      weight_decay: float = 0.0, *, state_folder: Any = None,
-                     foreach: Optional[bool] = None, state_dtype: Any = None) -> None:
+                     foreach: Optional[bool] = None, state_dtype: Any = None,
+                     step_in_backward: bool = False) -> None:
             self._state_dtype = state_dtype
             self._init(torch.optim.Adam, model_or_params, state_folder,
-                       dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach))
+                       dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach),
+                       step_in_backward)
 
     class AdamW(_Bridge, torch.optim.AdamW):
         """``torch.optim.AdamW`` over the torch parameters and ``strideweave.optim.AdamW`` over the tiled
         experts of each group: ``AdamW(model_or_params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
-        weight_decay=1e-2, *, state_folder=None, state_dtype=None)`` (``state_dtype``: as SGD's)."""
+        weight_decay=1e-2, *, state_folder=None, state_dtype=None, step_in_backward=False)`` (``state_dtype``,
+        ``step_in_backward``: as SGD's)."""
 
         _torch_cls = torch.optim.AdamW
         _decoupled = True
@@ -441,10 +488,12 @@ def _classes() -> dict:
 
         def __init__(self, model_or_params: Any, lr: Any = 1e-3, betas: Any = (0.9, 0.999), eps: float = 1e-8,
                      weight_decay: float = 1e-2, *, state_folder: Any = None,
-                     foreach: Optional[bool] = None, state_dtype: Any = None) -> None:
+                     foreach: Optional[bool] = None, state_dtype: Any = None,
+                     step_in_backward: bool = False) -> None:
             self._state_dtype = state_dtype
             self._init(torch.optim.AdamW, model_or_params, state_folder,
-                       dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach))
+                       dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach),
+                       step_in_backward)
 
     for cls in (SGD, Adam, AdamW):
         cls.__module__ = "strideweave.torch"
@@ -484,6 +533,11 @@ def clip_grad_norm_(model_or_parameters: Any, max_norm: float, norm_type: float 
     if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)):
         raise TypeError(f"{what}: norm_type must be a number, got {_describe(norm_type)}")
     norm_type = float(norm_type)
+    for t in tiled:
+        if sw._core._steps_in_backward(t):
+            raise ValueError(f"{what}: the experts' optimizer has step_in_backward=True: each expert is stepped in "
+                             "backward before the other gradients exist, so clipping by the total norm cannot apply "
+                             "(build it with step_in_backward=False to clip; nothing was scaled)")
     from torch.utils._foreach_utils import _device_has_foreach_support, _has_foreach_support
     grads = [p.grad for p in plain if p.grad is not None]
     tiled_with_grad = [t for t in tiled if t.grad is not None]

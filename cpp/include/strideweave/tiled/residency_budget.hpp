@@ -28,6 +28,13 @@
 //    everything resident is in use, the request fails with RuntimeError; tiles
 //    evicted while trying stay evicted (their values are safe in their tiers).
 //  * Untouched gradient tiles are implicit zeros: they take no room.
+//  * Write-behind (Note [Write-behind evictions] in cpp/src/tiled/write_behind.cpp): after an admission, when
+//    less than write_behind_bytes() of the budget would be free once the queued writes end, least recently used
+//    dirty tiles are handed to the I/O executor to be written and evicted there, up to write_behind_bytes() at
+//    once (the bounded queue). A tile queued or being written still counts as resident until its write commits,
+//    so the bound holds; an admission waits only when it cannot fit without the bytes those writes will free (it
+//    then waits for the oldest), and that wait is counted in stats(). A queued tile used again before its write
+//    starts is taken back (it stays resident); one being written is waited for.
 // The bound holds for the requests of one thread at a time (a fresh gradient
 // that is added into .grad shares its tile buffer, which is counted once);
 // requests admitted concurrently by several threads may overshoot it by the
@@ -38,6 +45,7 @@
 // the budget's).
 #pragma once
 
+#include <condition_variable>
 #include <cstdint>
 #include <list>
 #include <memory>
@@ -58,12 +66,22 @@ struct BudgetStats {
   int64_t peak_tiles = 0, peak_bytes = 0;  // since construction or reset_peak()
   int64_t evictions = 0;                   // tiles the budget evicted to make room
   int64_t members = 0;                     // live carriers drawing from it
+  // Write-behind (Note [Write-behind evictions]): the bound on bytes queued or being written at once (0: off),
+  // the tiles and bytes queued or being written now (counted in resident_*), tiles evicted that way (also counted
+  // in `evictions`), queued tiles taken back because they were used again first, and failed writes.
+  int64_t write_behind_limit = 0;
+  int64_t write_behind_tiles = 0, write_behind_bytes = 0;
+  int64_t write_behind_evictions = 0, write_behind_cancelled = 0, write_behind_failures = 0;
+  // Admissions and accesses that waited on evictions (evicting inline, or waiting for a queued or running write),
+  // and the time they waited, in nanoseconds.
+  int64_t eviction_waits = 0, eviction_wait_ns = 0;
 };
 
 class ResidencyBudget {
  public:
   // ValueError unless max_bytes >= 1.
-  explicit ResidencyBudget(int64_t max_bytes);
+  // write_behind_bytes: the write-behind queue's bound in bytes; negative means max_bytes / 8, 0 turns it off.
+  explicit ResidencyBudget(int64_t max_bytes, int64_t write_behind_bytes = -1);
   ResidencyBudget(const ResidencyBudget&) = delete;
   ResidencyBudget& operator=(const ResidencyBudget&) = delete;
 
@@ -72,6 +90,10 @@ class ResidencyBudget {
   BudgetStats stats() const;
   // The peaks restart from what is resident now. Blocks: the budget's lock, briefly.
   void reset_peak();
+  // The write-behind queue's bound (Note [Write-behind evictions]); ValueError when negative; 0 turns it off
+  // (tiles already queued are still written). Blocks: the budget's lock, briefly.
+  int64_t write_behind_bytes() const;
+  void set_write_behind_bytes(int64_t bytes);
 
   // -------- engine hooks (cpp/src/tiled): called by member carriers
   void join(const TiledEvictable& c);
@@ -85,6 +107,13 @@ class ResidencyBudget {
   // Blocks: evicts (I/O) in this thread.
   void make_room(const TiledEvictable& requester, std::span<const int64_t> keep, int64_t bytes, const char* purpose,
                  const TiledEvictable* spare = nullptr);
+  // Write-behind hooks, called under c's tile-table lock: whether tile `index` of c (resident here, not queued) may
+  // be queued now (the queue has room), marking it queued if so; and the end of a queued tile's write-behind that
+  // did not evict it (taken back when `failed` is false, a failed write otherwise).
+  bool write_behind_admit(const TiledEvictable& c, int64_t index);
+  void write_behind_ended(const TiledEvictable& c, int64_t index, bool failed) noexcept;
+  // Counts one wait on evictions of `ns` nanoseconds.
+  void count_eviction_wait(int64_t ns) noexcept;
   // ValueError (nothing changed) when `tiles` of c, holding `bytes`, can never fit.
   void check_working_set(const TiledEvictable& c, int64_t tiles, int64_t bytes, const char* purpose) const;
 
@@ -102,8 +131,14 @@ class ResidencyBudget {
   struct Entry {
     int64_t bytes;
     std::list<Key>::iterator pos;
+    bool behind = false;  // queued for write-behind or being written
   };
   void remove_locked(Key k) noexcept;
+  // After an admission: hands least recently used dirty tiles to write-behind (Note [Write-behind evictions]).
+  void write_ahead(const TiledEvictable& requester, std::span<const int64_t> keep, int64_t bytes,
+                   const TiledEvictable* spare);
+  // In a child after fork(): the writes queued in the parent do not run here (Note [Fork safety]).
+  void restart_after_fork_locked() noexcept;
 
   const int64_t max_bytes_;
   // A striped lock, held across fork() (Note [Fork safety]): a pool thread admitting a tile may hold it then.
@@ -112,6 +147,11 @@ class ResidencyBudget {
   std::unordered_map<Key, Entry, KeyHash> entries_;
   std::unordered_map<const TiledEvictable*, int64_t> members_;  // carrier -> its resident tiles here
   int64_t resident_bytes_ = 0, peak_bytes_ = 0, peak_tiles_ = 0, evictions_ = 0;
+  int64_t write_behind_limit_ = 0, behind_tiles_ = 0, behind_bytes_ = 0;
+  int64_t behind_evictions_ = 0, behind_cancelled_ = 0, behind_failures_ = 0;
+  int64_t eviction_waits_ = 0, eviction_wait_ns_ = 0;
+  std::condition_variable behind_cv_;  // notified whenever a write-behind ends (behind_bytes_ drops)
+  uint64_t generation_ = fork_generation();
 };
 
 }  // namespace sw

@@ -29,6 +29,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <deque>
 #include <functional>
 #include <list>
 #include <memory>
@@ -43,6 +44,7 @@
 #include "strideweave/completion.hpp"
 #include "strideweave/fork.hpp"
 #include "strideweave/tensor.hpp"
+#include "strideweave/tiled/gradient_hook.hpp"
 #include "strideweave/tiled/residency_budget.hpp"
 #include "strideweave/tiled/tile_geometry.hpp"
 
@@ -129,6 +131,15 @@ class TiledEvictable final : public DependentCarrier {
   const std::shared_ptr<ResidencyBudget>& residency_budget() const noexcept { return budget_; }
   // Bytes of one tile in primary storage (tile_size() slots of the dtype).
   int64_t tile_bytes() const noexcept;
+
+  // -------- gradient hook (Note [Gradient reservations], gradient_hook.hpp)
+  // Installs `hook` (null: removes the one installed). ValueError when another hook is installed (one consumer of
+  // a parameter's gradients in backward at a time); installing the same one again does nothing.
+  // Blocks: a lock of its own, briefly.
+  void set_gradient_hook(std::shared_ptr<TileGradientHook> hook);
+  std::shared_ptr<TileGradientHook> gradient_hook() const;
+  // Reserves `tiles` through the hook (an empty reservation when there is none); the hook's errors propagate.
+  GradientReservation reserve_gradients(std::vector<int64_t> tiles) const;
 
   // -------- footprints
   // ValueError ("tile footprints") unless `tensor` is tile-footprint compatible.
@@ -225,6 +236,20 @@ class TiledEvictable final : public DependentCarrier {
   // Under a budget: makes room for those of `tiles` that are not resident yet, before they become resident
   // (ValueError when `tiles` can never fit; RuntimeError when room cannot be made). Call without the lock.
   void admit(std::vector<int64_t> tiles, const char* purpose);
+  // -------- write-behind (Note [Write-behind evictions] in cpp/src/tiled/write_behind.cpp)
+  // Queues those of `tiles` that are resident, dirty, unpinned and under no request for an eviction on the I/O
+  // executor, while the budget's queue has room. Call without the lock.
+  void queue_write_behind(const std::vector<int64_t>& tiles);
+  // The carrier's job on the I/O executor: evicts the queued tiles one by one, in this thread, until the queue is
+  // empty; a failure is kept for the next request.
+  void run_write_behind() noexcept;
+  // Under mutex_: takes back the queued write-behinds of `tiles` (they stay resident) and waits for the ones being
+  // written (every tile when `all`).
+  void settle_write_behind(std::unique_lock<std::mutex>& lock, std::span<const int64_t> tiles, bool all = false);
+  // The same, taking the lock.
+  void settle_write_behind(std::span<const int64_t> tiles, bool all = false);
+  // Under mutex_: raises (once) the failure of a write-behind eviction, before the request changes anything.
+  void raise_write_behind_failure();
   struct Work;
   class TileWrite;
   // Pins `tiles` (after asking the policy) and lists in `missing` those the work must promote.
@@ -247,7 +272,9 @@ class TiledEvictable final : public DependentCarrier {
     int pins = 0;
     uint64_t pending = 0;   // id of the incomplete residency request transitioning it, or of the sum holding it
                             // (kSumHold set: Note [Gradient sums hold their tiles])
+    uint8_t behind = 0;     // kBehindQueued / kBehindWriting (Note [Write-behind evictions])
   };
+  static constexpr uint8_t kBehindQueued = 1, kBehindWriting = 2;
   struct Request;
   // A place in line for a set of tiles (Note [Taking turns]); leaves the line when destroyed.
   class Turn;
@@ -308,6 +335,8 @@ class TiledEvictable final : public DependentCarrier {
   Claim primary_claim_, secondary_claim_;
   std::shared_ptr<ResidencyPolicy> policy_;
   std::shared_ptr<ResidencyBudget> budget_;  // set once (set_residency_budget); null when none
+  mutable std::mutex hook_mutex_;
+  std::shared_ptr<TileGradientHook> gradient_hook_;  // under hook_mutex_
 
   mutable std::mutex mutex_;
   mutable std::vector<Tile> tiles_;
@@ -315,6 +344,13 @@ class TiledEvictable final : public DependentCarrier {
   uint64_t next_request_ = 1;
   int active_requests_ = 0;
   int active_work_ = 0;
+  // Write-behind (Note [Write-behind evictions]): tiles queued or being written, the write-behind requests among
+  // active_requests_, jobs queued on the I/O executor, and the failure the next request reports.
+  int64_t behind_tiles_ = 0;
+  int behind_requests_ = 0;
+  int behind_jobs_ = 0;  // 1 while the carrier's job is queued or running
+  std::deque<int64_t> behind_queue_;  // queued tiles, oldest first (taken-back ones are skipped)
+  std::exception_ptr write_behind_failure_;
   // References to this carrier that queued requests hold (Request::owner); shared with them, so a request
   // can uncount its reference after dropping it (Note [Requests' own references]).
   std::shared_ptr<std::atomic<int64_t>> request_refs_ = std::make_shared<std::atomic<int64_t>>(0);
