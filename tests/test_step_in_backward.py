@@ -61,12 +61,12 @@ def bits(t) -> bytes:
 class Block:
     """One SparseMoE over fresh tiled copies of the problem's experts, its optimizer, and the batches."""
 
-    def __init__(self, prob, dtype, kind, sib, budget_bytes=None):
+    def __init__(self, prob, dtype, kind, sib, budget_bytes=None, **options):
         x, router, w1, w2, w3, g = prob
         self.budget = ResidencyBudget(budget_bytes) if budget_bytes else None
         self.moe = build(w1, w2, w3, dtype, top_k=2, budget=self.budget)
         self.params = [self.moe.w1, self.moe.w2, self.moe.w3]
-        self.opt = getattr(sw.optim, kind)(self.params, **KINDS[kind], step_in_backward=sib)
+        self.opt = getattr(sw.optim, kind)(self.params, **KINDS[kind], step_in_backward=sib, **options)
         self.dtype, self.router = dtype, router
 
     def forward(self, x):
@@ -141,6 +141,23 @@ def test_bit_identical_to_stepping_after_backward(kind, dtype, budget):
         grads = [p.grad for p in inside.params]
         assert all(gr.carrier.stats()["bytes_evicted"] == 0 for gr in grads)
         assert all(gr.carrier.stats()["primary_tiles"] == 0 for gr in grads)
+
+
+@pytest.mark.parametrize("state_dtype", [DType.BFloat16, sw.optim.STATE_8BIT], ids=["bf16-state", "8bit-state"])
+def test_bit_identical_with_compact_state(state_dtype):
+    """BFloat16 and 8-bit moments: the state is decoded, updated and encoded by the same per-tile update either way."""
+    seed = seed_of(f"compact{state_dtype}")
+    dtype = DType.BFloat16
+    prob = problem(seed, dtype, 2)
+    after = Block(prob, dtype, "AdamW", False, tight_budget(2), state_dtype=state_dtype)
+    inside = Block(prob, dtype, "AdamW", True, tight_budget(2), state_dtype=state_dtype)
+    for step, (x, g) in enumerate(batches(seed + 1, 3, dtype)):
+        for blk in (after, inside):
+            blk.backward(blk.forward(x), g)
+            blk.opt.step()
+            blk.opt.zero_grad()
+        assert_same(after, inside, f"step {step}")
+    assert inside.opt.stats()["tiles_stepped_in_backward"] == after.opt.stats()["tiles_stepped"] > 0
 
 
 def test_the_reference_writes_gradients_under_the_same_budget():
