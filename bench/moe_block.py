@@ -255,8 +255,6 @@ def worker(job: dict) -> dict:
 
         prefix = "model.layers.0.block_sparse_moe"
         ckpt = sw.safetensors.open(folder)  # opened where it lies: headers only
-        if os.environ.get("SW_PROMOTION_PATH"):  # force "map" or "read" (Note [Promotion by the cheaper path])
-            sw.safetensors.set_promotion_path(os.environ["SW_PROMOTION_PATH"])
         experts = {w: ckpt.tiled([f"{prefix}.experts.{e}.{w}.weight" for e in range(shape["experts"])])
                    for w in ("w1", "w2", "w3")}
         weight_bytes = 3 * H * shape["intermediate"] * shape["experts"] * (4 if job["dtype"] == "float32" else 2)

@@ -53,3 +53,9 @@ def set_promotion_path(path: str) -> str:
     another string, TypeError for a value that is not a str.
     """
     return _core._set_promotion_path(path)
+
+
+# SW_PROMOTION_PATH=auto|map|read in the environment sets the path at import (benchmarks compare the paths in
+# fresh processes).
+if os.environ.get("SW_PROMOTION_PATH"):
+    set_promotion_path(os.environ["SW_PROMOTION_PATH"])

@@ -241,9 +241,16 @@ void CheckpointCarrier::read_slots(int64_t start, int64_t count, void* out) cons
 //      munmap (timed when the tile lets go of the buffer), against a read's pread into a buffer already faulted
 //      in (a fresh buffer is populated before the read is timed: once reads are the path, their buffers are
 //      recycled). Reads must be cheaper by a fifth: within that the estimates' noise decides nothing, and a
-//      mapping holds no memory of its own. The dearer path is measured again once in 64 times the cost ratio
-//      choices (about 1/64 of the promotions' time whatever the ratio); a read is measured by a probe (a read of
-//      up to 1 MiB of the range into a per-thread buffer, beside the mapping), so no read buffer is left behind.
+//      mapping holds no memory of its own. The tier's path is decided once in 64 choices and kept in between (a
+//      first version chose per promotion: on the loaded machine the estimates of the two paths came within noise
+//      of each other, the tiers alternated, and bench/moe_block.py's peak RSS rose from 487 to 582 MiB, BFloat16
+//      inference, with read buffers idle in the cache while mappings were in use). The other path is measured
+//      again once in 64 times the cost ratio choices (about 1/64 of the promotions' time whatever the ratio); a
+//      read by a probe (a read of up to 1 MiB of the range into a per-thread buffer, beside the mapping), so no
+//      read buffer is left behind.
+// A read tile's buffer goes back to the mapping cache faulted in only while reads are the tier's path; otherwise
+// its pages are given back first (MADV_DONTNEED; the cache keeps the address range), so a pooled buffer holds
+// memory only where the next read will take it.
 // set_promotion_path forces either path (tests, benchmarks). Both paths leave the same bytes in the tile, and
 // neither writes the file: a read tile is memory of its own, a mapped one a private mapping; an evicted dirty
 // tile goes to the overlay either way. A range past a truncated end is left to the engine's read, which reports
@@ -369,7 +376,19 @@ CarrierPtr CheckpointCarrier::map_slots(int64_t start, int64_t count) const {
     }
     // The system refused the mapping: read instead.
   }
-  auto buffer = std::make_shared<AlignedBuffer>(bytes, false, "a promoted checkpoint tile");
+  // A read tile's buffer goes back to the mapping cache at eviction, faulted in, for the next read; unless reads
+  // are not this tier's path (forced, or Auto's), where it would sit there holding memory nothing reuses: then
+  // its pages are given back first (the cache keeps only the address range).
+  std::shared_ptr<AlignedBuffer> buffer(new AlignedBuffer(bytes, false, "a promoted checkpoint tile"),
+                                        [costs = costs_](AlignedBuffer* b) {
+                                          const PromotionPath p = promotion_path();
+                                          const bool reading = p == PromotionPath::Read ||
+                                                               (p == PromotionPath::Auto &&
+                                                                costs->reading.load(std::memory_order_relaxed));
+                                          if (!reading && b->bytes() >= (size_t{1} << 20))
+                                            ::madvise(b->data(), b->bytes(), MADV_DONTNEED);
+                                          delete b;
+                                        });
   const bool reused = resident(buffer->data(), bytes);
 #ifdef MADV_POPULATE_WRITE
   // A fresh buffer is faulted in before the read is timed: the estimate is a read into a recycled buffer, what
@@ -392,17 +411,19 @@ CheckpointCarrier::Choice CheckpointCarrier::choose(uint8_t state) const noexcep
   if (read < 0) return {PromotionPath::Map, true};  // and a read
   const int64_t map_total = map + std::max<int64_t>(0, costs_->unmap.load(std::memory_order_relaxed));
   const int64_t cheap = std::max<int64_t>(1, std::min(read, map_total)), dear = std::max(read, map_total);
-  // Reads must be cheaper by a fifth: within that, the estimates' noise decides nothing, and a mapping holds no
-  // memory of its own (the page cache's pages are shared and reclaimable; a read leaves a buffer in the cache).
-  const PromotionPath cheaper = read * 5 < map_total * 4 ? PromotionPath::Read : PromotionPath::Map;
-  // The dearer path is measured again once in kExploreEvery times the cost ratio choices (the ratio at most 16):
+  const int64_t n = costs_->choices.fetch_add(1, std::memory_order_relaxed);
+  // The tier's path is decided again once in kExploreEvery choices, and kept in between: a tier that switched
+  // path on every noisy estimate would keep both kinds of memory at once. Reads must be cheaper by a fifth:
+  // within that the estimates' noise decides nothing, and a mapping holds no memory of its own.
+  if (n % kExploreEvery == 0) costs_->reading.store(read * 5 < map_total * 4, std::memory_order_relaxed);
+  const PromotionPath path = costs_->reading.load(std::memory_order_relaxed) ? PromotionPath::Read : PromotionPath::Map;
+  // The other path is measured again once in kExploreEvery times the cost ratio choices (the ratio at most 16):
   // its estimate stays current, and doing so costs about 1/kExploreEvery of the promotions' time whatever the
-  // ratio. Reads are re-measured by a probe (a 1 MiB read beside the mapping), so a tile mapped as usual leaves
-  // no read buffer behind; mappings by mapping the tile.
+  // ratio. Reads are measured by a probe (a read of up to 1 MiB beside the mapping), so a tile mapped as usual
+  // leaves no read buffer behind; mappings by mapping the tile.
   const int64_t every = kExploreEvery * std::clamp<int64_t>(dear / cheap, 1, 16);
-  const bool explore = costs_->choices.fetch_add(1, std::memory_order_relaxed) % every == every - 1;
-  if (!explore) return {cheaper, false};
-  return cheaper == PromotionPath::Map ? Choice{PromotionPath::Map, true} : Choice{PromotionPath::Map, false};
+  if (n % every != every - 1) return {path, false};
+  return path == PromotionPath::Map ? Choice{PromotionPath::Map, true} : Choice{PromotionPath::Map, false};
 }
 
 void CheckpointCarrier::probe_read(int fd, uint64_t offset, size_t bytes) const noexcept {

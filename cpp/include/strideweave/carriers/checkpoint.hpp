@@ -197,6 +197,7 @@ class CheckpointCarrier final : public Carrier, public AtomicSlotWrites {
   // (their munmap is timed when the tile lets go of them, possibly after this carrier is gone).
   struct PathCosts {
     std::atomic<int64_t> map{-1}, unmap{-1}, read{-1}, choices{0};
+    std::atomic<bool> reading{false};  // Auto's current path for this tier: reads (true) or mappings
   };
   std::shared_ptr<PathCosts> costs_ = std::make_shared<PathCosts>();
   mutable std::mutex overlay_mutex_;  // guards overlay_fd_/overlay_end_ and first writes
