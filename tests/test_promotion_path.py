@@ -9,10 +9,11 @@ time per MiB, moving averages) is lower; ``sw.safetensors.set_promotion_path`` f
 What these tests pin: both paths give the package's bytes bit for bit (also in a recycled buffer that held another
 tile); under churn the read path takes buffers already faulted in from the mapping cache; auto measures both paths
 and every promotion is counted on one; the override forces each path and refuses anything else without changing
-the setting; a tile read into a buffer and then written never changes the checkpoint file (the dirty tile goes to
-the overlay); a ResidencyBudget counts the same bytes whichever path brought the tiles; a truncated or replaced
-file is refused with the same messages as before, and a refused promotion changes nothing. Values are compared
-exactly (``assert_array_equal`` on the raw bits): a promotion copies or maps bytes and computes nothing, so there is
+the setting; a read buffer evicted while mapping is the path holds no memory in the pool; a tile read into a
+buffer and then written never changes the checkpoint file (the dirty tile goes to the overlay); a ResidencyBudget
+counts the same bytes whichever path brought the tiles; a truncated or replaced file is refused with the same
+messages as before, and a refused promotion changes nothing. Values are compared exactly (``assert_array_equal``
+on the raw bits): a promotion copies or maps bytes and computes nothing, so there is
 no rounding to bound. Which path auto takes depends on the machine's costs, so no test asserts it beyond the first
 promotion.
 """
@@ -182,6 +183,33 @@ def test_auto_maps_a_first_promotion_then_measures_both_paths(tmp_path, path_set
     print(stats)
     assert stats["mapped"] + stats["read"] == 1 + (EXPERTS - 1) + 3 * EXPERTS  # tile 0 was resident
     assert stats["map_ns_per_mib"] > 0 and stats["read_ns_per_mib"] > 0 and stats["unmap_ns_per_mib"] >= 0
+    carrier.release()
+
+
+def test_a_read_buffer_holds_no_memory_once_reads_are_not_the_path(tmp_path, path_setting):
+    """The pool is bounded by use: a read tile evicted while mapping is the path gives its buffer's pages back
+    (the mapping cache keeps only the address range), so the next read into that buffer faults afresh
+    (read_reused stays put) while the cache's bytes still drop by exactly those buffers."""
+    path = tmp_path / "model.safetensors"
+    raw = write_checkpoint(path, "float32", SEED + 9)
+    full = sw.safetensors.open(path).tiled(names())
+    carrier, tier = full.carrier, full.carrier.secondary
+    tiles = every_tile()
+    tile_bytes = ROWS * COLS * 4
+    sw.safetensors.set_promotion_path("read")
+    carrier.promote(tiles)
+    sw.safetensors.set_promotion_path("map")
+    cached = sw.mapping_cache_bytes()
+    carrier.evict(tiles)  # reads are not the path now: the pages go, the ranges go to the cache
+    assert sw.mapping_cache_bytes() == cached + EXPERTS * tile_bytes
+    sw.safetensors.set_promotion_path("read")
+    before = tier.promotion_stats()
+    carrier.promote(tiles)
+    after = tier.promotion_stats()
+    assert after["read"] - before["read"] == EXPERTS
+    assert after["read_reused"] == before["read_reused"]  # none was resident: their memory had been given back
+    assert sw.mapping_cache_bytes() == cached
+    np.testing.assert_array_equal(bits(full, "float32"), expected(raw))
     carrier.release()
 
 
