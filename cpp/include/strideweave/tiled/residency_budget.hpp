@@ -102,9 +102,10 @@ class ResidencyBudget {
   void evicted(const TiledEvictable& c, int64_t index) noexcept;
   void touch(const TiledEvictable& c, std::span<const int64_t> tiles);
   // Evicts least recently used tiles of members (never `keep`, sorted, of `requester`, nor any tile of `spare`)
-  // until `bytes` more fit. RuntimeError when they cannot; `purpose` names the request in messages. Call with no
-  // tile-table lock held.
-  // Blocks: evicts (I/O) in this thread.
+  // until `bytes` more fit, counting the bytes that queued write-behinds will free; then hands tiles beyond the
+  // write-behind's room to the I/O executor (Note [Write-behind evictions]). RuntimeError when room cannot be made;
+  // `purpose` names the request in messages. Call with no tile-table lock held.
+  // Blocks: evicts (I/O) in this thread, or waits for a queued write-behind, only when `bytes` do not fit.
   void make_room(const TiledEvictable& requester, std::span<const int64_t> keep, int64_t bytes, const char* purpose,
                  const TiledEvictable* spare = nullptr);
   // Write-behind hooks, called under c's tile-table lock: whether tile `index` of c (resident here, not queued) may
