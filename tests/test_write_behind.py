@@ -145,3 +145,27 @@ def test_a_failed_write_behind_is_raised_by_the_next_request_and_loses_nothing()
     after = grads(moe)
     for name in ("w1", "w2", "w3"):
         np.testing.assert_array_equal(after[name], values_before[name], err_msg=name)
+
+
+def test_the_queue_bound_is_validated_and_zero_turns_write_behind_off():
+    """write_behind_bytes defaults to max_bytes // 8, is clamped to max_bytes, refuses a negative bound with
+    ValueError (leaving the bound as it was), and 0 turns write-behind off: under a budget of two experts' weights
+    and gradients, the same forward and backward then evicts inline, in the computing thread (counted as waits),
+    and hands nothing to the I/O threads."""
+    max_bytes = 2 * 2 * EXPERT_BYTES
+    budget = ResidencyBudget(max_bytes)
+    assert budget.write_behind_bytes == max_bytes // 8
+    assert budget.stats()["write_behind_limit"] == max_bytes // 8
+    budget.write_behind_bytes = 10 * max_bytes
+    assert budget.write_behind_bytes == max_bytes
+    with pytest.raises(ValueError, match="write_behind_bytes must be >= 0"):
+        budget.write_behind_bytes = -1
+    assert budget.write_behind_bytes == max_bytes
+    budget.write_behind_bytes = 0
+    w1, w2, w3, router, x, g = problem()
+    moe = sw.moe.SparseMoE(tiled(w1, budget=budget), tiled(w2, budget=budget), tiled(w3, budget=budget), top_k=2)
+    forward_backward(moe, x, router, g)
+    stats = budget.stats()
+    assert stats["evictions"] > 0 and stats["eviction_waits"] > 0 and stats["eviction_wait_ns"] > 0, stats
+    assert stats["write_behind_evictions"] == 0 and stats["write_behind_tiles"] == 0, stats
+    assert stats["peak_bytes"] <= max_bytes, stats
