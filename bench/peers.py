@@ -17,13 +17,14 @@ the same computation as the reference worker's (the routers, embedding and unemb
 ``nn.Module`` per expert so that ZeRO-3 gathers an expert's parameters when it is called), built inside
 ``deepspeed.zero.Init`` (partitioned, and so offloaded, as it is built) from the same checkpoint, read one tensor at a
 time. Its config is ZeRO stage 3 with the sizes transformers' DeepSpeed integration fills in for "auto" (reduce
-bucket H^2, prefetch bucket 0.9 H^2, persistence threshold 10 H, H the hidden size; DeepSpeed's own defaults
-allocate buffers of 1e8-5e8 elements, far above this model), bf16 enabled (bf16 parameters, Float32 master weights
-and moments in the offloaded optimizer), optimizer AdamW with the example's lr and weight decay. The optimizer is
-DeepSpeedCPUAdam (DeepSpeed's cpu_adam op, JIT-built by DeepSpeed with ninja before the first round, outside every
-timed run); when it cannot be built, the run uses torch's AdamW (``torch_adam``, ``zero_force_ds_cpu_optimizer``
-false) and the record says so. An expert that no token is routed to in a step gets a zero gradient in ZeRO-3 (and
-is stepped), where the others skip it; with 512 tokens, top-2 of 8 experts, every expert is routed in every step.
+bucket H^2, prefetch bucket 0.9 H^2, persistence threshold 10 H, H the hidden size; DeepSpeed's own defaults,
+a 5e8-element reduce bucket and a 5e7-element prefetch bucket, are sized for far larger models), bf16 enabled
+(bf16 parameters, Float32 master weights and moments in the offloaded optimizer), optimizer AdamW with the
+example's lr and weight decay. The optimizer is DeepSpeedCPUAdam (DeepSpeed's cpu_adam op, JIT-built by DeepSpeed
+with ninja before the first round, outside every timed run); when it cannot be built, the run uses torch's AdamW
+(``torch_adam``, ``zero_force_ds_cpu_optimizer`` false) and the record says so. An expert that no token is routed
+to in a step has no gradient in the reference and in StrideWeave (their AdamW skips it); ZeRO-3's optimizer steps
+its flattened Float32 partition as a whole.
 
 Every system times the same ``steps`` steps of 512 tokens (loading not timed; DeepSpeed's initialize not timed);
 tokens/s = steps x tokens / wall. Per round: ours / ZeRO-3-CPU throughput ("ratio", higher is better; target
@@ -33,7 +34,7 @@ and peak RSS, its ratios against PyTorch in RAM and against StrideWeave, the CPU
 1-minute load average at start and end (PyTorch's OpenMP threads slow down many times over on a loaded machine).
 
 Only ``make bench FULL=1`` runs it (bench/run_all.py --full), after installing requirements-peers.txt and
-libaio-dev. Default: 2 rounds of the example's 24 steps (about 5 minutes on 2 cores); --quick: 1 round of 8.
+libaio-dev. Default: 2 rounds of the example's 24 steps (3-4 minutes on 2 cores); --quick: 1 round of 8.
 
 Usage: python bench/peers.py [--quick] [--reps ROUNDS] [--quiet]
 """
