@@ -63,6 +63,7 @@ void ResidencyBudget::remove_locked(Key k) noexcept {  // by value: k may be the
   auto it = entries_.find(k);
   if (it == entries_.end()) return;
   resident_bytes_ -= it->second.bytes;
+  restart_after_fork_locked();  // in a child nothing is behind any more (and no phantom waits on behind_cv_)
   if (it->second.behind) {  // its write-behind ended by evicting it (or the carrier left)
     behind_tiles_--;
     behind_bytes_ -= it->second.bytes;
@@ -122,6 +123,7 @@ void ResidencyBudget::write_behind_ended(const TiledEvictable& c, int64_t index,
   std::lock_guard lock(m_);
   if (failed) behind_failures_++;
   else behind_cancelled_++;
+  restart_after_fork_locked();
   auto it = entries_.find({&c, index});
   if (it == entries_.end() || !it->second.behind) return;
   it->second.behind = false;
