@@ -1,6 +1,6 @@
 """finetune: the examples/finetune_moe.py workload, StrideWeave offloaded against PyTorch with everything in RAM.
 
-Targets: throughput ratio >= 0.8 (StrideWeave tokens/s / PyTorch tokens/s) at <= 0.3 x PyTorch's peak resident
+Targets: throughput ratio >= 0.9 (StrideWeave tokens/s / PyTorch tokens/s) at <= 0.3 x PyTorch's peak resident
 memory.
 
 Workload (the example's defaults unless --quick): a Mixtral-format BFloat16 checkpoint written once with the
@@ -56,7 +56,7 @@ sys.path.insert(0, HERE)
 import _moe  # noqa: E402
 import harness  # noqa: E402
 
-TARGET = 0.8  # throughput ratio, higher is better
+TARGET = 0.9  # throughput ratio, higher is better
 MEMORY_TARGET = 0.3  # peak-RSS ratio, lower is better
 MiB = 1 << 20
 EXAMPLE = os.path.join(ROOT, "examples", "finetune_moe.py")

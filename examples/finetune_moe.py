@@ -416,15 +416,14 @@ class Model:
 
 
 def tier_bytes(model: Model, opt) -> dict:
-    """Resident bytes now, per tier."""
-    w = g = s = 0
+    """Resident bytes now, per tier: the weights' and gradients' from their carriers, the moments' as the rest of
+    the budget's resident bytes (every tile of the three draws from it; opt.state(p) would decode 8-bit state)."""
+    w = g = 0
     for p in model.params:
         w += p.carrier.stats()["primary_bytes"]
         if p.grad is not None:
             g += p.grad.carrier.stats()["primary_bytes"]
-        st = opt.state(p)
-        s += st["exp_avg"].carrier.stats()["primary_bytes"] + st["exp_avg_sq"].carrier.stats()["primary_bytes"]
-    return {"weights": w, "gradients": g, "moments": s}
+    return {"weights": w, "gradients": g, "moments": model.budget.stats()["resident_bytes"] - w - g}
 
 
 def gradient_traffic(model: Model) -> dict:
