@@ -89,6 +89,7 @@ def test_a_backward_completes_while_the_write_behind_writes_are_held():
     stats = budget.stats()
     print(stats)
     assert stats["eviction_waits"] == 0 and stats["eviction_wait_ns"] == 0, stats
+    assert stats["write_behind_waits"] == 0 and stats["write_behind_wait_ns"] == 0, stats
     assert stats["write_behind_tiles"] > 0 and stats["write_behind_evictions"] == 0, stats
     assert stats["peak_bytes"] <= max_bytes, stats
     queued = stats["write_behind_tiles"]
@@ -168,4 +169,5 @@ def test_the_queue_bound_is_validated_and_zero_turns_write_behind_off():
     stats = budget.stats()
     assert stats["evictions"] > 0 and stats["eviction_waits"] > 0 and stats["eviction_wait_ns"] > 0, stats
     assert stats["write_behind_evictions"] == 0 and stats["write_behind_tiles"] == 0, stats
+    assert stats["write_behind_waits"] == 0, stats
     assert stats["peak_bytes"] <= max_bytes, stats

@@ -84,6 +84,7 @@ TEST_F(WriteBehindTest, AChainOfPromotionsCompletesWhileItsWritesAreHeldAtTheGat
   BudgetStats s = budget->stats();
   EXPECT_EQ(s.eviction_waits, 0) << "the computing thread waited on an eviction";
   EXPECT_EQ(s.eviction_wait_ns, 0);
+  EXPECT_EQ(s.write_behind_waits, 0);
   EXPECT_EQ(s.evictions, 0);
   EXPECT_EQ(s.write_behind_tiles, 4);
   EXPECT_EQ(s.write_behind_bytes, kQueue);
@@ -154,6 +155,8 @@ TEST_F(WriteBehindTest, WithTheQueueOffEvictionsAreInlineAndCounted) {
   EXPECT_EQ(s.write_behind_evictions, 0);
   EXPECT_EQ(s.eviction_waits, 1);
   EXPECT_GT(s.eviction_wait_ns, 0);
+  EXPECT_EQ(s.write_behind_waits, 0);  // an inline eviction, not a wait for a queued write
+  EXPECT_EQ(s.write_behind_wait_ns, 0);
   EXPECT_LE(s.peak_bytes, kMax);
   EXPECT_THROW(budget->set_write_behind_bytes(-1), ValueError);
   EXPECT_EQ(budget->write_behind_bytes(), 0);

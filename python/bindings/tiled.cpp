@@ -479,11 +479,14 @@ void bind_tiled(nb::module_& m) {
         d["write_behind_failures"] = s.write_behind_failures;
         d["eviction_waits"] = s.eviction_waits;
         d["eviction_wait_ns"] = s.eviction_wait_ns;
+        d["write_behind_waits"] = s.write_behind_waits;
+        d["write_behind_wait_ns"] = s.write_behind_wait_ns;
         return d;
       }, "Resident tiles and bytes under the budget now and at their peak (since construction or reset_peak()), "
          "tiles the budget evicted to make room, and live member carriers; write-behind (Note [Write-behind "
          "evictions]): the queue's bound, the tiles and bytes queued or being written now, tiles evicted that way, "
-         "queued tiles taken back, failed writes; and the waits on evictions (count, nanoseconds).")
+         "queued tiles taken back, failed writes; and the waits on evictions (count, nanoseconds), of which those "
+         "for queued writes.")
       .def_prop_rw("write_behind_bytes", &sw::ResidencyBudget::write_behind_bytes,
                    [](sw::ResidencyBudget& b, int64_t bytes) { b.set_write_behind_bytes(bytes); },
                    "Bound in bytes on the dirty tiles written ahead on the I/O threads at once (default max_bytes // 8; "

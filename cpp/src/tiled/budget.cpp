@@ -45,6 +45,8 @@ BudgetStats ResidencyBudget::stats() const {
   s.write_behind_failures = behind_failures_;
   s.eviction_waits = eviction_waits_;
   s.eviction_wait_ns = eviction_wait_ns_;
+  s.write_behind_waits = behind_waits_;
+  s.write_behind_wait_ns = behind_wait_ns_;
   return s;
 }
 
@@ -132,10 +134,14 @@ void ResidencyBudget::write_behind_ended(const TiledEvictable& c, int64_t index,
   behind_cv_.notify_all();
 }
 
-void ResidencyBudget::count_eviction_wait(int64_t ns) noexcept {
+void ResidencyBudget::count_eviction_wait(int64_t ns, int64_t queued_ns) noexcept {
   std::lock_guard lock(m_);
   eviction_waits_++;
   eviction_wait_ns_ += ns;
+  if (queued_ns >= 0) {
+    behind_waits_++;
+    behind_wait_ns_ += queued_ns;
+  }
 }
 
 void ResidencyBudget::restart_after_fork_locked() noexcept {
@@ -177,15 +183,18 @@ void ResidencyBudget::make_room(const TiledEvictable& requester, std::span<const
   auto start_wait = [&] {
     if (!waited) waited = std::chrono::steady_clock::now();
   };
+  int64_t queued_ns = -1;  // of which waiting for queued writes (-1: it never did)
   struct CountWait {
     ResidencyBudget& b;
     std::optional<std::chrono::steady_clock::time_point>& since;
+    int64_t& queued_ns;
     ~CountWait() {
       if (since)
         b.count_eviction_wait(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                  std::chrono::steady_clock::now() - *since).count());
+                                  std::chrono::steady_clock::now() - *since).count(),
+                              queued_ns);
     }
-  } count_wait{*this, waited};
+  } count_wait{*this, waited, queued_ns};
   for (;;) {
     std::vector<Victim> victims;
     {
@@ -218,7 +227,10 @@ void ResidencyBudget::make_room(const TiledEvictable& requester, std::span<const
       if (victims.empty()) {
         if (behind_bytes_ > 0) {  // only the queued writes can make room: wait for the oldest to end
           start_wait();
+          const auto t0 = std::chrono::steady_clock::now();
           behind_cv_.wait(lock);
+          queued_ns = std::max<int64_t>(queued_ns, 0) +
+                      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
           continue;
         }
         raise<RuntimeError>("residency budget: no room for ", bytes, " more bytes (", purpose, "): the budget of ",

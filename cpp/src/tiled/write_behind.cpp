@@ -165,9 +165,11 @@ void TiledEvictable::settle_write_behind(std::unique_lock<std::mutex>& lock, std
   if (!writing()) return;
   const auto since = std::chrono::steady_clock::now();
   idle_cv_.wait(lock, [&] { return !writing(); });
-  if (budget_)
-    budget_->count_eviction_wait(
-        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - since).count());
+  if (budget_) {  // a wait for a write-behind, counted as such
+    const int64_t ns =
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - since).count();
+    budget_->count_eviction_wait(ns, ns);
+  }
 }
 
 void TiledEvictable::settle_write_behind(std::span<const int64_t> tiles, bool all) {

@@ -73,8 +73,10 @@ struct BudgetStats {
   int64_t write_behind_tiles = 0, write_behind_bytes = 0;
   int64_t write_behind_evictions = 0, write_behind_cancelled = 0, write_behind_failures = 0;
   // Admissions and accesses that waited on evictions (evicting inline, or waiting for a queued or running write),
-  // and the time they waited, in nanoseconds.
+  // and the time they waited, in nanoseconds; of these, the admissions that waited for queued writes to end, and
+  // that part of their time.
   int64_t eviction_waits = 0, eviction_wait_ns = 0;
+  int64_t write_behind_waits = 0, write_behind_wait_ns = 0;
 };
 
 class ResidencyBudget {
@@ -113,8 +115,8 @@ class ResidencyBudget {
   // did not evict it (taken back when `failed` is false, a failed write otherwise).
   bool write_behind_admit(const TiledEvictable& c, int64_t index);
   void write_behind_ended(const TiledEvictable& c, int64_t index, bool failed) noexcept;
-  // Counts one wait on evictions of `ns` nanoseconds.
-  void count_eviction_wait(int64_t ns) noexcept;
+  // Counts one wait on evictions of `ns` nanoseconds, `queued_ns` of them waiting for queued writes (-1: none).
+  void count_eviction_wait(int64_t ns, int64_t queued_ns = -1) noexcept;
   // ValueError (nothing changed) when `tiles` of c, holding `bytes`, can never fit.
   void check_working_set(const TiledEvictable& c, int64_t tiles, int64_t bytes, const char* purpose) const;
 
@@ -150,7 +152,7 @@ class ResidencyBudget {
   int64_t resident_bytes_ = 0, peak_bytes_ = 0, peak_tiles_ = 0, evictions_ = 0;
   int64_t write_behind_limit_ = 0, behind_tiles_ = 0, behind_bytes_ = 0;
   int64_t behind_evictions_ = 0, behind_cancelled_ = 0, behind_failures_ = 0;
-  int64_t eviction_waits_ = 0, eviction_wait_ns_ = 0;
+  int64_t eviction_waits_ = 0, eviction_wait_ns_ = 0, behind_waits_ = 0, behind_wait_ns_ = 0;
   std::condition_variable behind_cv_;  // notified whenever a write-behind ends (behind_bytes_ drops)
   uint64_t generation_ = fork_generation();
 };
