@@ -285,6 +285,8 @@ def worker(job: dict) -> dict:
                 for k, v in t.carrier.secondary.promotion_stats().items():
                     if k.endswith("_per_mib"):  # each path's cost estimate: the largest of the three tiers'
                         st[k] = max(st.get(k, -1), v)
+                    elif k.endswith("_bytes"):  # buffers alive now and at each tier's peak (peaks: summed)
+                        st[k] = st.get(k, 0) + v
                     else:
                         st[f"promoted_{k}"] = st.get(f"promoted_{k}", 0) + v
             return st

@@ -107,8 +107,11 @@ def test_both_paths_give_bit_identical_tiles(tmp_path, path_setting, dtype):
     sw.safetensors.set_promotion_path("map")
     carrier.promote(tiles)
     assert mapped(path)
+    tile_bytes = rows * cols * (4 if dtype == "float32" else 2)
+    assert tier.promotion_stats()["mapped_live_bytes"] == EXPERTS * tile_bytes
     by_map = bits(full, dtype)
     carrier.evict(tiles)
+    assert tier.promotion_stats()["mapped_live_bytes"] == 0  # every mapping given back
     stats = tier.promotion_stats()
     assert (stats["mapped"], stats["read"], stats["read_reused"]) == (EXPERTS, 0, 0)
 
@@ -143,11 +146,14 @@ def test_the_pool_reuses_buffers_under_churn(tmp_path, path_setting):
 
     carrier.promote(tiles)  # into whatever buffers of the length the cache has, or fresh ones
     assert tier.promotion_stats()["read"] == EXPERTS and not mapped(path)
+    assert tier.promotion_stats()["read_live_bytes"] == EXPERTS * tile_bytes  # the tiles' buffers, alive
     np.testing.assert_array_equal(bits(full, "float32"), expected(raw))
     before = tier.promotion_stats()
     cached = sw.mapping_cache_bytes()
     carrier.evict(tiles)  # the four buffers go back to the cache
     assert sw.mapping_cache_bytes() == cached + EXPERTS * tile_bytes
+    assert tier.promotion_stats()["read_live_bytes"] == 0
+    assert tier.promotion_stats()["read_peak_bytes"] == EXPERTS * tile_bytes
 
     carrier.promote(tiles)
     after = tier.promotion_stats()

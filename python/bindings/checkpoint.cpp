@@ -89,6 +89,10 @@ void bind_checkpoint(nb::module_& m) {
         d["map_ns_per_mib"] = s.map_ns_per_mib;
         d["unmap_ns_per_mib"] = s.unmap_ns_per_mib;
         d["read_ns_per_mib"] = s.read_ns_per_mib;
+        d["mapped_live_bytes"] = s.mapped_live_bytes;
+        d["mapped_peak_bytes"] = s.mapped_peak_bytes;
+        d["read_live_bytes"] = s.read_live_bytes;
+        d["read_peak_bytes"] = s.read_peak_bytes;
         return d;
       }, "Tiles of 1 MiB and more this read-only tier promoted, by path (Note [Promotion by the cheaper path] in "
          "cpp/src/carriers/checkpoint.cpp): 'mapped' (the file's pages mapped copy-on-write), of which "
@@ -96,7 +100,9 @@ void bind_checkpoint(nb::module_& m) {
          "of which 'read_reused' went into a buffer already faulted in (a recycled one from the mapping cache). "
          "Smaller tiles, and tiers written in place, are read by the engine and not counted here. "
          "'map_ns_per_mib', 'unmap_ns_per_mib' and 'read_ns_per_mib' are the moving averages of each path's cost "
-         "that 'auto' compares (-1 until measured).");
+         "that 'auto' compares (-1 until measured). 'mapped_live_bytes'/'read_live_bytes' are the bytes of the "
+         "buffers these promotions made that are still alive (a resident tile's, or held past its eviction), and "
+         "'mapped_peak_bytes'/'read_peak_bytes' their peaks.");
   m.def("_set_promotion_path", [](nb::handle path) {
     const std::string p = str_arg(path, "a promotion path");
     sw::PromotionPath want;

@@ -313,7 +313,9 @@ PromotionStats CheckpointCarrier::promotion_stats() const noexcept {
   return {mapped_.load(std::memory_order_relaxed),      mapped_huge_.load(std::memory_order_relaxed),
           read_.load(std::memory_order_relaxed),        read_reused_.load(std::memory_order_relaxed),
           costs_->map.load(std::memory_order_relaxed),  costs_->unmap.load(std::memory_order_relaxed),
-          costs_->read.load(std::memory_order_relaxed)};
+          costs_->read.load(std::memory_order_relaxed), costs_->mapped_live.load(std::memory_order_relaxed),
+          costs_->mapped_peak.load(std::memory_order_relaxed), costs_->read_live.load(std::memory_order_relaxed),
+          costs_->read_peak.load(std::memory_order_relaxed)};
 }
 
 namespace {
@@ -330,6 +332,13 @@ void fold(std::atomic<int64_t>& average, int64_t ns, size_t bytes) noexcept {
   const int64_t sample = static_cast<int64_t>(static_cast<double>(ns) * double(1 << 20) / static_cast<double>(bytes));
   const int64_t old = average.load(std::memory_order_relaxed);
   average.store(old < 0 ? sample : old + (sample - old) / 8, std::memory_order_relaxed);
+}
+// Counts `bytes` more alive in `live`, raising `peak` to match.
+void count_live(std::atomic<int64_t>& live, std::atomic<int64_t>& peak, int64_t bytes) noexcept {
+  const int64_t now = live.fetch_add(bytes, std::memory_order_relaxed) + bytes;
+  int64_t p = peak.load(std::memory_order_relaxed);
+  while (now > p && !peak.compare_exchange_weak(p, now, std::memory_order_relaxed)) {
+  }
 }
 constexpr int64_t kExploreEvery = 64;  // Auto re-measures the dearer path (Note [Promotion by the cheaper path])
 }  // namespace
@@ -367,10 +376,12 @@ CarrierPtr CheckpointCarrier::map_slots(int64_t start, int64_t count) const {
       // The munmap at eviction is part of the mapping's cost: timed when the last holder lets go.
       AlignedBuffer* raw = new AlignedBuffer(std::move(*mapping));
       mapping.reset();
+      count_live(costs_->mapped_live, costs_->mapped_peak, static_cast<int64_t>(bytes));
       std::shared_ptr<AlignedBuffer> buffer(raw, [costs = costs_, bytes](AlignedBuffer* b) {
         const int64_t t = now_ns();
         delete b;
         fold(costs->unmap, now_ns() - t, bytes);
+        costs->mapped_live.fetch_sub(static_cast<int64_t>(bytes), std::memory_order_relaxed);
       });
       return std::make_shared<CPUCarrier>(std::move(buffer), count, dtype(), true);
     }
@@ -379,8 +390,11 @@ CarrierPtr CheckpointCarrier::map_slots(int64_t start, int64_t count) const {
   // A read tile's buffer goes back to the mapping cache at eviction, faulted in, for the next read; unless reads
   // are not this tier's path (forced, or Auto's), where it would sit there holding memory nothing reuses: then
   // its pages are given back first (the cache keeps only the address range).
+  count_live(costs_->read_live, costs_->read_peak, static_cast<int64_t>(bytes));
   std::shared_ptr<AlignedBuffer> buffer(new AlignedBuffer(bytes, false, "a promoted checkpoint tile"),
-                                        [costs = costs_](AlignedBuffer* b) {
+                                        [costs = costs_, bytes](AlignedBuffer* b) {
+                                          costs->read_live.fetch_sub(static_cast<int64_t>(bytes),
+                                                                     std::memory_order_relaxed);
                                           const PromotionPath p = promotion_path();
                                           const bool reading = p == PromotionPath::Read ||
                                                                (p == PromotionPath::Auto &&

@@ -119,6 +119,9 @@ struct PromotionStats {
   // mapping took (mmap and touch), its munmap at eviction took, and a read took (buffer and pread); -1 until
   // measured.
   int64_t map_ns_per_mib = -1, unmap_ns_per_mib = -1, read_ns_per_mib = -1;
+  // Bytes of the buffers these promotions made that are still alive (a tile's, or held past its eviction by
+  // whatever else holds the buffer), now and at their peak, mapped and read.
+  int64_t mapped_live_bytes = 0, mapped_peak_bytes = 0, read_live_bytes = 0, read_peak_bytes = 0;
 };
 
 class CheckpointCarrier final : public Carrier, public AtomicSlotWrites {
@@ -198,6 +201,7 @@ class CheckpointCarrier final : public Carrier, public AtomicSlotWrites {
   struct PathCosts {
     std::atomic<int64_t> map{-1}, unmap{-1}, read{-1}, choices{0};
     std::atomic<bool> reading{false};  // Auto's current path for this tier: reads (true) or mappings
+    std::atomic<int64_t> mapped_live{0}, mapped_peak{0}, read_live{0}, read_peak{0};
   };
   std::shared_ptr<PathCosts> costs_ = std::make_shared<PathCosts>();
   mutable std::mutex overlay_mutex_;  // guards overlay_fd_/overlay_end_ and first writes
