@@ -374,10 +374,10 @@ CarrierPtr CheckpointCarrier::map_slots(int64_t start, int64_t count) const {
       mapped_.fetch_add(1, std::memory_order_relaxed);
       mapped_huge_.fetch_add(huge, std::memory_order_relaxed);
       // The munmap at eviction is part of the mapping's cost: timed when the last holder lets go.
-      AlignedBuffer* raw = new AlignedBuffer(std::move(*mapping));
+      auto owned = std::make_unique<AlignedBuffer>(std::move(*mapping));
       mapping.reset();
-      count_live(costs_->mapped_live, costs_->mapped_peak, static_cast<int64_t>(bytes));
-      std::shared_ptr<AlignedBuffer> buffer(raw, [costs = costs_, bytes](AlignedBuffer* b) {
+      count_live(costs_->mapped_live, costs_->mapped_peak, static_cast<int64_t>(bytes));  // the deleter uncounts it
+      std::shared_ptr<AlignedBuffer> buffer(owned.release(), [costs = costs_, bytes](AlignedBuffer* b) {
         const int64_t t = now_ns();
         delete b;
         fold(costs->unmap, now_ns() - t, bytes);
@@ -390,19 +390,16 @@ CarrierPtr CheckpointCarrier::map_slots(int64_t start, int64_t count) const {
   // A read tile's buffer goes back to the mapping cache at eviction, faulted in, for the next read; unless reads
   // are not this tier's path (forced, or Auto's), where it would sit there holding memory nothing reuses: then
   // its pages are given back first (the cache keeps only the address range).
-  count_live(costs_->read_live, costs_->read_peak, static_cast<int64_t>(bytes));
-  std::shared_ptr<AlignedBuffer> buffer(new AlignedBuffer(bytes, false, "a promoted checkpoint tile"),
-                                        [costs = costs_, bytes](AlignedBuffer* b) {
-                                          costs->read_live.fetch_sub(static_cast<int64_t>(bytes),
-                                                                     std::memory_order_relaxed);
-                                          const PromotionPath p = promotion_path();
-                                          const bool reading = p == PromotionPath::Read ||
-                                                               (p == PromotionPath::Auto &&
-                                                                costs->reading.load(std::memory_order_relaxed));
-                                          if (!reading && b->bytes() >= (size_t{1} << 20))
-                                            ::madvise(b->data(), b->bytes(), MADV_DONTNEED);
-                                          delete b;
-                                        });
+  auto owned = std::make_unique<AlignedBuffer>(bytes, false, "a promoted checkpoint tile");
+  count_live(costs_->read_live, costs_->read_peak, static_cast<int64_t>(bytes));  // the deleter uncounts it
+  std::shared_ptr<AlignedBuffer> buffer(owned.release(), [costs = costs_, bytes](AlignedBuffer* b) {
+    costs->read_live.fetch_sub(static_cast<int64_t>(bytes), std::memory_order_relaxed);
+    const PromotionPath p = promotion_path();
+    const bool reading =
+        p == PromotionPath::Read || (p == PromotionPath::Auto && costs->reading.load(std::memory_order_relaxed));
+    if (!reading && b->bytes() >= (size_t{1} << 20)) ::madvise(b->data(), b->bytes(), MADV_DONTNEED);
+    delete b;
+  });
   const bool reused = resident(buffer->data(), bytes);
 #ifdef MADV_POPULATE_WRITE
   // A fresh buffer is faulted in before the read is timed: the estimate is a read into a recycled buffer, what
