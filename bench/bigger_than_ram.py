@@ -21,14 +21,15 @@ RAM") that shows the main job completing through the front door when the process
 
 The recording hook (this file run with ``--child``, inside the cgroup) imports the command and wraps three of
 ``strideweave.torch``'s public attributes before calling ``strideweave.finetune.main`` with the command's own
-arguments: ``from_pretrained`` (to put forward hooks on the sampled layers' experts modules), ``clip_grad_norm_``
-and ``AdamW.step``. The command's code is not changed. On the checked steps (the first and the last by default) it
-writes to files beside the run: for each sampled layer and micro-batch the experts module's inputs (hidden states,
-top-k indices and weights) and the gradient of its output; for each sampled expert and matrix the gradient before
-clipping, the clipping's total norm, then, just before the optimizer step, the weights, the clipped gradient, both
-AdamW moments, the tile's step count and its parameter group's lr, betas, eps and weight decay, and after the step
-the weights, moments and count. Tiles are read through one-tile projections under the run's budget; the
-recording's time is left out of the reported throughput.
+arguments: ``from_pretrained`` (to put forward hooks on the experts modules: every layer's routed experts, for the
+minimum of Note [Bytes moved per step], and the sampled layers' records), ``clip_grad_norm_`` and ``AdamW.step``
+(around which the tier counters are read). The command's code is not changed. On the checked steps (the first and
+the last by default) it writes to files beside the run: for each sampled layer and micro-batch the experts module's
+inputs (hidden states, top-k indices and weights) and the gradient of its output; for each sampled expert and matrix
+the gradient before clipping, the clipping's total norm, then, just before the optimizer step, the weights, the
+clipped gradient, both AdamW moments, the tile's step count and its parameter group's lr, betas, eps and weight
+decay, and after the step the weights, moments and count. Tiles are read through one-tile projections under the
+run's budget; the recording's time is left out of the reported throughput.
 
 What is checked (every sampled expert, every checked step):
 
@@ -61,6 +62,44 @@ What is checked (every sampled expert, every checked step):
   last checked step's weights after the step bit for bit (the last step is always checked), and the output holds
   every tensor of the input model with its shape and dtype.
 
+With ``--state-dtype bfloat16`` or ``8bit`` (the command's option: the moments stored in BFloat16 or block-wise
+8-bit) the gradient and clipping checks are unchanged, but the AdamW step is not replayed (``torch.optim.AdamW``
+keeps no such moments; tests/test_optim.py checks those steps against their references): instead every sampled
+routed expert's step count must grow by one and an expert no token reached must keep its weights and count bit
+for bit (with 8-bit moments the counts are not recorded: the engine's ``state()`` decodes every moment tile of the
+parameter into a full Float32 copy, 3 GiB at the default sizes, which the limit does not hold). With ``--step-in-backward`` (the command's option; it needs ``--max-grad-norm 0``, which this script then
+uses) each expert is stepped inside backward the moment its gradient is final and the gradient is dropped: there is
+no gradient left to record, no clipping and no ``step()`` that sees a gradient, so the gradient check, the clipping
+check and the AdamW replay are all skipped. What is checked in that mode: the weights, count (and Float32 moments)
+of each sampled expert recorded before the checked step's first forward and after its ``step()``; a routed expert's
+count grew by one and some of the sampled weights changed, an unrouted expert's weights, moments and count are
+unchanged bit for bit; the saved model equals the last checked step's weights, and holds every tensor. That the
+update itself equals stepping after backward bit for bit is tests/test_step_in_backward.py's (through
+``strideweave.torch`` for a Mixtral and a GPT-OSS), not replayed here.
+
+Note [Bytes moved per step]
+The report gives, per optimizer step, the bytes the experts moved between their tiers, from the engines' counters
+read before the step's first forward and after its ``step()`` (so a checkpoint written between steps is not in any
+step): weights read (every bound experts module's tiled weights: bytes promoted, from the model's files or the
+scratch overlay their stepped values went to; the part read from the model's files, ``Checkpoint.bytes_read``, in
+parentheses) and written (dirty tiles evicted, or flushed); gradients written and read (the step's tiled ``.grad``
+of every expert weight, read after ``step()`` and before ``zero_grad`` drops it: evictions to its scratch file and
+promotions back, by backward's accumulation and by the step); optimizer state read and written (the
+``strideweave.optim`` engines' state traffic). The non-expert weights (torch's, in RAM) are not counted. The
+recording's own reads fall in the checked steps, so the medians are over the other steps.
+
+The minimum for the chosen state, per step: each expert routed in the step is stepped, so its moments are read
+(unless it was never stepped before: they are zeros, nothing to read) and written (8 bytes per value in Float32, 4
+in BFloat16, 4 * ceil((n + 4 ceil(n / 256)) / 4) per tile of n values for each 8-bit moment, about 2.03 per value
+for the two), and its new weights written once; no gradient is written or read (one consumed where it is made
+never is). The weights: a micro-batch's forward and backward both need each routed expert's weights, and between
+the two the budget can keep at most B bytes of them (B = the budget, everything else it must hold ignored), so a
+micro-batch whose routed experts' weights are T bytes reads at least 2 T - min(T, B): once when the budget holds
+them all, twice when it holds none. (Reuse at the other turn, from a backward's last layers to the next forward's
+first, is not subtracted; nor is the state a step in backward must hold beside the weights.) With ``--grad-accum``
+above 1, an expert's gradient must also survive from one micro-batch's backward to the last; the minimum counts
+no bytes for that, so with accumulation it is below what any run can reach when the gradients do not fit.
+
 What is not checked: the experts that were not sampled, and the steps that were not checked (they ran the same
 code, unrecorded); the non-expert weights (torch's own AdamW on torch's parameters); the total gradient norm itself
 (it needs every gradient; only its use is checked); the routing (transformers' code, before the experts); the
@@ -71,7 +110,8 @@ Needs a writable cgroup (root, or a delegated cgroup v2 subtree); without one it
 writable, ``systemd-run --user --scope -p MemoryMax=1G -p MemorySwapMax=0 python -m strideweave.finetune ...``
 gives the same bound (without the sampled check).
 
-Usage: python bench/bigger_than_ram.py [--limit-mib 1024] [--dir DIR] [sizes and options, see --help]
+Usage: python bench/bigger_than_ram.py [--limit-mib 1024] [--dir DIR] [--step-in-backward] [--state-dtype
+{float32,bfloat16,8bit}] [sizes and options, see --help]
 (default: 4 layers x 32 experts, H 1024, moe_intermediate 1024, BFloat16: 768 MiB of experts, 4.5 GiB of experts +
 gradients + moments under a 1 GiB limit, budget 256 MiB; 6 steps of 2 x 256 tokens, a checkpoint at step 3;
 steps 1 and 6 checked on 4 sampled experts).
@@ -239,6 +279,14 @@ class Recorder:
         self.first_forward = None
         self.trained_at = None
         self.rss_after_training = None
+        self.sib = bool(spec.get("step_in_backward"))
+        self.state_dtype = spec.get("state_dtype", "float32")
+        self.budget_bytes = int(spec.get("budget_bytes", 0))
+        self.all_bindings: list = []  # every bound experts module (the traffic counts all of them)
+        self.window = None  # the tier counters when the current step's first forward began
+        self.touched: list = []  # per micro-batch of the current step: {layer: set of routed experts}
+        self.stepped_before: set = set()  # (layer, expert) stepped in an earlier step (their state exists)
+        self.traffic: list = []  # per optimizer step: measured bytes and the minimum (Traffic below)
         os.makedirs(self.dir, exist_ok=True)
 
     def install(self) -> None:
@@ -270,9 +318,11 @@ class Recorder:
 
         def step(optimizer, *args, **kwargs):
             s = rec.step
-            if s in rec.checked:
+            rec.optimizer = optimizer
+            if s in rec.checked and not rec.sib:
                 rec.before_step(optimizer, s)
             result = original_step(optimizer, *args, **kwargs)
+            rec.close_window(optimizer, s)
             if s in rec.checked:
                 rec.tiles(s, "after", lambda b, t, e: rec.moments(optimizer, t, e, with_grad=False))
             rec.step, rec.micro = s + 1, 0
@@ -289,6 +339,8 @@ class Recorder:
     def attach(self, model) -> None:
         import strideweave.torch as swt
         for name, binding in swt.offloaded_experts(model).items():
+            self.all_bindings.append(binding)
+            model.get_submodule(name).register_forward_hook(self._routing_hook(binding.layer), with_kwargs=True)
             if binding.layer in self.layers:
                 self.bindings[binding.layer] = binding
                 model.get_submodule(name).register_forward_hook(self._forward_hook(binding.layer), with_kwargs=True)
@@ -300,6 +352,20 @@ class Recorder:
     def _first_forward(self, module, args) -> None:
         if self.first_forward is None:
             self.first_forward = time.perf_counter()
+        if self.window is None and module.training:
+            self.open_window()
+
+    def _routing_hook(self, layer: int):
+        def hook(module, args, kwargs, output):
+            if not output.requires_grad:
+                return None
+            idx = kwargs.get("top_k_index", args[1] if len(args) > 1 else None)
+            m = len(self.touched) - 1 if self.touched and layer not in self.touched[-1] else len(self.touched)
+            if m == len(self.touched):
+                self.touched.append({})
+            self.touched[m][layer] = {int(e) for e in idx.unique().tolist()}
+            return None
+        return hook
 
     def _forward_hook(self, layer: int):
         def hook(module, args, kwargs, output):
@@ -325,6 +391,102 @@ class Recorder:
             output.register_hook(grad_hook)
             return None
         return hook
+
+    # ---- traffic (Note [Bytes moved per step] in run_command's report)
+
+    def counters(self, optimizer=None) -> dict:
+        """The experts' tier counters now: weights read (promoted, from the checkpoint or its overlay) and written
+        (evicted dirty, or flushed), the checkpoint's bytes read, and the optimizer state's promotions and
+        evictions (every tiled group's engine)."""
+        c = {"weights_read": 0, "weights_written": 0, "checkpoint_read": 0, "state_read": 0, "state_written": 0}
+        ckpts = {}
+        for b in self.all_bindings:
+            ckpts[id(b.checkpoint)] = b.checkpoint
+            for t in b.tiled.values():
+                st = t.carrier.stats()
+                c["weights_read"] += st["bytes_promoted"]
+                c["weights_written"] += st["bytes_evicted"] + st["bytes_flushed"]
+        c["checkpoint_read"] = sum(k.bytes_read for k in ckpts.values())
+        if optimizer is not None:
+            for tg in optimizer._tiled_groups:  # the strideweave.optim engines of the tiled parameter groups
+                if tg.engine is not None:
+                    st = tg.engine.stats()["state"]
+                    c["state_read"] += st["bytes_promoted"]
+                    c["state_written"] += st["bytes_evicted"]
+        return c
+
+    def open_window(self) -> None:
+        import numpy as np
+        t0 = time.perf_counter()
+        if self.sib and self.step in self.checked and getattr(self, "optimizer", None) is not None:
+            # stepping in backward: the state before the step is recorded before its first forward
+            opt = self.optimizer
+            self.tiles(self.step, "before", lambda b, t, e: self.moments(opt, t, e, with_grad=False, hyper=True))
+        elif self.sib and self.step in self.checked:
+            # the first step: no optimizer has stepped yet; its engines exist only once step() runs, so the
+            # weights alone (the moments and counts are zero: nothing was stepped)
+            self.tiles(self.step, "before", lambda b, t, e: {"w": self.tile(t, e), "count": np.int64(0)})
+        self.window = self.counters(getattr(self, "optimizer", None))
+        self.touched = []
+        self.seconds += time.perf_counter() - t0
+
+    def close_window(self, optimizer, step: int) -> None:
+        t0 = time.perf_counter()
+        before = self.window  # (its state counters are 0 before the first step: no engine had stepped)
+        now = self.counters(optimizer)
+        d = {k: now[k] - before[k] for k in now}
+        g_read = g_written = 0
+        for b in self.all_bindings:  # this step's gradients (zero_grad drops them after the step)
+            for t in b.tiled.values():
+                g = t.grad
+                if g is not None:
+                    st = g.carrier.stats()
+                    g_read += st["bytes_promoted"]
+                    g_written += st["bytes_evicted"] + st["bytes_flushed"]
+                del g
+        d.update(gradients_read=g_read, gradients_written=g_written)
+        d.update(self.minimum())
+        d.update(step=step + 1, checked=step in self.checked,
+                 micro_batches=len(self.touched))
+        self.traffic.append(d)
+        self.window = None
+        self.seconds += time.perf_counter() - t0
+
+    def state_bytes_of(self, b) -> int:
+        """Bytes of one expert's two AdamW moments as the chosen state stores them (Note [Compact optimizer state]
+        in cpp/include/strideweave/optim.hpp): Float32 8 per value, BFloat16 4, 8-bit per tile of n values
+        4 * ceil((n + 4 * ceil(n / 256)) / 4) each (codes and a Float32 absmax per block of 256: about 2.03 per
+        value for the two)."""
+        total = 0
+        for shape in b.tile_shapes.values():
+            n = 1
+            for x in shape:
+                n *= int(x)
+            if self.state_dtype == "float32":
+                total += 2 * 4 * n
+            elif self.state_dtype == "bfloat16":
+                total += 2 * 2 * n
+            else:
+                total += 2 * 4 * -(-(n + 4 * -(-n // 256)) // 4)
+        return total
+
+    def minimum(self) -> dict:
+        """The least bytes this step must move between tiers for the experts (Note [Bytes moved per step])."""
+        by_layer = {b.layer: b for b in self.all_bindings}
+        weights_read = 0
+        stepped: set = set()
+        for mb in self.touched:
+            t = sum(len(es) * by_layer[layer].expert_bytes for layer, es in mb.items())
+            weights_read += 2 * t - min(t, self.budget_bytes)
+            stepped |= {(layer, e) for layer, es in mb.items() for e in es}
+        state = {key: self.state_bytes_of(by_layer[key[0]]) for key in stepped}
+        out = {"min_weights_read": weights_read,
+               "min_weights_written": sum(by_layer[layer].expert_bytes for layer, _ in stepped),
+               "min_state_read": sum(v for key, v in state.items() if key in self.stepped_before),
+               "min_state_written": sum(state.values()),
+               "experts_stepped": len(stepped), "experts_first_stepped": len(stepped - self.stepped_before)}
+        self.stepped_before |= stepped
+        return out
 
     # ---- tiles
 
@@ -356,17 +518,22 @@ class Recorder:
                 return i
         raise SystemExit("bigger_than_ram: a sampled expert's tile is in no parameter group")
 
-    def moments(self, optimizer, t, e: int, with_grad: bool) -> dict:
+    def moments(self, optimizer, t, e: int, with_grad: bool, hyper: bool = False) -> dict:
         import numpy as np
         i = self.group_of(optimizer, t)
-        state = optimizer._tiled_groups[i].engine.state(t)  # the group's strideweave.optim engine
-        out = {"w": self.tile(t, e), "exp_avg": self.tile(state.get("exp_avg"), e),
-               "exp_avg_sq": self.tile(state.get("exp_avg_sq"), e), "count": np.int64(state["step"][e])}
-        if with_grad:
+        out = {"w": self.tile(t, e)}
+        if self.state_dtype != "8bit":  # 8-bit: state() decodes every tile into a full Float32 copy (no count)
+            state = optimizer._tiled_groups[i].engine.state(t)  # the group's strideweave.optim engine
+            out["count"] = np.int64(state["step"][e])
+        if self.state_dtype == "float32":  # (BFloat16 and 8-bit moments are not replayed: no torch counterpart)
+            out.update(exp_avg=self.tile(state.get("exp_avg"), e), exp_avg_sq=self.tile(state.get("exp_avg_sq"), e))
+        if with_grad or hyper:
             g = optimizer.param_groups[i]
-            out.update(grad=self.tile(t.grad, e), lr=np.float64(g["lr"]), beta1=np.float64(g["betas"][0]),
+            out.update(lr=np.float64(g["lr"]), beta1=np.float64(g["betas"][0]),
                        beta2=np.float64(g["betas"][1]), eps=np.float64(g["eps"]),
                        weight_decay=np.float64(g["weight_decay"]))
+        if with_grad:
+            out.update(grad=self.tile(t.grad, e))
         return out
 
     def before_step(self, optimizer, step: int) -> None:
@@ -387,7 +554,7 @@ def child_main(spec_path: str, argv: list) -> int:
         with open(spec["summary"], "w") as f:
             json.dump({"train_seconds": train, "recording_seconds": rec.seconds,
                        "peak_rss_training": rec.rss_after_training, "peak_rss_end": end_rss,
-                       "micro_batches": rec.micro}, f)
+                       "micro_batches": rec.micro, "traffic": rec.traffic}, f)
     return code
 
 
@@ -395,10 +562,12 @@ def child_main(spec_path: str, argv: list) -> int:
 
 
 def state_bytes(a) -> dict:
-    """Experts' weights and gradients (the model's dtype) and AdamW moments (two Float32)."""
+    """Experts' weights and gradients (the model's dtype) and AdamW moments (two, as --state-dtype stores them:
+    8, 4 or about 2.03 bytes per weight)."""
     n = a.layers * a.experts * 3 * a.hidden * a.moe_intermediate
     size = 2 if a.dtype == "bfloat16" else 4
-    return {"weights": size * n, "gradients": size * n, "moments": 8 * n}
+    per = {"float32": 8.0, "bfloat16": 4.0, "8bit": 2.0 * (1 + 4 / 256)}[a.state_dtype]
+    return {"weights": size * n, "gradients": size * n, "moments": int(per * n)}
 
 
 def drop_from_page_cache(folder: str) -> None:
@@ -502,12 +671,19 @@ def verify(a, records: str, sample: list, steps: list, model_dir: str, out_dir: 
          "clip_worst": 0.0, "adamw_mismatches": 0,
          "weights_changed": 0, "weights_stepped": 0, "unrouted_with_grad": 0, "routed_without_grad": 0,
          "routed_tokens": 0, "saved_mismatches": 0, "missing_records": 0, "output_tensors_differ": 0,
-         "clip_factors": []}
+         "clip_factors": [], "count_mismatches": 0, "unrouted_changed": 0}
+    sib = a.step_in_backward
+    exact_adamw = not sib and a.state_dtype == "float32"  # torch.optim.AdamW keeps Float32 moments only
     layers = sorted({layer for layer, _ in sample})
     for step in steps:
-        with open(record_path(records, step, "clip").replace(".npz", ".json")) as f:
-            clip = json.load(f)
-        r["clip_factors"].append(clip["factor"])
+        clip_path = record_path(records, step, "clip").replace(".npz", ".json")
+        clip = None
+        if os.path.exists(clip_path):
+            with open(clip_path) as f:
+                clip = json.load(f)
+            r["clip_factors"].append(clip["factor"])
+        elif not sib and a.max_grad_norm > 0:
+            r["missing_records"] += 1
         for layer in layers:
             mbs = []
             for m in range(a.grad_accum):
@@ -523,12 +699,29 @@ def verify(a, records: str, sample: list, steps: list, model_dir: str, out_dir: 
             for e in [e for ly, e in sample if ly == layer]:
                 tokens = sum(int((mb["idx"] == e).sum()) for mb in mbs)
                 r["routed_tokens"] += tokens
-                pre = {ro: load_arrays(record_path(records, step, f"pre-{layer}-{e}-{ro}")) for ro in ROLES}
+                # the gradient before clipping (without clipping: the one the step used); none stepping in backward
+                pre = {ro: load_arrays(record_path(records, step, f"pre-{layer}-{e}-{ro}")) if clip else
+                       load_arrays(record_path(records, step, f"before-{layer}-{e}-{ro}")) for ro in ROLES}
                 before = {ro: load_arrays(record_path(records, step, f"before-{layer}-{e}-{ro}")) for ro in ROLES}
                 after = {ro: load_arrays(record_path(records, step, f"after-{layer}-{e}-{ro}")) for ro in ROLES}
                 if tokens == 0:
                     r["unrouted_with_grad"] += sum("grad" in pre[ro] or "grad" in before[ro] for ro in ROLES)
+                    for ro in ROLES:  # an expert no token reached is not stepped: weights, moments, count kept
+                        for key in ("w", "exp_avg", "exp_avg_sq"):
+                            x, y = before[ro].get(key), after[ro].get(key)
+                            if (x is None) != (y is None):
+                                r["unrouted_changed"] += 1
+                            elif x is not None:
+                                r["unrouted_changed"] += int(np.count_nonzero(bits(x) != bits(y)))
+                        if "count" in after[ro]:
+                            r["count_mismatches"] += int(int(after[ro]["count"]) != int(before[ro]["count"]))
                 else:
+                    for ro in ROLES:  # a routed expert is stepped once
+                        if "count" in after[ro]:
+                            r["count_mismatches"] += int(int(after[ro]["count"]) != int(before[ro]["count"]) + 1)
+                        r["weights_changed"] += int(np.count_nonzero(bits(after[ro]["w"]) != bits(before[ro]["w"])))
+                        r["weights_stepped"] += after[ro]["w"].size
+                if tokens and not sib:
                     W = {ro: f64(before[ro]["w"]) for ro in ROLES}
                     want = expert_reference(torch, mbs, e, W, absolute=False)
                     mag = expert_reference(torch, mbs, e, W, absolute=True)
@@ -543,12 +736,14 @@ def verify(a, records: str, sample: list, steps: list, model_dir: str, out_dir: 
                         r["grad_elements"] += want[ro].numel()
                         r["grad_err_sq"] += float((err * err).sum())
                         r["grad_sq"] += float((want[ro] * want[ro]).sum())
+                        if clip is None:
+                            continue
                         # clipping: g_c = f g within one BFloat16 rounding of a Float32 product
                         fg = g * clip["factor"]
                         cerr = (f64(before[ro]["grad"]) - fg).abs()
                         cb = (u + 2.0 ** -23) * fg.abs()
                         r["clip_worst"] = max(r["clip_worst"], float((cerr / (cb + 1e-300)).max()))
-                for ro in ROLES:
+                for ro in ROLES if exact_adamw else ():
                     ww, wm, wv, wc = adamw_expected(torch, before[ro])
                     got = (after[ro]["w"], after[ro].get("exp_avg"), after[ro].get("exp_avg_sq"))
                     for x, y in zip(got, (ww, wm, wv)):
@@ -557,8 +752,6 @@ def verify(a, records: str, sample: list, steps: list, model_dir: str, out_dir: 
                         else:
                             r["adamw_mismatches"] += int(np.count_nonzero(bits(x) != bits(np.asarray(y, x.dtype))))
                     r["adamw_mismatches"] += int(int(after[ro]["count"]) != wc)
-                    r["weights_changed"] += int(np.count_nonzero(bits(after[ro]["w"]) != bits(before[ro]["w"])))
-                    r["weights_stepped"] += after[ro]["w"].size
     # the saved model: the sampled experts are the last checked step's weights after the step
     saved, original = SafetensorsFolder(out_dir), SafetensorsFolder(model_dir)
     got_meta, want_meta = saved.meta(), original.meta()
@@ -572,8 +765,9 @@ def verify(a, records: str, sample: list, steps: list, model_dir: str, out_dir: 
             r["saved_mismatches"] += int(np.count_nonzero(bits(t) != bits(final)))
     r["ok"] = (r["grad_worst"] <= 1.0 and r["clip_worst"] <= 1.0 and r["adamw_mismatches"] == 0
                and r["unrouted_with_grad"] == 0 and r["routed_without_grad"] == 0 and r["saved_mismatches"] == 0
-               and r["missing_records"] == 0 and r["output_tensors_differ"] == 0 and r["grad_elements"] > 0
-               and r["weights_changed"] > 0)
+               and r["missing_records"] == 0 and r["output_tensors_differ"] == 0
+               and (sib or r["grad_elements"] > 0) and r["weights_changed"] > 0 and r["count_mismatches"] == 0
+               and r["unrouted_changed"] == 0)
     return r
 
 
@@ -600,7 +794,13 @@ def parse_args(argv=None):
     p.add_argument("--grad-accum", type=int, default=2)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--max-grad-norm", type=float, default=None,
+                   help="the command's --max-grad-norm (default 1.0; 0 with --step-in-backward, which needs it)")
+    p.add_argument("--step-in-backward", action="store_true",
+                   help="the command's --step-in-backward (no gradient written; the check then has no gradient to "
+                   "compare: see the docstring)")
+    p.add_argument("--state-dtype", choices=("float32", "bfloat16", "8bit"), default="float32",
+                   help="the command's --state-dtype (the experts' AdamW moments)")
     p.add_argument("--save-every", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sample", type=int, default=4, help="sampled experts")
@@ -614,6 +814,11 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     if a.rest[:1] == ["--"]:
         a.rest = a.rest[1:]
+    if a.max_grad_norm is None:
+        a.max_grad_norm = 0.0 if a.step_in_backward else 1.0
+    elif a.step_in_backward and a.max_grad_norm > 0:
+        p.error(f"--step-in-backward needs --max-grad-norm 0 (got {a.max_grad_norm}): the total norm needs every "
+                "gradient before any expert is stepped")
     return a
 
 
@@ -653,12 +858,15 @@ def run_command(a) -> int:
         spec = os.path.join(directory, "spec.json")
         with open(spec, "w") as f:
             json.dump({"records": records, "sample": sample, "checked_steps": steps, "steps": a.steps,
-                       "summary": summary}, f)
+                       "summary": summary, "step_in_backward": a.step_in_backward, "state_dtype": a.state_dtype,
+                       "budget_bytes": parse_size(a.budget)}, f)
         command = [model_dir, "--data", data, "--output", out_dir, "--budget", a.budget, "--max-steps",
                    str(a.steps), "--batch-tokens", str(a.batch_tokens), "--seq-len", str(a.seq_len),
                    "--grad-accum", str(a.grad_accum), "--lr", repr(a.lr), "--weight-decay", repr(a.weight_decay),
                    "--warmup", "0", "--max-grad-norm", repr(a.max_grad_norm), "--save-every", str(a.save_every),
-                   "--seed", str(a.seed), "--no-progress"]
+                   "--seed", str(a.seed), "--no-progress", "--state-dtype", a.state_dtype]
+        if a.step_in_backward:
+            command.append("--step-in-backward")
         print("running in the cgroup: python -m strideweave.finetune " + " ".join(command), flush=True)
         t0 = time.perf_counter()
         proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", spec, "--"] + command,
@@ -681,6 +889,7 @@ def run_command(a) -> int:
               f"at the end (with the save) {s['peak_rss_end'] / MiB:.0f} MiB")
         print(f"training: {tokens} tokens in {seconds:.1f} s without the recording ({s['recording_seconds']:.1f} s): "
               f"{tokens / seconds:.1f} tokens/s")
+        report_traffic(s["traffic"], a)
         sizes = {name: sum(os.path.getsize(os.path.join(dp, fn)) for dp, _, fns in os.walk(os.path.join(out_dir, name))
                            for fn in fns) for name in os.listdir(out_dir) if name.startswith("checkpoint-")}
         model_bytes = sum(os.path.getsize(os.path.join(out_dir, n)) for n in os.listdir(out_dir)
@@ -689,16 +898,27 @@ def run_command(a) -> int:
               f"{model_bytes / MiB:.0f} MiB")
         t0 = time.perf_counter()
         r = verify(a, records, sample, steps, model_dir, out_dir)
+        parts = []
+        if not a.step_in_backward:
+            parts.append(f"gradients worst |error| / bound {r['grad_worst']:.3g} over {r['grad_elements']} elements "
+                         f"({r['grad_resolved'] / max(r['grad_elements'], 1):.1%} larger than their bound; measured "
+                         f"|error|_F / |g|_F {(r['grad_err_sq'] / max(r['grad_sq'], 1e-300)) ** 0.5:.2g})")
+            if a.max_grad_norm > 0:
+                parts.append(f"clipping (factors {', '.join(f'{x:.4g}' for x in r['clip_factors'])}) worst "
+                             f"{r['clip_worst']:.3g}")
+        if not a.step_in_backward and a.state_dtype == "float32":
+            parts.append(f"AdamW steps: {r['adamw_mismatches']} values differ from torch.optim.AdamW")
+        else:
+            parts.append("no AdamW replay (" + ("stepped in backward: no gradient left" if a.step_in_backward else
+                                                f"{a.state_dtype} moments") + "; docstring)")
+        parts.append(f"{r['weights_changed']} of {r['weights_stepped']} routed experts' weights changed by the "
+                     f"steps, step counts wrong {r['count_mismatches']}, unrouted experts changed "
+                     f"{r['unrouted_changed']} ({r['routed_tokens']} routed tokens)")
+        parts.append(f"saved: {r['saved_mismatches']} differ, {r['output_tensors_differ']} tensors' names/shapes/"
+                     f"dtypes differ from the input model's; unrouted with a gradient {r['unrouted_with_grad']}, "
+                     f"routed without {r['routed_without_grad']}, missing records {r['missing_records']}")
         print(f"check ({time.perf_counter() - t0:.0f} s, outside the cgroup), {len(sample)} experts x {len(steps)} "
-              f"steps: gradients worst |error| / bound {r['grad_worst']:.3g} over {r['grad_elements']} elements "
-              f"({r['grad_resolved'] / max(r['grad_elements'], 1):.1%} larger than their bound; measured |error|_F / "
-              f"|g|_F {(r['grad_err_sq'] / max(r['grad_sq'], 1e-300)) ** 0.5:.2g}; {r['routed_tokens']} "
-              f"routed tokens); clipping (factors {', '.join(f'{x:.4g}' for x in r['clip_factors'])}) worst "
-              f"{r['clip_worst']:.3g}; AdamW steps: {r['adamw_mismatches']} values differ from torch.optim.AdamW "
-              f"({r['weights_changed']} of {r['weights_stepped']} weights changed by the steps); saved: "
-              f"{r['saved_mismatches']} differ, {r['output_tensors_differ']} tensors' names/shapes/dtypes differ "
-              f"from the input model's; unrouted with a gradient {r['unrouted_with_grad']}, routed without "
-              f"{r['routed_without_grad']}, missing records {r['missing_records']}")
+              f"steps: " + "; ".join(parts))
         print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
         print("check PASS" if r["ok"] else "check FAIL")
         return 0 if r["ok"] else 1
@@ -708,6 +928,50 @@ def run_command(a) -> int:
             tmp.cleanup()
         else:
             print(f"kept {directory}")
+
+
+def parse_size(text: str) -> int:
+    from strideweave.finetune._data import parse_size as parse  # the command's own reading of --budget
+    return parse(text)
+
+
+TRAFFIC = (("weights_read", "weights read"), ("weights_written", "weights written"),
+           ("gradients_written", "gradients written"), ("gradients_read", "gradients read"),
+           ("state_read", "state read"), ("state_written", "state written"))
+MINIMUM = (("min_weights_read", "weights read"), ("min_weights_written", "weights written"),
+           ("min_state_read", "state read"), ("min_state_written", "state written"))
+
+
+def report_traffic(traffic: list, a) -> dict:
+    """Prints the experts' bytes moved per step against the minimum (Note [Bytes moved per step]); returns the
+    medians over the steps measured (not the checked ones, whose recording reads tiles)."""
+    import statistics
+    for d in traffic:
+        d["moved"] = sum(d[k] for k, _ in TRAFFIC)
+        d["minimum"] = sum(d[k] for k, _ in MINIMUM)
+    print("experts' bytes moved between tiers per step (MiB; weights read includes the checkpoint's reads; "
+          "* = a checked step, its recording's reads included):")
+    print("  step  " + "  ".join(f"{label:>17}" for _, label in TRAFFIC) + "      moved    minimum  ratio  (from "
+          "the checkpoint)")
+    for d in traffic:
+        print(f"  {d['step']:>3}{'*' if d['checked'] else ' '}  " + "  ".join(f"{d[k] / MiB:17.1f}" for k, _ in TRAFFIC)
+              + f"  {d['moved'] / MiB:9.1f}  {d['minimum'] / MiB:9.1f}  {d['moved'] / max(d['minimum'], 1):5.2f}"
+              f"  ({d['checkpoint_read'] / MiB:.1f})")
+    measured = [d for d in traffic if not d["checked"]]
+    if not measured:
+        print("no unchecked step to measure the traffic on (every step was checked)")
+        return {}
+    med = {k: statistics.median(d[k] for d in measured) for k in
+           [k for k, _ in TRAFFIC] + [k for k, _ in MINIMUM] + ["moved", "minimum", "experts_stepped"]}
+    ratio = statistics.median(d["moved"] / max(d["minimum"], 1) for d in measured)
+    print(f"median over steps {[d['step'] for d in measured]}: moved {med['moved'] / MiB:.0f} MiB ("
+          + ", ".join(f"{label} {med[k] / MiB:.0f}" for k, label in TRAFFIC) + f"); minimum for "
+          f"{a.state_dtype} moments {med['minimum'] / MiB:.0f} MiB ("
+          + ", ".join(f"{label} {med[k] / MiB:.0f}" for k, label in MINIMUM)
+          + f"; {med['experts_stepped']:.0f} experts stepped); moved / minimum {ratio:.2f} (median of the steps' "
+          f"ratios): target <= 1.2x {'MET' if ratio <= 1.2 else 'MISSED'}")
+    med["ratio"] = ratio
+    return med
 
 
 def run_example(a) -> int:
