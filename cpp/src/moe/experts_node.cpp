@@ -6,6 +6,7 @@
 #include "../ops/activations.hpp"
 #include "../ops/dense.hpp"
 #include "../ops/half.hpp"
+#include "../ops/strided.hpp"
 #include "../tiled/internal.hpp"
 #include "../tiled/tile_copies.hpp"
 #include "internal.hpp"
@@ -124,37 +125,50 @@ TensorPtr widened(const TensorPtr& t) {
   return make_tensor(std::move(c), t->offset, t->layout);
 }
 
-// Adds dW (a (rows, cols) tensor over a whole native carrier of one tile's size) into tile `e` of the weight's
-// .grad in place, when that tile is resident, nobody but the leaf holds the gradient and dW's memory is in the
-// tile buffer's order: what backward through the tile's projection would do (a Float32 sum, rounded once to a
-// 16-bit .grad), without the fresh one-tile gradient in between (Note [A sparse MoE block]). False, changing
-// nothing, otherwise.
-bool add_into_resident_gradient(const Weight& w, int64_t e, const TensorPtr& dW) {
+// The hold on tile `e` of the weight's .grad, to add a dW laid out as `dw_layout` (a (rows, cols, 1) layout of
+// `size` elements) into it in place: when that tile is resident, nobody but the leaf holds the gradient and dW's
+// memory is in the tile buffer's order, what backward through the tile's projection would do (a Float32 sum,
+// rounded once to a 16-bit .grad), without the fresh one-tile gradient in between (Note [A sparse MoE block]).
+// `gd` is the gradient's dtype. nullptr, changing nothing, otherwise. With `promote`, a tile that is not resident
+// (an implicit zero, or written to its secondary tier) is promoted first and then held (hold_in_turn), as the
+// optimizers hold gradient tiles.
+std::unique_ptr<TiledInternals::TileWrite> hold_resident_gradient(const Weight& w, int64_t e, const Layout& dw_layout,
+                                                                  int64_t size, DTypeId& gd, bool promote = false) {
   const TensorPtr& leaf = w.full;
   TensorPtr current;
   {
     std::lock_guard lock(leaf->mutex);
-    if (leaf->node) return false;
+    if (leaf->node) return nullptr;
     current = leaf->grad;
   }
   // The same conditions as the projection's gradient sink (Note [Gradient sinks]): `current` is held here once
   // beside the leaf's .grad, and its carrier by nobody else.
   if (!current || current.use_count() != 2 || !current->carrier->is_mutable() || current->carrier->is_owned() ||
       current->carrier == leaf->carrier || !(current->layout == leaf->layout) || current->offset != leaf->offset)
-    return false;
+    return nullptr;
   const auto* raw = dynamic_cast<const TiledEvictable*>(current->carrier.get());
   if (!raw || raw->is_released() || raw->grid_shape() != w.carrier->grid_shape() ||
       raw->tile_shape() != w.carrier->tile_shape() || !TiledInternals::only_reference_is(*raw, current->carrier))
-    return false;
+    return nullptr;
   auto acc = std::static_pointer_cast<TiledEvictable>(current->carrier);  // checked before this reference
-  const DTypeId gd = acc->dtype().id();
-  if ((gd != DTypeId::Float32 && acc->dtype() != leaf->dtype()) || dW->offset != 0 ||
-      dW->carrier->size() != acc->tile_size() || !dW->carrier->native_data())
-    return false;
-  if (!TileAccess(*acc, *current).buffer_order_is(compact_of(dW)->layout)) return false;
-  std::unique_ptr<TiledInternals::TileWrite> write = TiledInternals::hold_tile_for_update(*acc, acc->tile_index({0, 0, e}));
+  gd = acc->dtype().id();
+  if ((gd != DTypeId::Float32 && acc->dtype() != leaf->dtype()) || size != acc->tile_size()) return nullptr;
+  if (!TileAccess(*acc, *current).buffer_order_is(dw_layout)) return nullptr;
+  const int64_t index = acc->tile_index({0, 0, e});
+  if (promote) return TiledInternals::hold_in_turn(*acc, index, "add a SparseMoE weight gradient into");
+  return TiledInternals::hold_tile_for_update(*acc, index);
+}
+
+// Adds dW (a (rows, cols) tensor over a whole native carrier of one tile's size) into tile `e` of the weight's
+// .grad in place (hold_resident_gradient, promoting the tile first where it is not resident). False, changing
+// nothing, when that cannot be done.
+bool add_into_resident_gradient(const Weight& w, int64_t e, const TensorPtr& dW) {
+  if (dW->offset != 0 || !dW->carrier->native_data()) return false;
+  DTypeId gd = DTypeId::Float32;
+  std::unique_ptr<TiledInternals::TileWrite> write =
+      hold_resident_gradient(w, e, compact_of(dW)->layout, dW->carrier->size(), gd, /*promote=*/true);
   if (!write) return false;
-  const int64_t n = acc->tile_size();
+  const int64_t n = dW->carrier->size();
   const std::vector<float> d = floats_of(*make_tensor(dW->carrier, 0, column_major(Shape::flat({n}))));
   if (gd == DTypeId::Float32) {
     float* g = write->data();
@@ -174,6 +188,96 @@ bool add_into_resident_gradient(const Weight& w, int64_t e, const TensorPtr& dW)
   }
   write->commit();
   return true;
+}
+
+// Note [Weight gradients of 16-bit experts]: dW = a b^T for 16-bit a (ra, n) and b (rb, n) (n routed tokens),
+// computed by the same 16-bit product as matmul (half_gemm, Float32 sums, each element's sum in the same order
+// whatever columns it is computed with) and rounded once to the block's dtype, as matmul's result is: the values
+// are those of product_like. What differs is where they go: no zeroed Float32 result, no 16-bit result tensor and
+// no widened copy of it (three passes over a tile-sized buffer per product). The product runs in blocks of
+// columns, each rounded and then either stored (a Float32 tensor holding values of the block's dtype: what
+// backward's projection VJP would get from `widened`) or added straight into a resident gradient tile (a Float32
+// sum, rounded once to a 16-bit .grad: add_into_resident_gradient's arithmetic).
+enum class Into { Store, AddFloat32, AddHalf };
+
+// `a` (ra x n) and `b` (rb x n) hold 16-bit values with the token index contiguous (row r at r * n). Writes the
+// (ra, rb) product in the order of `like` (row-major when it is: the tile's own order) into `dst`.
+void product16_into(detail::HalfKind kind, const uint16_t* a, int64_t ra, const uint16_t* b, int64_t rb, int64_t n,
+                    bool row_major_like, float* dst, Into into) {
+  // Column-major C (m, cols) = A B^T as matmul computes it: product_like's Matmul(b, a) for a row-major tile.
+  const uint16_t* A = row_major_like ? b : a;
+  const uint16_t* B = row_major_like ? a : b;
+  const int64_t m = row_major_like ? rb : ra, cols = row_major_like ? ra : rb;
+  const bool bf = kind == detail::HalfKind::BFloat16;
+  constexpr int64_t kCols = 16;
+  const int64_t blocks = (cols + kCols - 1) / kCols;
+  detail::parallel_for(blocks, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> buf, wide;
+    std::vector<uint16_t> bits;
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t j0 = blk * kCols, nj = std::min(kCols, cols - j0), count = m * nj;
+      float* out = dst + j0 * m;
+      float* c = out;
+      if (into != Into::Store) {
+        buf.resize(static_cast<size_t>(count));
+        c = buf.data();
+      }
+      if (n > 0) detail::half_gemm(kind, m, nj, n, A, n, B + j0 * n, n, c, 1, m, false);
+      else std::fill(c, c + count, 0.0f);
+      bits.resize(static_cast<size_t>(count));
+      if (bf) {
+        detail::f32_to_bf16(c, bits.data(), count);
+        detail::bf16_to_f32(bits.data(), c, count);
+      } else {
+        detail::f32_to_f16(c, bits.data(), count);
+        detail::f16_to_f32(bits.data(), c, count);
+      }
+      if (into == Into::AddFloat32) {
+        for (int64_t i = 0; i < count; ++i) out[i] += c[i];
+      } else if (into == Into::AddHalf) {
+        auto* g = reinterpret_cast<uint16_t*>(dst) + j0 * m;
+        wide.resize(static_cast<size_t>(count));
+        if (bf) detail::bf16_to_f32(g, wide.data(), count);
+        else detail::f16_to_f32(g, wide.data(), count);
+        for (int64_t i = 0; i < count; ++i) wide[static_cast<size_t>(i)] += c[i];
+        if (bf) detail::f32_to_bf16(wide.data(), g, count);
+        else detail::f32_to_f16(wide.data(), g, count);
+      }
+    }
+  });
+}
+
+// The weight gradient a b^T of expert `e`'s tile `tile` (Note [Weight gradients of 16-bit experts]) into the
+// weight's tiled .grad: added in place where the gradient tile is resident, otherwise through the tile's
+// projection node (backward of a Float32 dW holding values of the block's dtype).
+void weight_gradient16(detail::HalfKind kind, const Weight& w, int64_t e, const TensorPtr& compact,
+                       const TensorImpl& like, const std::vector<uint16_t>& a, int64_t ra,
+                       const std::vector<uint16_t>& b, int64_t rb, int64_t n) {
+  const bool rm = row_major(like);
+  const Layout layout = rm ? Layout(Shape::flat({ra, rb}), Stride::flat({rb, 1}))
+                           : Layout(Shape::flat({ra, rb}), Stride::flat({1, ra}));
+  const Layout compact_layout(Shape::flat({ra, rb, 1}),
+                              Stride::flat({layout.flat().strides[0], layout.flat().strides[1], ra * rb}));
+  DTypeId gd = DTypeId::Float32;
+  if (std::unique_ptr<TiledInternals::TileWrite> write =
+          hold_resident_gradient(w, e, compact_layout, ra * rb, gd, /*promote=*/true)) {
+    product16_into(kind, a.data(), ra, b.data(), rb, n, rm, write->data(),
+                   gd == DTypeId::Float32 ? Into::AddFloat32 : Into::AddHalf);
+    write->commit();
+    return;
+  }
+  auto c = std::make_shared<CPUCarrier>(ra * rb, DType::Float32(), true, /*empty=*/true);
+  product16_into(kind, a.data(), ra, b.data(), rb, n, rm, reinterpret_cast<float*>(c->mutable_native_data()),
+                 Into::Store);
+  backward(compact, make_tensor(std::move(c), 0, compact_layout), false);
+}
+
+// The 16-bit bits of `v` (values of that dtype already: exact).
+std::vector<uint16_t> bits_of(const std::vector<float>& v, DTypeId dtype) {
+  std::vector<uint16_t> out(v.size());
+  if (dtype == DTypeId::BFloat16) detail::f32_to_bf16(v.data(), out.data(), static_cast<int64_t>(v.size()));
+  else detail::f32_to_f16(v.data(), out.data(), static_cast<int64_t>(v.size()));
+  return out;
 }
 
 // lhs (n, rows) times a weight tile (rows, cols), contracted over the tile's rows: (n, cols) in Float32, column-major.
@@ -268,7 +372,6 @@ std::vector<TensorPtr> ExpertsNode::apply(const TensorPtr& g) {
       dw[static_cast<size_t>(r.positions[static_cast<size_t>(q)])] += dot;
     }
     round_to(dy, *st.dtype);  // rounded once to the block's dtype
-    TensorPtr dyt = tensor_of(dy, n, H, *st.dtype);
     // dA = dY W2 (n, I); a = silu(h1); dh3 = dA * a; dh1 = (dA * h3) silu'(h1).
     std::vector<float> daf = times_tile(dy, n, tiles.matrix[1], scratch);
     round_to(daf, *st.dtype);
@@ -281,7 +384,6 @@ std::vector<TensorPtr> ExpertsNode::apply(const TensorPtr& g) {
     }
     round_to(dh1, *st.dtype);
     round_to(dh3, *st.dtype);
-    TensorPtr dh1t = tensor_of(dh1, n, I, *st.dtype), dh3t = tensor_of(dh3, n, I, *st.dtype);
     // Weight gradients, each in its tile's order.
     TensorPtr xe;
     {
@@ -289,9 +391,15 @@ std::vector<TensorPtr> ExpertsNode::apply(const TensorPtr& g) {
       xe = index_select(x, 0, r.token_tensor);
     }
     TensorPtr hh = op(OpId::ElementwiseMul, a, r.h3);
-    TensorPtr dW[3] = {product_like(transposed(dh1t), transposed(xe), *tiles.matrix[0]),
-                       product_like(transposed(dyt), transposed(hh), *tiles.matrix[1]),
-                       product_like(transposed(dh3t), transposed(xe), *tiles.matrix[2])};
+    const bool half = bd != DTypeId::Float32;
+    TensorPtr dW[3];
+    if (!half) {
+      const TensorPtr dyt = tensor_of(dy, n, H, *st.dtype), dh1t = tensor_of(dh1, n, I, *st.dtype),
+                      dh3t = tensor_of(dh3, n, I, *st.dtype);
+      dW[0] = product_like(transposed(dh1t), transposed(xe), *tiles.matrix[0]);
+      dW[1] = product_like(transposed(dyt), transposed(hh), *tiles.matrix[1]);
+      dW[2] = product_like(transposed(dh3t), transposed(xe), *tiles.matrix[2]);
+    }
     // dx_e = dh1 W1 + dh3 W3, summed in Float32 and rounded once (PyTorch's product with the fused [W1; W3]).
     std::vector<float> dxe = times_tile(dh1, n, tiles.matrix[0], scratch);
     const std::vector<float> dx3 = times_tile(dh3, n, tiles.matrix[2], scratch);
@@ -301,9 +409,32 @@ std::vector<TensorPtr> ExpertsNode::apply(const TensorPtr& g) {
       for (int64_t q = 0; q < n; ++q)
         dx[static_cast<size_t>(r.tokens[static_cast<size_t>(q)] + T * h)] += dxe[static_cast<size_t>(q + n * h)];
     // Into the tiled gradients, through each tile's projection node.
-    for (size_t k = 0; k < 3; ++k)
-      if (!add_into_resident_gradient(st.w[k], r.expert, dW[k]))
-        backward(tiles.compact[k], compact_of(widened(dW[k])), false);
+    if (half) {  // Note [Weight gradients of 16-bit experts]
+      const detail::HalfKind kind = bd == DTypeId::BFloat16 ? detail::HalfKind::BFloat16 : detail::HalfKind::Float16;
+      // Each (rows, n) operand with the token index contiguous: the column-major (n, rows) values as they are.
+      const std::vector<uint16_t> xb = bits_of(floats_of(*xe), bd), hb = bits_of(floats_of(*hh), bd);
+      const std::vector<uint16_t> d1 = bits_of(dh1, bd), d2 = bits_of(dy, bd), d3 = bits_of(dh3, bd);
+      weight_gradient16(kind, st.w[0], r.expert, tiles.compact[0], *tiles.matrix[0], d1, I, xb, H, n);
+      weight_gradient16(kind, st.w[1], r.expert, tiles.compact[1], *tiles.matrix[1], d2, H, hb, I, n);
+      weight_gradient16(kind, st.w[2], r.expert, tiles.compact[2], *tiles.matrix[2], d3, I, xb, H, n);
+    } else {
+      for (size_t k = 0; k < 3; ++k)
+        if (!add_into_resident_gradient(st.w[k], r.expert, dW[k]))
+          backward(tiles.compact[k], compact_of(widened(dW[k])), false);
+    }
+    // The projections' own reservations (Note [Gradient reservations]) end here, not when their last reference
+    // goes (an I/O thread may still hold a completion's copy for a while): a gradient added in place above never
+    // ran through a projection node, and a reservation of it finishing after the expert's own delivered finish
+    // below would leave an optimizer stepping in backward waiting for a use that has already delivered. Ending
+    // one that ran in backward again changes nothing.
+    for (const TensorPtr& c : tiles.compact) {
+      std::shared_ptr<Node> node;
+      {
+        std::lock_guard l(c->mutex);
+        node = c->node;
+      }
+      if (node) node->release_saved();
+    }
     window.pop_front();  // the expert's tiles go
     for (auto& res : reservations) res.finish(r.expert, true);
   }

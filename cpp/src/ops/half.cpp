@@ -8,7 +8,9 @@
 #include <array>
 #include <cmath>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -35,8 +37,14 @@ bool has_avx512() {
   return ok && !g_portable.load(std::memory_order_relaxed);
 }
 
+// SW_NO_AVX512_BF16=1 in the environment (read once) makes a machine with AVX-512 BF16 take the path of one
+// without it (AVX-512F with widening in registers, as on an Intel CPU with AVX-512 but no BF16), so the test suite
+// can be run through that path here.
 bool has_avx512_bf16() {
-  static const bool ok = __builtin_cpu_supports("avx512bf16");
+  static const bool ok = __builtin_cpu_supports("avx512bf16") && [] {
+    const char* v = std::getenv("SW_NO_AVX512_BF16");
+    return !(v && *v && std::string_view(v) != "0");
+  }();
   return ok && has_avx512();
 }
 
