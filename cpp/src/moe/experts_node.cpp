@@ -131,9 +131,11 @@ TensorPtr widened(const TensorPtr& t) {
 // rounded once to a 16-bit .grad), without the fresh one-tile gradient in between (Note [A sparse MoE block]).
 // `gd` is the gradient's dtype. nullptr, changing nothing, otherwise. With `promote`, a tile that is not resident
 // (an implicit zero, or written to its secondary tier) is promoted first and then held (hold_in_turn), as the
-// optimizers hold gradient tiles.
+// optimizers hold gradient tiles; `was_zero` (when given) then says whether the tile was an implicit zero before
+// (its buffer holds zeros: nothing but this thread adds into a gradient nobody else references).
 std::unique_ptr<TiledInternals::TileWrite> hold_resident_gradient(const Weight& w, int64_t e, const Layout& dw_layout,
-                                                                  int64_t size, DTypeId& gd, bool promote = false) {
+                                                                  int64_t size, DTypeId& gd, bool promote = false,
+                                                                  bool* was_zero = nullptr) {
   const TensorPtr& leaf = w.full;
   TensorPtr current;
   {
@@ -155,6 +157,7 @@ std::unique_ptr<TiledInternals::TileWrite> hold_resident_gradient(const Weight& 
   if ((gd != DTypeId::Float32 && acc->dtype() != leaf->dtype()) || size != acc->tile_size()) return nullptr;
   if (!TileAccess(*acc, *current).buffer_order_is(dw_layout)) return nullptr;
   const int64_t index = acc->tile_index({0, 0, e});
+  if (was_zero) *was_zero = acc->tile_state(acc->tile_coord(index)).location == TileLocation::Implicit;
   if (promote) return TiledInternals::hold_in_turn(*acc, index, "add a SparseMoE weight gradient into");
   return TiledInternals::hold_tile_for_update(*acc, index);
 }
@@ -198,7 +201,9 @@ bool add_into_resident_gradient(const Weight& w, int64_t e, const TensorPtr& dW)
 // columns, each rounded and then either stored (a Float32 tensor holding values of the block's dtype: what
 // backward's projection VJP would get from `widened`) or added straight into a resident gradient tile (a Float32
 // sum, rounded once to a 16-bit .grad: add_into_resident_gradient's arithmetic).
-enum class Into { Store, AddFloat32, AddHalf };
+// A gradient tile that was an implicit zero is stored into rather than added to (0 + x = x, but for -0, which a
+// first gradient keeps, as backward's conversion of a fresh tiled gradient does).
+enum class Into { Store, AddFloat32, AddHalf, StoreHalf };
 
 // `a` (ra x n) and `b` (rb x n) hold 16-bit values with the token index contiguous (row r at r * n). Writes the
 // (ra, rb) product in the order of `like` (row-major when it is: the tile's own order) into `dst`.
@@ -216,15 +221,21 @@ void product16_into(detail::HalfKind kind, const uint16_t* a, int64_t ra, const 
     std::vector<uint16_t> bits;
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t j0 = blk * kCols, nj = std::min(kCols, cols - j0), count = m * nj;
-      float* out = dst + j0 * m;
+      float* out = into == Into::Store || into == Into::AddFloat32 ? dst + j0 * m : nullptr;  // a Float32 tile
       float* c = out;
-      if (into != Into::Store) {
+      if (into != Into::Store) {  // a 16-bit tile, or one added to: the block's product in a buffer first
         buf.resize(static_cast<size_t>(count));
         c = buf.data();
       }
       if (n > 0) detail::half_gemm(kind, m, nj, n, A, n, B + j0 * n, n, c, 1, m, false);
       else std::fill(c, c + count, 0.0f);
       bits.resize(static_cast<size_t>(count));
+      if (into == Into::StoreHalf) {  // rounded once, straight into the 16-bit tile
+        auto* g = reinterpret_cast<uint16_t*>(dst) + j0 * m;
+        if (bf) detail::f32_to_bf16(c, g, count);
+        else detail::f32_to_f16(c, g, count);
+        continue;
+      }
       if (bf) {
         detail::f32_to_bf16(c, bits.data(), count);
         detail::bf16_to_f32(bits.data(), c, count);
@@ -259,10 +270,12 @@ void weight_gradient16(detail::HalfKind kind, const Weight& w, int64_t e, const 
   const Layout compact_layout(Shape::flat({ra, rb, 1}),
                               Stride::flat({layout.flat().strides[0], layout.flat().strides[1], ra * rb}));
   DTypeId gd = DTypeId::Float32;
+  bool zero = false;
   if (std::unique_ptr<TiledInternals::TileWrite> write =
-          hold_resident_gradient(w, e, compact_layout, ra * rb, gd, /*promote=*/true)) {
-    product16_into(kind, a.data(), ra, b.data(), rb, n, rm, write->data(),
-                   gd == DTypeId::Float32 ? Into::AddFloat32 : Into::AddHalf);
+          hold_resident_gradient(w, e, compact_layout, ra * rb, gd, /*promote=*/true, &zero)) {
+    const Into into = gd == DTypeId::Float32 ? (zero ? Into::Store : Into::AddFloat32)
+                                             : (zero ? Into::StoreHalf : Into::AddHalf);
+    product16_into(kind, a.data(), ra, b.data(), rb, n, rm, write->data(), into);
     write->commit();
     return;
   }
