@@ -286,7 +286,8 @@ class Recorder:
         self.window = None  # the tier counters when the current step's first forward began
         self.touched: list = []  # per micro-batch of the current step: {layer: set of routed experts}
         self.stepped_before: set = set()  # (layer, expert) stepped in an earlier step (their state exists)
-        self.traffic: list = []  # per optimizer step: measured bytes and the minimum (Traffic below)
+        self.traffic: list = []  # per optimizer step: measured bytes and the minimum (Note [Bytes moved per step])
+        self.optimizer = None  # the command's optimizer, once its step() has run
         os.makedirs(self.dir, exist_ok=True)
 
     def install(self) -> None:
@@ -418,15 +419,15 @@ class Recorder:
     def open_window(self) -> None:
         import numpy as np
         t0 = time.perf_counter()
-        if self.sib and self.step in self.checked and getattr(self, "optimizer", None) is not None:
+        if self.sib and self.step in self.checked and self.optimizer is not None:
             # stepping in backward: the state before the step is recorded before its first forward
             opt = self.optimizer
             self.tiles(self.step, "before", lambda b, t, e: self.moments(opt, t, e, with_grad=False, hyper=True))
         elif self.sib and self.step in self.checked:
-            # the first step: no optimizer has stepped yet; its engines exist only once step() runs, so the
-            # weights alone (the moments and counts are zero: nothing was stepped)
+            # the first step: the recorder meets the optimizer at its first step(), so the weights alone (the
+            # moments and counts are zero: nothing was stepped)
             self.tiles(self.step, "before", lambda b, t, e: {"w": self.tile(t, e), "count": np.int64(0)})
-        self.window = self.counters(getattr(self, "optimizer", None))
+        self.window = self.counters(self.optimizer)
         self.touched = []
         self.seconds += time.perf_counter() - t0
 
