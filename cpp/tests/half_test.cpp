@@ -215,3 +215,53 @@ TEST(HalfGemm, NamesItsPath) {
   force_portable_half_kernels(was);
   std::printf("bf16 products: %s, fp16 products: %s\n", bf.c_str(), f16.c_str());
 }
+
+// rows_times_half (Note [Few rows times a row-major 16-bit matrix]): a Float32 sum of k exact products per element,
+// FMA in order of r, so |C - exact| <= gamma_k sum_r |L||W| with gamma_k = k u / (1 - k u), u = 2^-24 (each product
+// of a bf16 or fp16 value and a value of the same kind is exact in Float32, each FMA rounds once). Padding of W's
+// rows holds NaN: a kernel that read it would poison C. More than kRowsTimesHalfMax rows, or the portable path,
+// return false and write nothing.
+TEST(RowsTimesHalf, MatchesFloat64WithinTheFloat32SumBound) {
+  const uint64_t seed = test_seed();
+  Rng rng(seed);
+  for (HalfKind kind : {HalfKind::BFloat16, HalfKind::Float16}) {
+    const auto narrow = kind == HalfKind::BFloat16 ? float_to_bf16 : float_to_f16;
+    const auto widen = kind == HalfKind::BFloat16 ? bf16_to_float : f16_to_float;
+    for (int64_t n : {1, 3, 8, 9, 16})
+      for (int64_t cols : {1, 31, 32, 33, 100})
+        for (int64_t k : {1, 7, 64}) {
+          SCOPED_TRACE("n=" + std::to_string(n) + " cols=" + std::to_string(cols) + " k=" + std::to_string(k) +
+                       " seed=" + std::to_string(seed));
+          const int64_t ldw = cols + 3;
+          std::vector<uint16_t> W(static_cast<size_t>(k * ldw), narrow(NAN));
+          for (int64_t r = 0; r < k; ++r)
+            for (int64_t c = 0; c < cols; ++c)
+              W[static_cast<size_t>(r * ldw + c)] = narrow(static_cast<float>(real(rng, -2.0, 2.0)));
+          std::vector<float> L(static_cast<size_t>(n * k));
+          for (float& v : L) v = widen(narrow(static_cast<float>(real(rng, -2.0, 2.0))));
+          std::vector<float> C(static_cast<size_t>(n * cols), 7.0f);
+          ASSERT_TRUE(rows_times_half(kind, n, cols, k, L.data(), W.data(), ldw, C.data()));
+          const double gamma = static_cast<double>(k) * 0x1p-24 / (1 - static_cast<double>(k) * 0x1p-24);
+          for (int64_t q = 0; q < n; ++q)
+            for (int64_t c = 0; c < cols; ++c) {
+              double exact = 0, mag = 0;
+              for (int64_t r = 0; r < k; ++r) {
+                const double prod = static_cast<double>(L[static_cast<size_t>(q + n * r)]) *
+                                    static_cast<double>(widen(W[static_cast<size_t>(r * ldw + c)]));
+                exact += prod;
+                mag += std::fabs(prod);
+              }
+              ASSERT_LE(std::fabs(static_cast<double>(C[static_cast<size_t>(q + n * c)]) - exact), gamma * mag)
+                  << "C(" << q << ", " << c << ")";
+            }
+        }
+  }
+  std::vector<uint16_t> W(4 * 40, 0);
+  std::vector<float> L(static_cast<size_t>((kRowsTimesHalfMax + 1) * 4), 1.0f);
+  std::vector<float> C(static_cast<size_t>((kRowsTimesHalfMax + 1) * 40), 7.0f);
+  EXPECT_FALSE(rows_times_half(HalfKind::BFloat16, kRowsTimesHalfMax + 1, 40, 4, L.data(), W.data(), 40, C.data()));
+  const bool was = force_portable_half_kernels(true);
+  EXPECT_FALSE(rows_times_half(HalfKind::BFloat16, 2, 40, 4, L.data(), W.data(), 40, C.data()));
+  force_portable_half_kernels(was);
+  for (float v : C) ASSERT_EQ(v, 7.0f);  // nothing written when it declines
+}

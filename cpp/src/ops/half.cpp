@@ -287,6 +287,42 @@ const uint16_t* pack_pairs(int64_t m, int64_t k, const uint16_t* A, int64_t lda,
   return reinterpret_cast<const uint16_t*>(buf.data());
 }
 
+// Note [Few rows times a row-major 16-bit matrix]: Q (<= 8) Float32 rows times 32 columns of a 16-bit matrix
+// W (k, cols) whose columns are contiguous, contracted over W's rows: each W row segment is widened in registers
+// (exact) and multiplied with FMA into Q x 2 accumulators, r in order, so W streams once per group of rows and is
+// never widened into memory. Out: Q rows of 32 Float32 values at out[i * 32].
+template <int Q, bool BF>
+SW_AVX512 void rows_times_block(int64_t k, const float* L, int64_t ldl, const uint16_t* W, int64_t ldw, int64_t nc,
+                                float* out) {
+  __m512 acc[Q][2];
+#pragma GCC unroll 8
+  for (int i = 0; i < Q; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  const __mmask32 m = nc >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((uint32_t{1} << nc) - 1);
+  for (int64_t r = 0; r < k; ++r) {
+    const __m512i raw = _mm512_maskz_loadu_epi16(m, W + r * ldw);
+    const __m256i lo = _mm512_castsi512_si256(raw), hi = _mm512_extracti64x4_epi64(raw, 1);
+    const __m512 w0 = BF ? widen_bf16(lo) : _mm512_cvtph_ps(lo);
+    const __m512 w1 = BF ? widen_bf16(hi) : _mm512_cvtph_ps(hi);
+#pragma GCC unroll 8
+    for (int i = 0; i < Q; ++i) {
+      const __m512 l = _mm512_set1_ps(L[i + ldl * r]);
+      acc[i][0] = _mm512_fmadd_ps(l, w0, acc[i][0]);
+      acc[i][1] = _mm512_fmadd_ps(l, w1, acc[i][1]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < Q; ++i) {
+    _mm512_storeu_ps(out + i * 32, acc[i][0]);
+    _mm512_storeu_ps(out + i * 32 + 16, acc[i][1]);
+  }
+}
+
+using RowsFn = void (*)(int64_t, const float*, int64_t, const uint16_t*, int64_t, int64_t, float*);
+template <bool BF>
+constexpr std::array<RowsFn, 8> kRowsBlocks{rows_times_block<1, BF>, rows_times_block<2, BF>, rows_times_block<3, BF>,
+                                            rows_times_block<4, BF>, rows_times_block<5, BF>, rows_times_block<6, BF>,
+                                            rows_times_block<7, BF>, rows_times_block<8, BF>};
+
 constexpr int kMR = 4, kNR = 4;
 using BlockFn = void (*)(int64_t, const uint16_t*, int64_t, const uint16_t*, int64_t, float*);
 
@@ -423,6 +459,28 @@ void half_gemm(HalfKind kind, int64_t m, int64_t n, int64_t k, const uint16_t* A
   };
   if (m * n * k < kParallelMacs) run(0, nblocks);
   else parallel_for(nblocks, 1, run);
+}
+
+bool rows_times_half(HalfKind kind, int64_t n, int64_t cols, int64_t k, const float* L, const uint16_t* W,
+                     int64_t ldw, float* C) {
+  if (n <= 0 || n > kRowsTimesHalfMax || !has_avx512()) return false;
+  const bool bf = kind == HalfKind::BFloat16;
+  const int64_t blocks = (cols + 31) / 32;
+  auto run = [&](int64_t b0, int64_t b1) {
+    alignas(64) float out[8 * 32];
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t c0 = b * 32, nc = std::min<int64_t>(32, cols - c0);
+      for (int64_t q0 = 0; q0 < n; q0 += 8) {
+        const int64_t q = std::min<int64_t>(8, n - q0);
+        (bf ? kRowsBlocks<true> : kRowsBlocks<false>)[static_cast<size_t>(q - 1)](k, L + q0, n, W + c0, ldw, nc, out);
+        for (int64_t i = 0; i < q; ++i)
+          for (int64_t j = 0; j < nc; ++j) C[(q0 + i) + n * (c0 + j)] = out[i * 32 + j];
+      }
+    }
+  };
+  if (n * cols * k < kParallelMacs) run(0, blocks);
+  else parallel_for(blocks, 4, run, /*parts_per_thread=*/4);
+  return true;
 }
 
 }  // namespace sw::detail

@@ -52,6 +52,16 @@ enum class HalfKind : uint8_t { BFloat16, Float16 };
 void half_gemm(HalfKind kind, int64_t m, int64_t n, int64_t k, const uint16_t* A, int64_t lda, const uint16_t* B,
                int64_t ldb, float* C, int64_t c_si, int64_t c_sj, bool accumulate);
 
+// C[q + n * c] = sum over r < k, in order, of L[q + n * r] * W[r * ldw + c] for q < n, c < cols: a few Float32
+// rows (column-major (n, k)) times a 16-bit matrix whose columns are contiguous, contracted over its rows (a
+// PyTorch (out, in) weight applied from the output side), without widening W into memory (Note [Few rows times a
+// row-major 16-bit matrix] in half.cpp). Each partial sum is one Float32 FMA; where L holds values of `kind`, each
+// product is exact and the error is that of a Float32 sum of k terms, |e| <= gamma_k sum |L||W|. Returns false,
+// writing nothing, with more than kRowsTimesHalfMax rows or without AVX-512F (the caller widens W and uses BLAS).
+inline constexpr int64_t kRowsTimesHalfMax = 16;
+bool rows_times_half(HalfKind kind, int64_t n, int64_t cols, int64_t k, const float* L, const uint16_t* W,
+                     int64_t ldw, float* C);
+
 // The kernel half_gemm uses for `kind` on this machine: "avx512-bf16", "avx512f" or "scalar".
 const char* half_gemm_path(HalfKind kind);
 // Forces the portable kernels (true) or restores run-time dispatch (false), so tests can compare every path on a
