@@ -196,3 +196,32 @@ def test_resuming_a_model_not_opened_from_the_checkpoint_is_refused(folders, tmp
         trainer.train(resume_from_checkpoint=ckpt)
     after = named_weights(other, swt.offloaded_experts(other))
     assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_step_in_backward_gives_the_same_model(folders, tmp_path):
+    """Trainer(step_in_backward=True) with 2 micro-batches a step (the first under no_step()) and max_grad_norm=0
+    ends with the weights of the same Trainer stepping after backward, bit for bit (docs/guide.md, "Stepping in
+    backward"); with clipping on, it is refused at construction."""
+    family = "mixtral"
+    seed = seed_of(family)
+    print(f"family={family} model seed={seed} data seed={seed + 700} trainer seed=0")
+    folder = folders[family]
+    data = dataset(seed + 700, BATCH * ACCUM * STEPS)
+    budget = expert_bytes(transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), family) // 4
+    weights = {}
+    for sib in (False, True):
+        model = swt.from_pretrained(folder, budget)
+        trainer = swt.Trainer(model, arguments(str(tmp_path / str(sib)), STEPS, max_grad_norm=0.0),
+                              train_dataset=data, step_in_backward=sib)
+        trainer.train()
+        opt = trainer.optimizer.optimizer
+        assert opt.step_in_backward is sib
+        stepped = sum(tg.engine.stats()["tiles_stepped_in_backward"] for tg in opt._tiled_groups if tg.engine)
+        assert (stepped > 0) is sib
+        weights[sib] = named_weights(model, swt.offloaded_experts(model))
+    assert weights[False].keys() == weights[True].keys()
+    for name, w in weights[False].items():
+        assert torch.equal(w, weights[True][name]), name  # bound 0: the same updates
+    model = swt.from_pretrained(folder, budget)
+    with pytest.raises(ValueError, match="cannot clip by the total norm: set max_grad_norm=0"):
+        swt.Trainer(model, arguments(str(tmp_path / "clip"), STEPS), train_dataset=data, step_in_backward=True)

@@ -57,7 +57,29 @@ def _classes() -> dict:
     from transformers.trainer import SCHEDULER_NAME
 
     class Trainer(transformers.Trainer):
-        """transformers' ``Trainer`` that trains offloaded experts too (Note [What Trainer cannot see])."""
+        """transformers' ``Trainer`` that trains offloaded experts too (Note [What Trainer cannot see]).
+
+        ``Trainer(..., step_in_backward=False, state_dtype=None)``: the options of the ``strideweave.torch.AdamW``
+        that ``create_optimizer`` builds (docs/guide.md, "Stepping in backward"). With ``step_in_backward`` the
+        micro-batches before the last of each accumulation run under ``no_step()``, the logged ``grad_norm`` is
+        the torch parameters' alone (the experts' gradients are consumed in backward), and ``max_grad_norm`` must
+        be 0 (``ValueError`` otherwise: clipping by the total norm needs every gradient first)."""
+
+        def __init__(self, *args: Any, step_in_backward: bool = False, state_dtype: Any = None,
+                     **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._step_in_backward, self._state_dtype = bool(step_in_backward), state_dtype
+            if self._step_in_backward and self.args.max_grad_norm and self.args.max_grad_norm > 0:
+                raise ValueError(f"strideweave.torch.Trainer: step_in_backward=True steps each expert in backward, "
+                                 f"before the other gradients exist, so it cannot clip by the total norm: set "
+                                 f"max_grad_norm=0 in TrainingArguments (got {self.args.max_grad_norm})")
+
+        def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
+            opt = _inner(self.optimizer)
+            if opt is not None and opt.step_in_backward and not self.accelerator.sync_gradients:
+                with opt.no_step():  # a micro-batch before the last: accumulate only
+                    return super().training_step(model, inputs, num_items_in_batch)
+            return super().training_step(model, inputs, num_items_in_batch)
 
         def create_optimizer(self, model: Any = None) -> Any:
             model = self.model if model is None else model
@@ -74,7 +96,8 @@ def _classes() -> dict:
             self.optimizer = optim_classes()["AdamW"](
                 groups, lr=self.args.learning_rate, betas=(self.args.adam_beta1, self.args.adam_beta2),
                 eps=self.args.adam_epsilon, state_folder=getattr(self, "_strideweave_scratch", None)
-                or tempfile.mkdtemp(prefix=".strideweave-optimizer-"))
+                or tempfile.mkdtemp(prefix=".strideweave-optimizer-"), state_dtype=self._state_dtype,
+                step_in_backward=self._step_in_backward)
             return self.optimizer
 
         def train(self, *args: Any, **kwargs: Any) -> Any:
@@ -103,7 +126,8 @@ def _classes() -> dict:
             return clip_grad_norm_(self.model, self.args.max_grad_norm)
 
         def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
-            if grad_norm is None and _bound(self.model):
+            opt = _inner(self.optimizer)
+            if grad_norm is None and _bound(self.model) and not (opt is not None and opt.step_in_backward):
                 from ._optim import clip_grad_norm_
                 grad_norm = clip_grad_norm_(self.model, float("inf"))
             return super()._get_grad_norm(model, grad_norm=grad_norm)
