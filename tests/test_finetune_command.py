@@ -481,3 +481,22 @@ def test_step_in_backward_gives_the_same_model(folders, tmp_path, capsys):
 def test_step_in_backward_with_clipping_is_refused(folders, tmp_path, capsys):
     assert_refused(capsys, str(tmp_path / "o"), "--step-in-backward steps each expert before the other gradients",
                    folders["model"], "--data", folders["data"], *TRAIN, "--step-in-backward", "--max-grad-norm", "1")
+
+
+@pytest.mark.parametrize("state,stored", [("bfloat16", "BFloat16"), ("8bit", "Int8Blockwise")])
+def test_state_dtype_reaches_the_experts_optimizer(folders, tmp_path, capsys, state, stored):
+    """--state-dtype: the experts' moments in the checkpoint's optimizer state are stored as asked (the state
+    files' metadata), and the run trains."""
+    import json
+
+    from safetensors import safe_open
+    out = tmp_path / "out"
+    code, _, err = run(capsys, folders["model"], "--data", folders["data"], "--output", out, *TRAIN,
+                       "--save-every", "2", "--no-progress", "--state-dtype", state)
+    assert code == 0, err
+    files = sorted((out / "checkpoint-2" / "optimizer").glob("tiled_state.*.safetensors"))
+    assert files
+    for f in files:
+        with safe_open(str(f), "pt") as fh:
+            meta = fh.metadata()
+        assert json.loads(meta["state_dtype"]) == stored, meta["state_dtype"]
