@@ -43,6 +43,12 @@ import os, sys, time, threading, traceback
 
 CHILD_S = 30.0
 
+def say(line):
+    # One write of the whole line: with PYTHONUNBUFFERED set, print() writes its text and its newline separately,
+    # and a child's line on the shared pipe can land between the two.
+    sys.stdout.write(line + "\\n")
+    sys.stdout.flush()
+
 def fork_children(n, work):
     pids = []
     for _ in range(n):
@@ -64,9 +70,9 @@ def fork_children(n, work):
         waiter.start()
         waiter.join(max(0.0, deadline - time.monotonic()))
         if "s" in status:
-            print(f"child status {os.waitstatus_to_exitcode(status['s'])}", flush=True)
+            say(f"child status {os.waitstatus_to_exitcode(status['s'])}")
         else:
-            print("child HUNG", flush=True)
+            say("child HUNG")
             os.kill(pid, 9)
             waiter.join()
 """
@@ -127,16 +133,16 @@ def child():
         moe(x, router)
     except RuntimeError as e:
         assert "created before fork" in str(e) and "SparseMoE" in str(e), e
-        print("child: the parent's block raised", flush=True)
+        say("child: the parent's block raised")
         return True
-    print("child: the parent's block did not raise", flush=True)
+    say("child: the parent's block did not raise")
     return False
 
 fork_children(3, child)
 core._io_unhold()
 ran.wait(30)
 assert ran.is_set()
-print("script ended", flush=True)
+say("script ended")
 """
 
 TORCH_SCRIPT = """
@@ -197,7 +203,7 @@ def child():
                                                              np.maximum(values, 0))
 
 fork_children(3, child)
-print("script ended", flush=True)
+say("script ended")
 """
 
 
