@@ -1,11 +1,15 @@
 // Safetensors checkpoints (strideweave/checkpoint/safetensors.hpp): the Checkpoint, its tier's carrier, open and
 // save. strideweave/safetensors.py is the public face (sw.safetensors.open / save); everything here is C++.
+#include <nanobind/ndarray.h>
+#include <cstring>
+#include <optional>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include "common.hpp"
 #include "strideweave/carriers/native.hpp"
+#include "strideweave/checkpoint/quantized.hpp"
 #include "strideweave/checkpoint/safetensors.hpp"
 #include "strideweave/errors.hpp"
 #include "typing.hpp"
@@ -60,9 +64,86 @@ std::string path_arg(nb::handle h, const char* what) {
   return std::string(PyBytes_AS_STRING(bytes.ptr()), static_cast<size_t>(PyBytes_GET_SIZE(bytes.ptr())));
 }
 
+using sw::safetensors::Quantization;
+using Format = sw::QuantizedRange::Format;
+
+// Options of tiled(): dtype=, scales=, block= (Note [Quantized tensors of a checkpoint]).
+sw::safetensors::TierOptions tier_options(nb::handle dtype, nb::handle scales, nb::handle block, bool one_name) {
+  sw::safetensors::TierOptions o;
+  if (!dtype.is_none()) o.dtype = &to_dtype(dtype, "tiled: dtype must be a DType or None");
+  if (!scales.is_none()) {
+    if (PyUnicode_Check(scales.ptr())) {
+      o.scales.push_back(str_arg(scales, "tiled: scales"));
+    } else {
+      if (!nb::isinstance<nb::iterable>(scales) || one_name)
+        sw::raise<sw::TypeError>("tiled: scales must be ", one_name ? "a tensor name (str)" : "a sequence of tensor names",
+                                 " or None, got ", nb::type_name(scales.type()).c_str());
+      for (nb::handle h : scales) o.scales.push_back(str_arg(h, "each scale tensor name"));
+    }
+  }
+  if (!block.is_none()) {
+    if (!nb::isinstance<nb::tuple>(block) || nb::len(block) != 2 || !PyLong_Check(block[0].ptr()) ||
+        !PyLong_Check(block[1].ptr()) || PyBool_Check(block[0].ptr()) || PyBool_Check(block[1].ptr()))
+      sw::raise<sw::TypeError>("tiled: block must be a tuple of two ints (rows, cols) or None");
+    o.block_rows = nb::cast<int64_t>(block[0]);
+    o.block_cols = nb::cast<int64_t>(block[1]);
+    if (o.block_rows < 1 || o.block_cols < 1)
+      sw::raise<sw::ValueError>("tiled: block=(", o.block_rows, ", ", o.block_cols, ") must be at least (1, 1)");
+  }
+  return o;
+}
+
+const char* scale_kind_name(sw::QuantizedRange::Scale s) {
+  return s == sw::QuantizedRange::Scale::F32 ? "F32" : s == sw::QuantizedRange::Scale::BF16 ? "BF16" : "E8M0";
+}
+
+std::string describe(const Quantization& q) {
+  std::string out = q.format == Format::FP8 ? "F8_E4M3 with " : "E2M1 (MXFP4) with ";
+  out += q.scale_dtype + " scales per ";
+  out += q.format == Format::FP8 ? std::to_string(q.block_rows) + "x" + std::to_string(q.block_cols) + " block"
+                                 : std::string("32 values");
+  return out + " (" + q.scale + ")";
+}
+
+using Bytes = nb::ndarray<nb::c_contig, nb::device::cpu>;
+
+sw::QuantizedRange::Scale scale_kind(const std::string& s) {
+  if (s == "F32") return sw::QuantizedRange::Scale::F32;
+  if (s == "BF16") return sw::QuantizedRange::Scale::BF16;
+  if (s == "E8M0") return sw::QuantizedRange::Scale::E8M0;
+  sw::raise<sw::ValueError>("a scale kind is F32, BF16 or E8M0, not ", s);
+}
+
 }  // namespace
 
 void bind_checkpoint(nb::module_& m) {
+  nb::class_<Quantization>(m, "Quantized",
+                           "How a checkpoint tensor is quantized (Checkpoint.dtype of an FP8 block-scaled or MXFP4 "
+                           "tensor): its tiles are dequantized on promotion (tiled(..., dtype=...)).")
+      .def("__init__", [](Quantization*, nb::args, nb::kwargs) {
+        sw::raise<sw::TypeError>("Quantized is not constructible directly; Checkpoint.dtype returns it");
+      })
+      .def_prop_ro("format", [](const Quantization& q) { return q.format == Format::FP8 ? "fp8" : "mxfp4"; },
+                   "\"fp8\" (block-scaled F8_E4M3) or \"mxfp4\".")
+      .def_prop_ro("element", [](const Quantization& q) { return q.format == Format::FP8 ? "F8_E4M3" : "E2M1"; },
+                   "The quantized elements' format.")
+      .def_prop_ro("block", [](const Quantization& q) { return nb::make_tuple(q.block_rows, q.block_cols); },
+                   nb::sig("def block(self) -> tuple[int, int]"),
+                   "The values one scale covers: (rows, cols); (1, 32) for MXFP4.")
+      .def_prop_ro("data", [](const Quantization& q) { return q.data; }, "The quantized elements' tensor.")
+      .def_prop_ro("scale", [](const Quantization& q) { return q.scale; }, "The scales' tensor.")
+      .def_prop_ro("scale_dtype", [](const Quantization& q) { return q.scale_dtype; },
+                   "The scales' element type: F32, BF16, F8_E8M0 or U8 (e8m0 exponents).")
+      .def_prop_ro("shape", [](const Quantization& q) { return ints_tuple(q.shape); },
+                   nb::sig("def shape(self) -> tuple[int, ...]"), "The dequantized values' shape.")
+      .def_prop_ro("name", [](const Quantization& q) { return describe(q); }, "The format in words.")
+      .def("__eq__", [](const Quantization& a, nb::handle b) {
+        return nb::isinstance<Quantization>(b) && a == nb::cast<const Quantization&>(b);
+      }, nb::arg("other").none(), nb::sig("def __eq__(self, other: object) -> bool"))
+      .def("__hash__", [](const Quantization& q) { return nb::hash(nb::str(describe(q).c_str())); })
+      .def("__str__", [](const Quantization& q) { return describe(q); })
+      .def("__repr__", [](const Quantization& q) { return "Quantized(" + describe(q) + ")"; });
+
   nb::class_<CheckpointCarrier, sw::Carrier>(m, "CheckpointCarrier", nb::is_final(),
                                              "The checkpoint tier: slots that are byte ranges of existing files, where "
                                              "they lie (made by sw.safetensors; docs/guide.md, \"Opening a Hugging Face "
@@ -128,10 +209,15 @@ void bind_checkpoint(nb::module_& m) {
         return PyUnicode_Check(name.ptr()) && c.contains(nb::cast<std::string>(name));
       }, nb::arg("name").none(), nb::sig("def __contains__(self, name: object) -> bool"))
       .def("__len__", [](const Checkpoint& c) { return c.keys().size(); })
-      .def("dtype", [](const Checkpoint& c, nb::handle name) -> const sw::DType& {
-        return c.dtype(str_arg(name, "a tensor name"));
-      }, nb::rv_policy::reference, nb::arg("name"), nb::sig("def dtype(self, name: str) -> DType"),
-         "The tensor's DType; TypeError for an element type StrideWeave has no DType for.")
+      .def("dtype", [](const Checkpoint& c, nb::handle name) -> nb::object {
+        const std::string n = str_arg(name, "a tensor name");
+        if (std::optional<Quantization> q = c.quantization(n)) return nb::cast(std::move(*q));
+        return nb::cast(c.dtype(n), nb::rv_policy::reference);
+      }, nb::arg("name"), nb::sig("def dtype(self, name: str) -> DType | Quantized"),
+         "The tensor's DType, or how it is quantized (a Quantized: FP8 block-scaled F8_E4M3 with its scales, or "
+         "MXFP4 \"X_blocks\"/\"X_scales\", named \"X_blocks\" or \"X\"). ValueError naming the tensor and "
+         "its file for quantized tensors whose scales are missing or malformed; TypeError for an element type "
+         "StrideWeave has no DType for.")
       .def("shape", [](const Checkpoint& c, nb::handle name) { return ints_tuple(c.info(str_arg(name, "a tensor name")).shape); },
            nb::arg("name"), nb::sig("def shape(self, name: str) -> tuple[int, ...]"))
       .def("file_of", [](const Checkpoint& c, nb::handle name) { return c.file_of(str_arg(name, "a tensor name")); },
@@ -151,7 +237,10 @@ void bind_checkpoint(nb::module_& m) {
          "The tensor over its byte range, of its own shape with row-major strides; no copy. Writes go to a scratch "
          "overlay, never to the file.")
       .def("tiled", [](Checkpoint& c, nb::handle names, nb::handle primary, nb::handle policy, bool is_mutable,
-                       bool crash_safe, nb::handle tiles_arg) {
+                       bool crash_safe, nb::handle tiles_arg, nb::handle dtype_arg, nb::handle scales_arg,
+                       nb::handle block_arg) {
+        const sw::safetensors::TierOptions options =
+            tier_options(dtype_arg, scales_arg, block_arg, PyUnicode_Check(names.ptr()));
         // tiles: how many equal slabs one tensor's first axis is split into (None: shape[0]). Checked before any
         // file is opened; the count against the tensor's first extent in split_tier.
         std::optional<int64_t> tiles;
@@ -180,9 +269,9 @@ void bind_checkpoint(nb::module_& m) {
           const std::string n = nb::cast<std::string>(names);
           {
             GilRelease nogil;
-            tier = c.split_tier(n, w, tiles);
+            tier = c.split_tier(n, w, tiles, options);
           }
-          shape = c.split_shape(n, tiles);
+          shape = c.split_shape(n, tiles, options);
         } else {
           if (!nb::isinstance<nb::iterable>(names))
             sw::raise<sw::TypeError>("tiled takes a tensor name or a sequence of names, got ",
@@ -192,9 +281,12 @@ void bind_checkpoint(nb::module_& m) {
           if (list.empty()) sw::raise<sw::ValueError>("tiled needs at least one tensor name");
           {
             GilRelease nogil;
-            tier = c.tier(list, w);
+            tier = c.tier(list, w, options);
           }
-          shape = c.info(list[0]).shape;
+          const std::optional<Quantization> q =
+              c.quantization(list[0], options.scales.empty() ? std::string() : options.scales[0], options.block_rows,
+                             options.block_cols);
+          shape = q ? q->shape : c.info(list[0]).shape;
         }
         if (crash_safe) {
           GilRelease nogil;
@@ -211,13 +303,18 @@ void bind_checkpoint(nb::module_& m) {
         return sw::make_tensor(nb::cast<sw::CarrierPtr>(carrier), 0, v.layout);
       }, nb::arg("names"), nb::arg("primary") = nb::none(), nb::arg("residency_policy") = nb::none(),
          nb::arg("mutable") = false, nb::arg("crash_safe") = false, nb::kw_only(), nb::arg("tiles") = nb::none(),
+         nb::arg("dtype") = nb::none(), nb::arg("scales") = nb::none(), nb::arg("block") = nb::none(),
          nb::sig("def tiled(self, names: str | collections.abc.Sequence[str], primary: Carrier | None = None, "
                  "residency_policy: strideweave.carriers.tiled_evictable.ResidencyPolicy | None = None, "
-                 "mutable: bool = False, crash_safe: bool = False, *, tiles: int | None = None) -> Tensor"),
+                 "mutable: bool = False, crash_safe: bool = False, *, tiles: int | None = None, "
+                 "dtype: DType | None = None, scales: str | collections.abc.Sequence[str] | None = None, "
+                 "block: tuple[int, int] | None = None) -> Tensor"),
          "Same-shape, same-dtype tensors (or the first-axis slabs of one tensor, given its name alone) as the tiles "
          "of one full tensor of shape (*shape, tiles) over a TiledEvictable; each tile's bytes where they lie. "
          "With one name, tiles=N splits its first axis into N equal slabs of shape (shape[0] / N, *shape[1:]), "
-         "or shape[1:] for slabs of one row (None: shape[0] slabs, one row each).")
+         "or shape[1:] for slabs of one row (None: shape[0] slabs, one row each). Quantized tensors (FP8 "
+         "block-scaled, MXFP4: see dtype()) need dtype=BFloat16 or Float32: each promotion reads the tile's quantized "
+         "bytes and scales and dequantizes them into the tile; scales= names the scale tensors, block= FP8's block.")
       .def("__repr__", [](const Checkpoint& c) {
         return "Checkpoint(" + std::to_string(c.keys().size()) + " tensors)";
       });
@@ -229,7 +326,65 @@ void bind_checkpoint(nb::module_& m) {
     return Checkpoint::open(paths);
   }, nb::arg("paths"), nb::sig("def _safetensors_open(paths: collections.abc.Sequence[str | bytes]) -> Checkpoint"));
 
-  m.def("_safetensors_save", [](nb::handle path_arg_, nb::handle tensors, nb::handle metadata) {
+  // The kernels over NumPy buffers (sw.safetensors.dequantize / quantize check shapes and allocate the outputs).
+  m.def("_quant_dequantize", [](const std::string& format, Bytes values, Bytes scales, const std::string& kind,
+                                int64_t rows, int64_t cols, int64_t br, int64_t bc, Bytes out, bool out_bf16) {
+    const auto sk = scale_kind(kind);
+    const size_t sitem = sk == sw::QuantizedRange::Scale::F32 ? 4 : sk == sw::QuantizedRange::Scale::BF16 ? 2 : 1;
+    const size_t oitem = out_bf16 ? 2 : 4;
+    if (rows < 0 || cols < 0 || br < 1 || bc < 1) sw::raise<sw::ValueError>("dequantize: bad sizes");
+    const bool fp8 = format == "fp8";
+    if (!fp8 && format != "mxfp4") sw::raise<sw::ValueError>("dequantize: format is \"fp8\" or \"mxfp4\"");
+    const int64_t n = rows * cols;
+    const int64_t sr = fp8 ? (rows + br - 1) / br : rows, sc = fp8 ? (cols + bc - 1) / bc : cols / 32;
+    if (values.nbytes() != static_cast<size_t>(fp8 ? n : n / 2) || scales.nbytes() != static_cast<size_t>(sr * sc) * sitem ||
+        out.nbytes() != static_cast<size_t>(n) * oitem || (!fp8 && (cols % 32 != 0 || sk != sw::QuantizedRange::Scale::E8M0)))
+      sw::raise<sw::ValueError>("dequantize: buffer sizes do not match ", rows, " x ", cols, " values");
+    const auto* q = static_cast<const uint8_t*>(values.data());
+    const auto* raw = static_cast<const std::byte*>(scales.data());
+    GilRelease nogil;
+    if (fp8) {
+      std::vector<float> f(static_cast<size_t>(sr * sc));
+      for (size_t i = 0; i < f.size(); ++i) {
+        if (sk == sw::QuantizedRange::Scale::F32) std::memcpy(&f[i], raw + 4 * i, 4);
+        else if (sk == sw::QuantizedRange::Scale::BF16) {
+          uint16_t h;
+          std::memcpy(&h, raw + 2 * i, 2);
+          const uint32_t bits = static_cast<uint32_t>(h) << 16;
+          std::memcpy(&f[i], &bits, 4);
+        } else f[i] = sw::quant::e8m0_to_float(static_cast<uint8_t>(raw[i]));
+      }
+      sw::quant::dequantize_fp8(q, rows, cols, 0, f.data(), sc, br, bc, out.data(),
+                                out_bf16 ? sw::quant::Out::BFloat16 : sw::quant::Out::Float32);
+    } else {
+      sw::quant::dequantize_mxfp4(q, reinterpret_cast<const uint8_t*>(raw), n / 32, out.data(),
+                                  out_bf16 ? sw::quant::Out::BFloat16 : sw::quant::Out::Float32);
+    }
+  }, nb::arg("format"), nb::arg("values"), nb::arg("scales"), nb::arg("kind"), nb::arg("rows"), nb::arg("cols"),
+     nb::arg("block_rows"), nb::arg("block_cols"), nb::arg("out"), nb::arg("out_bf16"));
+  m.def("_quant_quantize", [](const std::string& format, Bytes values, bool in_bf16, int64_t rows, int64_t cols,
+                              int64_t br, int64_t bc, Bytes q, Bytes scales) {
+    const bool fp8 = format == "fp8";
+    if (!fp8 && format != "mxfp4") sw::raise<sw::ValueError>("quantize: format is \"fp8\" or \"mxfp4\"");
+    if (rows < 0 || cols < 0 || br < 1 || bc < 1 || (!fp8 && cols % 32 != 0)) sw::raise<sw::ValueError>("quantize: bad sizes");
+    const int64_t n = rows * cols;
+    const int64_t sr = fp8 ? (rows + br - 1) / br : rows, sc = fp8 ? (cols + bc - 1) / bc : cols / 32;
+    if (values.nbytes() != static_cast<size_t>(n) * (in_bf16 ? 2 : 4) || q.nbytes() != static_cast<size_t>(fp8 ? n : n / 2) ||
+        scales.nbytes() != static_cast<size_t>(sr * sc) * (fp8 ? 4 : 1))
+      sw::raise<sw::ValueError>("quantize: buffer sizes do not match ", rows, " x ", cols, " values");
+    GilRelease nogil;
+    if (fp8) {
+      sw::quant::quantize_fp8(values.data(), in_bf16, rows, cols, br, bc, static_cast<uint8_t*>(q.data()),
+                              static_cast<float*>(scales.data()));
+      return true;
+    }
+    return sw::quant::quantize_mxfp4(values.data(), in_bf16, n / 32, static_cast<uint8_t*>(q.data()),
+                                     static_cast<uint8_t*>(scales.data()));
+  }, nb::arg("format"), nb::arg("values"), nb::arg("in_bf16"), nb::arg("rows"), nb::arg("cols"), nb::arg("block_rows"),
+     nb::arg("block_cols"), nb::arg("q"), nb::arg("scales"));
+  m.def("_quant_uses_avx512", &sw::quant::uses_avx512);
+
+  m.def("_safetensors_save", [](nb::handle path_arg_, nb::handle tensors, nb::handle metadata, nb::handle quantize) {
     const std::string path = path_arg(path_arg_, "the safetensors path");
     if (!nb::hasattr(tensors, "items")) sw::raise<sw::TypeError>("safetensors.save takes a dict of name -> Tensor");
     std::vector<std::pair<std::string, sw::TensorPtr>> list;
@@ -247,10 +402,39 @@ void bind_checkpoint(nb::module_& m) {
       for (nb::handle item : metadata.attr("items")())
         meta[str_arg(item[0], "a metadata key")] = str_arg(item[1], "a metadata value");
     }
+    // quantize: name -> "fp8" | ("fp8", (rows, cols)) | "mxfp4" (Note [Saving a checkpoint]).
+    std::map<std::string, sw::safetensors::SaveQuantization> quant;
+    if (!quantize.is_none()) {
+      if (!nb::hasattr(quantize, "items"))
+        sw::raise<sw::TypeError>("safetensors.save: quantize must be a dict of tensor name -> \"fp8\", (\"fp8\", "
+                                 "(rows, cols)) or \"mxfp4\"");
+      for (nb::handle item : quantize.attr("items")()) {
+        const std::string n = str_arg(item[0], "a tensor name in quantize");
+        nb::handle how = item[1];
+        sw::safetensors::SaveQuantization q;
+        nb::handle fmt = how;
+        if (nb::isinstance<nb::tuple>(how) && nb::len(how) == 2) {
+          fmt = how[0];
+          nb::handle b = how[1];
+          if (!nb::isinstance<nb::tuple>(b) || nb::len(b) != 2 || !PyLong_Check(b[0].ptr()) || !PyLong_Check(b[1].ptr()))
+            sw::raise<sw::TypeError>("safetensors.save: quantize['", n, "'] must be (\"fp8\", (rows, cols))");
+          q.block_rows = nb::cast<int64_t>(b[0]);
+          q.block_cols = nb::cast<int64_t>(b[1]);
+        }
+        const std::string f = str_arg(fmt, "a quantization format");
+        if (f == "mxfp4" && fmt.ptr() == how.ptr()) q.format = Format::MXFP4;
+        else if (f == "fp8") q.format = Format::FP8;
+        else
+          sw::raise<sw::ValueError>("safetensors.save: quantize['", n, "'] is \"", f, "\"; the formats are \"fp8\" "
+                                    "(block-scaled, (\"fp8\", (rows, cols)) for another block) and \"mxfp4\"");
+        quant[n] = q;
+      }
+    }
     GilRelease nogil;
-    sw::safetensors::save(path, list, meta);
-  }, nb::arg("path"), nb::arg("tensors"), nb::arg("metadata").none(),
-     nb::sig("def _safetensors_save(path: str | bytes, tensors: object, metadata: object | None) -> None"));
+    sw::safetensors::save(path, list, meta, quant);
+  }, nb::arg("path"), nb::arg("tensors"), nb::arg("metadata").none(), nb::arg("quantize").none() = nb::none(),
+     nb::sig("def _safetensors_save(path: str | bytes, tensors: object, metadata: object | None, "
+             "quantize: object | None = None) -> None"));
 
   m.def("_install_folder", [](nb::handle temp, nb::handle target) {
     const std::string t = path_arg(temp, "the temporary folder"), g = path_arg(target, "the target folder");

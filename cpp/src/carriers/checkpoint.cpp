@@ -17,6 +17,7 @@
 #include "files.hpp"
 #include "strideweave/carriers/native.hpp"
 #include "strideweave/carriers/storage.hpp"
+#include "strideweave/checkpoint/quantized.hpp"
 #include "strideweave/errors.hpp"
 #include "strideweave/io.hpp"
 
@@ -93,30 +94,70 @@ void CheckpointFile::check_still_named(const char* action) const {
                       "was in use; cannot ", action, ": its values could never be written back to ", path_);
 }
 
+// ---------------------------------------------------------------- quantized ranges
+
+int64_t QuantizedRange::scale_rows() const noexcept {
+  return format == Format::FP8 ? (rows + block_rows - 1) / block_rows : rows;
+}
+int64_t QuantizedRange::scale_cols() const noexcept {
+  return format == Format::FP8 ? (cols + block_cols - 1) / block_cols : cols / 32;
+}
+uint64_t QuantizedRange::data_bytes() const noexcept {
+  const uint64_t n = static_cast<uint64_t>(rows) * static_cast<uint64_t>(cols);
+  return format == Format::FP8 ? n : n / 2;
+}
+
 // ---------------------------------------------------------------- carrier
 
 CheckpointCarrier::CheckpointCarrier(std::vector<Range> ranges, const DType& dtype, Writes writes)
     : Carrier(&checkpoint_kind(), dtype, true),
       ranges_(std::move(ranges)),
+      serial_([] {
+        static std::atomic<uint64_t> next{1};
+        return next.fetch_add(1, std::memory_order_relaxed);
+      }()),
       itemsize_(slot_bytes(dtype)),
       writes_(writes) {
   if (itemsize_ == 0) raise<TypeError>("a checkpoint tier cannot hold ", dtype.name());
   starts_.reserve(ranges_.size() + 1);
+  auto need = [&](const std::shared_ptr<CheckpointFile>& file, uint64_t end) {
+    auto f = std::find_if(files_.begin(), files_.end(), [&](const auto& e) { return e.first == file; });
+    if (f == files_.end()) f = files_.insert(files_.end(), {file, 0});
+    f->second = std::max(f->second, end);
+  };
+  auto inside = [&](size_t r, const CheckpointFile& file, uint64_t offset, uint64_t bytes, const char* what) {
+    if (offset > file.size_at_open() || bytes > file.size_at_open() - offset)
+      raise<ValueError>("checkpoint range ", r, what, " [", offset, ", ", offset + bytes, ") lies past the end of ",
+                        file.path(), " (", file.size_at_open(), " bytes)");
+  };
   for (size_t r = 0; r < ranges_.size(); ++r) {
     const Range& g = ranges_[r];
     if (!g.file) raise<ValueError>("checkpoint range ", r, " has no file");
     if (g.slots < 0) raise<ValueError>("checkpoint range ", r, " has a negative size ", g.slots);
-    const uint64_t bytes = static_cast<uint64_t>(g.slots) * itemsize_;
-    if (g.offset > g.file->size_at_open() || bytes > g.file->size_at_open() - g.offset)
-      raise<ValueError>("checkpoint range ", r, " [", g.offset, ", ", g.offset + bytes, ") lies past the end of ",
-                        g.file->path(), " (", g.file->size_at_open(), " bytes)");
+    uint64_t bytes = static_cast<uint64_t>(g.slots) * itemsize_;
+    if (const QuantizedRange* q = g.quant.get()) {
+      // Note [A quantized checkpoint tier].
+      if (&dtype != &DType::BFloat16() && &dtype != &DType::Float32())
+        raise<TypeError>("a quantized checkpoint tier dequantizes into BFloat16 or Float32, not ", dtype.name());
+      if (writes == Writes::InPlace)
+        raise<ValueError>("a quantized checkpoint range cannot be written in place (", g.file->path(),
+                          "): its values are written to the overlay, in ", dtype.name());
+      const bool fp8 = q->format == QuantizedRange::Format::FP8;
+      if (!q->scale_file || q->rows < 0 || q->cols < 0 || q->rows * q->cols != g.slots || q->block_rows < 1 ||
+          q->block_cols < 1 || (!fp8 && (q->cols % 32 != 0 || q->scale_type == QuantizedRange::Scale::F32 ||
+                                         q->scale_type == QuantizedRange::Scale::BF16)))
+        raise<ValueError>("checkpoint range ", r, " of ", g.file->path(), ": its quantized sizes do not agree (",
+                          q->rows, " x ", q->cols, " values, ", g.slots, " slots)");
+      bytes = q->data_bytes();
+      inside(r, *q->scale_file, q->scale_offset, q->scale_bytes(), "'s scales");
+      need(q->scale_file, q->scale_offset + q->scale_bytes());
+    }
+    inside(r, *g.file, g.offset, bytes, "");
     if (writes == Writes::InPlace && !g.file->writable())
       raise<ValueError>("checkpoint file ", g.file->path(), " was opened read-only; it cannot be written in place");
     starts_.push_back(total_);
     total_ += g.slots;
-    auto f = std::find_if(files_.begin(), files_.end(), [&](const auto& e) { return e.first == g.file; });
-    if (f == files_.end()) f = files_.insert(files_.end(), {g.file, 0});
-    f->second = std::max(f->second, g.offset + bytes);
+    need(g.file, g.offset + bytes);
   }
   starts_.push_back(total_);
   overlay_at_ = std::make_unique<std::atomic<int64_t>[]>(ranges_.size());
@@ -166,16 +207,113 @@ void CheckpointCarrier::read_slots(int64_t start, int64_t count, void* out) cons
   for_pieces(start, count, [&](size_t r, int64_t within, int64_t n) {
     const size_t bytes = static_cast<size_t>(n) * itemsize_;
     const int64_t at = overlay_at_[r].load(std::memory_order_acquire);
-    if (at >= 0) {
-      io::pread_full(overlay_fd_, dst, bytes, at + within * static_cast<int64_t>(itemsize_), overlay_name_);
-    } else {
-      const Range& g = ranges_[r];
-      io::pread_full(g.file->fd(), dst, bytes, static_cast<int64_t>(g.offset) + within * static_cast<int64_t>(itemsize_),
-                     g.file->path());
-      g.file->count_read(bytes);
-    }
+    if (at >= 0) io::pread_full(overlay_fd_, dst, bytes, at + within * static_cast<int64_t>(itemsize_), overlay_name_);
+    else read_from_file(ranges_[r], within, n, dst);
     dst += bytes;
   });
+}
+
+void CheckpointCarrier::read_from_file(const Range& g, int64_t within, int64_t n, std::byte* dst) const {
+  if (g.quant) return read_quantized(g, within, n, dst);
+  const size_t bytes = static_cast<size_t>(n) * itemsize_;
+  io::pread_full(g.file->fd(), dst, bytes, static_cast<int64_t>(g.offset) + within * static_cast<int64_t>(itemsize_),
+                 g.file->path());
+  g.file->count_read(bytes);
+}
+
+namespace {
+// Scales as Float32 (the FP8 kernel's form): F32 as they are, BF16 widened, e8m0 2^(b - 127).
+void scales_to_float(const std::byte* raw, QuantizedRange::Scale type, int64_t count, float* out) {
+  switch (type) {
+    case QuantizedRange::Scale::F32: std::memcpy(out, raw, static_cast<size_t>(count) * 4); break;
+    case QuantizedRange::Scale::BF16:
+      for (int64_t i = 0; i < count; ++i) {
+        uint16_t h;
+        std::memcpy(&h, raw + 2 * i, 2);
+        const uint32_t bits = static_cast<uint32_t>(h) << 16;
+        std::memcpy(out + i, &bits, 4);
+      }
+      break;
+    case QuantizedRange::Scale::E8M0:
+      for (int64_t i = 0; i < count; ++i) out[i] = quant::e8m0_to_float(static_cast<uint8_t>(raw[i]));
+      break;
+  }
+}
+constexpr int64_t kQuantChunk = int64_t{1} << 20;  // quantized bytes read and dequantized at a time
+}  // namespace
+
+// Note [A quantized checkpoint tier]: the request is cut into chunks of whole units (rows for FP8, groups of 32 for
+// MXFP4) of about kQuantChunk quantized bytes; each chunk reads its quantized bytes and the scales that cover them
+// and is dequantized straight into `dst`. A chunk the request covers only in part (a read that begins or ends
+// inside a unit, as reading a view element by element does) is dequantized whole into a per-thread cache and the
+// requested part copied; the next such read of the same chunk (the next element of a transposed view) is served
+// from the cache without reading the file again. The cache is keyed by the carrier's serial number and the range;
+// a range once written lives in the overlay and is never read here again, so the cache never goes stale.
+void CheckpointCarrier::read_quantized(const Range& g, int64_t within, int64_t n, std::byte* dst) const {
+  if (n <= 0) return;
+  const QuantizedRange& q = *g.quant;
+  const quant::Out out = itemsize_ == 2 ? quant::Out::BFloat16 : quant::Out::Float32;
+  const int64_t item = static_cast<int64_t>(itemsize_);
+  const bool fp8 = q.format == QuantizedRange::Format::FP8;
+  // Units: rows (FP8) or groups of 32 (MXFP4); each has `per` values and `unit_bytes` quantized bytes.
+  const int64_t per = fp8 ? q.cols : 32, unit_bytes = fp8 ? q.cols : 16, units_total = g.slots / per;
+  const int64_t chunk = std::max<int64_t>(1, kQuantChunk / std::max<int64_t>(1, unit_bytes));  // units per chunk
+  struct Cache {
+    uint64_t serial = 0;
+    const Range* range = nullptr;
+    int64_t e0 = 0, e1 = 0;  // the values it holds
+    std::vector<std::byte> values;
+  };
+  thread_local Cache cache;
+  thread_local std::vector<uint8_t> data;
+  thread_local std::vector<std::byte> raw_scales;
+  thread_local std::vector<float> scales;
+  const uint64_t serial = serial_;
+  if (cache.serial == serial && cache.range == &g && within >= cache.e0 && within + n <= cache.e1) {
+    std::memcpy(dst, cache.values.data() + (within - cache.e0) * item, static_cast<size_t>(n * item));
+    return;
+  }
+  // Units [u, u + units) dequantized into `to`.
+  auto dequantize_units = [&](int64_t u, int64_t units, std::byte* to) {
+    const int64_t sc = q.scale_cols();
+    const int64_t s0 = fp8 ? (u / q.block_rows) * sc : u;
+    const int64_t s1 = fp8 ? ((u + units - 1) / q.block_rows + 1) * sc : u + units;
+    const size_t sitem = q.scale_itemsize();
+    raw_scales.resize(static_cast<size_t>(s1 - s0) * sitem);
+    io::pread_full(q.scale_file->fd(), raw_scales.data(), raw_scales.size(),
+                   static_cast<int64_t>(q.scale_offset + static_cast<uint64_t>(s0) * sitem), q.scale_file->path());
+    q.scale_file->count_read(raw_scales.size());
+    const int64_t bytes = units * unit_bytes;
+    data.resize(static_cast<size_t>(bytes));
+    io::pread_full(g.file->fd(), data.data(), static_cast<size_t>(bytes), static_cast<int64_t>(g.offset) + u * unit_bytes,
+                   g.file->path());
+    g.file->count_read(static_cast<uint64_t>(bytes));
+    if (fp8) {
+      scales.resize(static_cast<size_t>(s1 - s0));
+      scales_to_float(raw_scales.data(), q.scale_type, s1 - s0, scales.data());
+      quant::dequantize_fp8(data.data(), units, q.cols, u, scales.data(), sc, q.block_rows, q.block_cols, to, out);
+    } else {
+      quant::dequantize_mxfp4(data.data(), reinterpret_cast<const uint8_t*>(raw_scales.data()), units, to, out);
+    }
+  };
+  const int64_t u0 = within / per, u1 = (within + n + per - 1) / per;
+  for (int64_t u = u0; u < u1; u += chunk) {
+    const int64_t units = std::min(chunk, u1 - u);
+    const int64_t e0 = u * per, e1 = (u + units) * per;  // the values these units hold
+    const int64_t lo = std::max(e0, within), hi = std::min(e1, within + n);
+    if (lo == e0 && hi == e1) {
+      dequantize_units(u, units, dst + (lo - within) * item);
+      continue;
+    }
+    // A chunk read in part: a whole chunk from u into the cache (beyond the request: the next reads are likely
+    // its neighbours), then the part requested.
+    const int64_t cached = std::min(chunk, units_total - u);
+    cache.serial = 0;  // invalid while it is filled (a failed read leaves it so)
+    cache.values.resize(static_cast<size_t>(cached * per * item));
+    dequantize_units(u, cached, cache.values.data());
+    cache = Cache{serial, &g, e0, (u + cached) * per, std::move(cache.values)};
+    std::memcpy(dst + (lo - within) * item, cache.values.data() + (lo - e0) * item, static_cast<size_t>((hi - lo) * item));
+  }
 }
 
 // Note [Promotion by mapping]: a read-only checkpoint in the page cache (the common case: a model just
@@ -350,6 +488,7 @@ CarrierPtr CheckpointCarrier::map_slots(int64_t start, int64_t count) const {
   const size_t r = range_of(start);
   const Range& g = ranges_[r];
   const int64_t within = start - starts_[r];
+  if (g.quant) return nullptr;  // read, dequantized, into the primary tile (Note [A quantized checkpoint tier])
   if (within + count > g.slots || overlay_at_[r].load(std::memory_order_acquire) >= 0) return nullptr;
   const uint64_t offset = g.offset + static_cast<uint64_t>(within) * itemsize_;
   const size_t bytes = static_cast<size_t>(count) * itemsize_;
@@ -465,10 +604,9 @@ int64_t CheckpointCarrier::overlay_for(size_t r, bool whole) {
   const Range& g = ranges_[r];
   const int64_t bytes = g.slots * static_cast<int64_t>(itemsize_);
   at = overlay_end_;
-  if (!whole && bytes > 0) {  // copy-on-write: the range's current values first
+  if (!whole && bytes > 0) {  // copy-on-write: the range's current values first (dequantized, for a quantized one)
     std::vector<std::byte> buf(static_cast<size_t>(bytes));
-    io::pread_full(g.file->fd(), buf.data(), buf.size(), static_cast<int64_t>(g.offset), g.file->path());
-    g.file->count_read(buf.size());
+    read_from_file(g, 0, g.slots, buf.data());
     io::pwrite_full(overlay_fd_, buf.data(), buf.size(), at, overlay_name_);
   }
   overlay_end_ += bytes;

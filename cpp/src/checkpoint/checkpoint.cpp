@@ -123,12 +123,6 @@ const std::string& Checkpoint::file_of(const std::string& name) const {
   return headers_[where_.at(name)].path;
 }
 
-const DType& Checkpoint::dtype(const std::string& name) const {
-  const TensorInfo& t = info(name);
-  if (const DType* d = dtype_of(t.dtype)) return *d;
-  raise<TypeError>("tensor '", name, "' holds ", t.dtype, " elements, which StrideWeave has no dtype for");
-}
-
 std::shared_ptr<CheckpointFile> Checkpoint::file(size_t index, bool writable, const char* action) {
   std::lock_guard lock(mutex_);
   const std::string& path = headers_[index].path;
@@ -160,15 +154,52 @@ std::shared_ptr<CheckpointFile> Checkpoint::file(size_t index, bool writable, co
   return slot;
 }
 
+const DType& Checkpoint::dtype(const std::string& name) const {
+  const TensorInfo& t = info(name);
+  if (const DType* d = dtype_of(t.dtype)) return *d;
+  if (t.dtype == "F8_E4M3" || (t.dtype == "U8" && name.size() > 7 && name.ends_with("_blocks")))
+    raise<TypeError>("tensor '", name, "' holds quantized ", t.dtype, " elements, which StrideWeave dequantizes on "
+                     "promotion: open it with tiled(..., dtype=BFloat16 or Float32)");
+  raise<TypeError>("tensor '", name, "' holds ", t.dtype, " elements, which StrideWeave has no dtype for");
+}
+
 std::shared_ptr<CheckpointCarrier> Checkpoint::tier(const std::vector<std::string>& names,
-                                                    CheckpointCarrier::Writes writes) {
+                                                    CheckpointCarrier::Writes writes, const TierOptions& options) {
   if (names.empty()) raise<ValueError>("a checkpoint tier needs at least one tensor name");
-  const TensorInfo& first = info(names[0]);
-  const DType& d = dtype(names[0]);
+  if (!options.scales.empty() && options.scales.size() != names.size())
+    raise<ValueError>("scales names ", options.scales.size(), " tensors for ", names.size(), " tensor names; give one "
+                      "scale tensor per name");
   std::vector<std::string> sorted = names;
   std::sort(sorted.begin(), sorted.end());
   if (auto dup = std::adjacent_find(sorted.begin(), sorted.end()); dup != sorted.end())
     raise<ValueError>("tensor '", *dup, "' is named twice; each tile is a distinct tensor");
+  auto scale_of = [&](size_t i) { return options.scales.empty() ? std::string() : options.scales[i]; };
+  // Note [Quantized tensors of a checkpoint]: every name checked (headers only) before any scale is read.
+  if (std::optional<Quantization> q0 = quantization(names[0], scale_of(0), options.block_rows, options.block_cols)) {
+    const DType& d = quantized_dtype(*q0, writes, options);
+    if (q0->format == QuantizedRange::Format::FP8 && q0->shape.size() != 2)
+      raise<ValueError>("tensor '", q0->data, "' (FP8 of shape ", shape_str(q0->shape), ") is a stack of matrices: "
+                        "give its name alone to split it into one tile per matrix, or name matrices");
+    std::vector<Quantization> qs{*q0};
+    for (size_t i = 1; i < names.size(); ++i) {
+      std::optional<Quantization> q = quantization(names[i], scale_of(i), options.block_rows, options.block_cols);
+      if (!q || q->format != q0->format || q->shape != q0->shape || q->block_rows != q0->block_rows ||
+          q->block_cols != q0->block_cols)
+        raise<ValueError>("tensor '", names[i], "' (", q ? "quantized as another" : "not quantized", ", shape ",
+                          shape_str(q ? q->shape : info(names[i]).shape), ") differs from '", names[0], "' (",
+                          shape_str(q0->shape), "): the tiles of one tensor share format and shape");
+      qs.push_back(std::move(*q));
+    }
+    std::vector<CheckpointCarrier::Range> ranges;
+    ranges.reserve(qs.size());
+    for (const Quantization& q : qs) ranges.push_back(quantized_range(q, 0, 1));
+    return std::make_shared<CheckpointCarrier>(std::move(ranges), d, writes);
+  }
+  const TensorInfo& first = info(names[0]);
+  const DType& d = dtype(names[0]);
+  if (options.dtype && options.dtype != &d)
+    raise<TypeError>("tensor '", names[0], "' is ", d.name(), ", not ", options.dtype->name(), ": nothing converts "
+                     "implicitly (give its own dtype, or none)");
   std::vector<CheckpointCarrier::Range> ranges;
   ranges.reserve(names.size());
   const bool in_place = writes == CheckpointCarrier::Writes::InPlace;
@@ -177,7 +208,7 @@ std::shared_ptr<CheckpointCarrier> Checkpoint::tier(const std::vector<std::strin
     if (t.dtype != first.dtype || t.shape != first.shape)
       raise<ValueError>("tensor '", name, "' (", t.dtype, " ", shape_str(t.shape), ") differs from '", names[0], "' (",
                         first.dtype, " ", shape_str(first.shape), "): the tiles of one tensor share dtype and shape");
-    ranges.push_back({file(where_.at(name), in_place, "make a tier over it"), t.begin, t.elements()});
+    ranges.push_back({file(where_.at(name), in_place, "make a tier over it"), t.begin, t.elements(), nullptr});
   }
   return std::make_shared<CheckpointCarrier>(std::move(ranges), d, writes);
 }

@@ -21,8 +21,8 @@ namespace {
 
 using json = nlohmann::json;
 
-constexpr std::array<ElementType, 15> kElementTypes{{
-    {"BOOL", 1}, {"U8", 1}, {"I8", 1}, {"F8_E5M2", 1}, {"F8_E4M3", 1}, {"I16", 2}, {"U16", 2}, {"F16", 2},
+constexpr std::array<ElementType, 16> kElementTypes{{
+    {"BOOL", 1}, {"U8", 1}, {"I8", 1}, {"F8_E5M2", 1}, {"F8_E4M3", 1}, {"F8_E8M0", 1}, {"I16", 2}, {"U16", 2}, {"F16", 2},
     {"BF16", 2}, {"I32", 4}, {"U32", 4}, {"F32", 4}, {"F64", 8}, {"I64", 8}, {"U64", 8},
 }};
 

@@ -14,6 +14,7 @@
 #include <string_view>
 #include <vector>
 
+#include "strideweave/checkpoint/quantized.hpp"
 #include "strideweave/checkpoint/safetensors.hpp"
 #include "strideweave/errors.hpp"
 #include "strideweave/io.hpp"
@@ -105,10 +106,86 @@ std::string_view element_type_of(const DType& dtype) {
   raise<TypeError>("safetensors cannot hold ", dtype.name(), " elements");
 }
 
+std::string quantized_scale_name(const std::string& name, QuantizedRange::Format format) {
+  if (format == QuantizedRange::Format::MXFP4) return name + "_scales";
+  if (name.size() > 7 && name.ends_with(".weight")) return name.substr(0, name.size() - 6) + "weight_scale_inv";
+  return name + "_scale_inv";
+}
+
+namespace {
+
+// Where a quantized tensor's two file tensors start (relative to the data area) and how it is cut.
+struct QuantizedOut {
+  SaveQuantization how;
+  int64_t rows = 0, cols = 0;  // FP8: one matrix; MXFP4: cols = the last extent
+  uint64_t data_at = 0, scale_at = 0;
+};
+
+// Reads tensor `t` in row-major order and writes it quantized (Note [Saving a checkpoint]): FP8 one matrix at a
+// time (its values, its bytes and its scales), MXFP4 whole groups in chunks of about kChunkBytes.
+void write_quantized(int fd, const std::string& what, int64_t data_start, const std::string& name, const TensorImpl& t,
+                     const QuantizedOut& q) {
+  const size_t w = slot_bytes(t.dtype());
+  const bool bf16 = &t.dtype() == &DType::BFloat16();
+  const bool fp8 = q.how.format == QuantizedRange::Format::FP8;
+  // Values per unit: an FP8 matrix, or a chunk of MXFP4 groups.
+  const int64_t unit = fp8 ? q.rows * q.cols : std::max<int64_t>(32, static_cast<int64_t>(kChunkBytes / w) / 32 * 32);
+  std::vector<std::byte> values(static_cast<size_t>(std::min<int64_t>(unit, t.size())) * w);
+  std::vector<uint8_t> bytes;
+  std::vector<std::byte> scales;
+  int64_t filled = 0, done = 0;  // values in the buffer; values already written
+  auto flush = [&] {
+    if (filled == 0) return;
+    if (fp8) {
+      const int64_t sr = (q.rows + q.how.block_rows - 1) / q.how.block_rows;
+      const int64_t sc = (q.cols + q.how.block_cols - 1) / q.how.block_cols;
+      bytes.resize(static_cast<size_t>(filled));
+      scales.resize(static_cast<size_t>(sr * sc) * 4);
+      quant::quantize_fp8(values.data(), bf16, q.rows, q.cols, q.how.block_rows, q.how.block_cols, bytes.data(),
+                          reinterpret_cast<float*>(scales.data()));
+      const int64_t m = done / (q.rows * q.cols);
+      io::pwrite_full(fd, bytes.data(), bytes.size(), data_start + static_cast<int64_t>(q.data_at) + done, what);
+      io::pwrite_full(fd, scales.data(), scales.size(),
+                      data_start + static_cast<int64_t>(q.scale_at) + m * static_cast<int64_t>(scales.size()), what);
+    } else {
+      const int64_t groups = filled / 32;
+      bytes.resize(static_cast<size_t>(groups) * 16);
+      scales.resize(static_cast<size_t>(groups));
+      if (!quant::quantize_mxfp4(values.data(), bf16, groups, bytes.data(), reinterpret_cast<uint8_t*>(scales.data())))
+        raise<ValueError>("safetensors.save: tensor '", name, "' holds a NaN, which MXFP4 cannot hold (it has no NaN); "
+                          "nothing was written");
+      io::pwrite_full(fd, bytes.data(), bytes.size(), data_start + static_cast<int64_t>(q.data_at) + done / 2, what);
+      io::pwrite_full(fd, scales.data(), scales.size(), data_start + static_cast<int64_t>(q.scale_at) + done / 32, what);
+    }
+    done += filled;
+    filled = 0;
+  };
+  const int64_t capacity = static_cast<int64_t>(values.size() / w);
+  for (const Run& run : reversed_modes(t.layout).runs()) {
+    int64_t slot = t.offset + run.offset, left = run.length;
+    while (left > 0) {
+      const int64_t n = std::min(left, capacity - filled);
+      t.carrier->read_slots(slot, n, values.data() + static_cast<size_t>(filled) * w);
+      filled += n;
+      slot += n;
+      left -= n;
+      if (filled == capacity) flush();
+    }
+  }
+  flush();
+}
+
+}  // namespace
+
 void save(const std::string& path, const std::vector<std::pair<std::string, TensorPtr>>& tensors,
-          const std::map<std::string, std::string>& metadata) {
+          const std::map<std::string, std::string>& metadata,
+          const std::map<std::string, SaveQuantization>& quantize) {
   io::check_path(path, "safetensors path");
+  for (const auto& [name, how] : quantize)
+    if (std::none_of(tensors.begin(), tensors.end(), [&](const auto& e) { return e.first == name; }))
+      raise<ValueError>("safetensors.save: quantize names tensor '", name, "', which is not among the tensors saved");
   std::vector<TensorSpec> specs;
+  std::vector<std::optional<QuantizedOut>> quantized(tensors.size());  // per tensor; its specs are two
   // Each tensor's carrier is claimed for the whole save (the caller may have released the GIL): another thread's
   // release() then raises "... owned by sw.safetensors.save ... (wait for it)" instead of freeing the storage the
   // save is reading, and public writes to it wait for the save too.
@@ -122,7 +199,41 @@ void save(const std::string& path, const std::vector<std::pair<std::string, Tens
       raise<RuntimeError>("safetensors.save: tensor '", name, "' is over a released ", t->carrier->kind_name(),
                           " carrier; it has no values to save");
     claims.push_back(t->carrier->claim(owner));
-    specs.push_back({name, std::string(element_type_of(t->dtype())), t->layout.shape().extents()});
+    const std::vector<int64_t> extents = t->layout.shape().extents();
+    auto how = quantize.find(name);
+    if (how == quantize.end()) {
+      specs.push_back({name, std::string(element_type_of(t->dtype())), extents});
+      continue;
+    }
+    if (&t->dtype() != &DType::BFloat16() && &t->dtype() != &DType::Float32())
+      raise<TypeError>("safetensors.save: tensor '", name, "' is ", t->dtype().name(), "; it is quantized from "
+                       "BFloat16 or Float32 values");
+    QuantizedOut q{how->second};
+    const int64_t C = extents.back();
+    if (q.how.format == QuantizedRange::Format::FP8) {
+      if (extents.size() < 2 || q.how.block_rows < 1 || q.how.block_cols < 1)
+        raise<ValueError>("safetensors.save: tensor '", name, "' of rank ", extents.size(), " cannot be FP8 "
+                          "block-scaled (a matrix or a stack of matrices, blocks of at least 1 x 1)");
+      q.rows = extents[extents.size() - 2];
+      q.cols = C;
+      std::vector<int64_t> scale_shape(extents.begin(), extents.end() - 2);
+      scale_shape.push_back((q.rows + q.how.block_rows - 1) / q.how.block_rows);
+      scale_shape.push_back((C + q.how.block_cols - 1) / q.how.block_cols);
+      specs.push_back({name, "F8_E4M3", extents});
+      specs.push_back({quantized_scale_name(name, q.how.format), "F32", scale_shape});
+    } else {
+      if (C % 32 != 0)
+        raise<ValueError>("safetensors.save: tensor '", name, "' has a last extent of ", C, ", which is not a multiple "
+                          "of 32: MXFP4 quantizes groups of 32 values along the last axis");
+      q.cols = C;
+      std::vector<int64_t> blocks(extents.begin(), extents.end() - 1), scales = blocks;
+      blocks.push_back(C / 32);
+      blocks.push_back(16);
+      scales.push_back(C / 32);
+      specs.push_back({name + "_blocks", "U8", blocks});
+      specs.push_back({quantized_scale_name(name, q.how.format), "U8", scales});
+    }
+    quantized[claims.size() - 1] = q;
   }
   std::vector<std::pair<uint64_t, uint64_t>> offsets;
   const std::string header = encode_header(specs, metadata, offsets);  // ValueError for repeated names
@@ -155,12 +266,19 @@ void save(const std::string& path, const std::vector<std::pair<std::string, Tens
   io::pwrite_full(tmp.fd, header.data(), header.size(), 0, what);
   const int64_t data_start = static_cast<int64_t>(header.size());
   std::vector<std::byte> buf;
-  for (size_t k = 0; k < tensors.size(); ++k) {
+  for (size_t k = 0, spec = 0; k < tensors.size(); ++k, ++spec) {
     const TensorImpl& t = *tensors[k].second;
+    if (quantized[k]) {
+      QuantizedOut& q = *quantized[k];
+      q.data_at = offsets[spec].first;
+      q.scale_at = offsets[++spec].first;
+      write_quantized(tmp.fd, what, data_start, tensors[k].first, t, q);
+      continue;
+    }
     const size_t w = slot_bytes(t.dtype());
     buf.resize(std::min(kChunkBytes, std::max<size_t>(w, static_cast<size_t>(t.size()) * w)));
     size_t filled = 0;
-    int64_t at = data_start + static_cast<int64_t>(offsets[k].first);
+    int64_t at = data_start + static_cast<int64_t>(offsets[spec].first);
     auto drain = [&] {
       io::pwrite_full(tmp.fd, buf.data(), filled, at, what);
       at += static_cast<int64_t>(filled);

@@ -68,7 +68,29 @@ int64_t slab_count(const std::string& name, const std::vector<int64_t>& shape, s
 
 }  // namespace
 
-std::vector<int64_t> Checkpoint::split_shape(const std::string& name, std::optional<int64_t> tiles) const {
+namespace {
+
+// A quantized tensor splits into one slab per index of its first axis (Note [Quantized tensors of a checkpoint]).
+void check_quantized_split(const Quantization& q, std::optional<int64_t> tiles) {
+  const bool fp8 = q.format == QuantizedRange::Format::FP8;
+  if (fp8 ? q.shape.size() != 3 : q.shape.size() < 3)
+    raise<ValueError>("tensor '", q.data, "' (", fp8 ? "FP8" : "MXFP4", " values of rank ", q.shape.size(), ") cannot "
+                      "be split along its first axis: ", fp8 ? "a stack of matrices (E, R, C) can"
+                                                             : "blocks of rank 4 or more (E, R, G, 16) can");
+  if (tiles && *tiles != q.shape[0])
+    raise<ValueError>("tensor '", q.data, "' is quantized: it splits into one tile per index of its first axis (",
+                      q.shape[0], "), not tiles=", *tiles);
+}
+
+}  // namespace
+
+std::vector<int64_t> Checkpoint::split_shape(const std::string& name, std::optional<int64_t> tiles,
+                                             const TierOptions& options) const {
+  if (std::optional<Quantization> q = quantization(name, options.scales.empty() ? std::string() : options.scales[0],
+                                                   options.block_rows, options.block_cols)) {
+    check_quantized_split(*q, tiles);
+    return std::vector<int64_t>(q->shape.begin() + 1, q->shape.end());
+  }
   const std::vector<int64_t>& s = info(name).shape;
   const int64_t slabs = slab_count(name, s, tiles);
   std::vector<int64_t> shape(s.begin() + 1, s.end());
@@ -77,15 +99,29 @@ std::vector<int64_t> Checkpoint::split_shape(const std::string& name, std::optio
 }
 
 std::shared_ptr<CheckpointCarrier> Checkpoint::split_tier(const std::string& name, CheckpointCarrier::Writes writes,
-                                                          std::optional<int64_t> tiles) {
+                                                          std::optional<int64_t> tiles, const TierOptions& options) {
+  if (options.scales.size() > 1)
+    raise<ValueError>("tensor '", name, "' is one tensor: give one scale tensor name, not ", options.scales.size());
+  if (std::optional<Quantization> q = quantization(name, options.scales.empty() ? std::string() : options.scales[0],
+                                                   options.block_rows, options.block_cols)) {
+    const DType& d = quantized_dtype(*q, writes, options);
+    check_quantized_split(*q, tiles);
+    std::vector<CheckpointCarrier::Range> ranges;
+    ranges.reserve(static_cast<size_t>(q->shape[0]));
+    for (int64_t i = 0; i < q->shape[0]; ++i) ranges.push_back(quantized_range(*q, i, q->shape[0]));
+    return std::make_shared<CheckpointCarrier>(std::move(ranges), d, writes);
+  }
   const TensorInfo& t = info(name);
   const DType& d = dtype(name);
+  if (options.dtype && options.dtype != &d)
+    raise<TypeError>("tensor '", name, "' is ", d.name(), ", not ", options.dtype->name(), ": nothing converts "
+                     "implicitly (give its own dtype, or none)");
   const int64_t slabs = slab_count(name, t.shape, tiles), slab = t.elements() / slabs;
   const auto f = file(where_.at(name), writes == CheckpointCarrier::Writes::InPlace, "make a tier over it");
   std::vector<CheckpointCarrier::Range> ranges;
   ranges.reserve(static_cast<size_t>(slabs));
   for (int64_t i = 0; i < slabs; ++i)
-    ranges.push_back({f, t.begin + static_cast<uint64_t>(i * slab * t.itemsize), slab});
+    ranges.push_back({f, t.begin + static_cast<uint64_t>(i * slab * t.itemsize), slab, nullptr});
   return std::make_shared<CheckpointCarrier>(std::move(ranges), d, writes);
 }
 
@@ -93,21 +129,26 @@ TensorPtr Checkpoint::tensor(const std::string& name) {
   const TensorInfo& t = info(name);
   const DType& d = dtype(name);
   check_extents(t.shape, "tensor '" + name + "'");
-  std::vector<CheckpointCarrier::Range> ranges{{file(where_.at(name), false, "make a tensor of it"), t.begin, t.elements()}};
+  std::vector<CheckpointCarrier::Range> ranges{{file(where_.at(name), false, "make a tensor of it"), t.begin, t.elements(), nullptr}};
   auto carrier = std::make_shared<CheckpointCarrier>(std::move(ranges), d, CheckpointCarrier::Writes::Overlay);
   return make_tensor(std::move(carrier), 0, row_major(Shape::flat(t.shape)));
 }
 
 TensorPtr Checkpoint::tiled(const std::vector<std::string>& names, CarrierPtr primary,
-                            std::shared_ptr<ResidencyPolicy> policy, CheckpointCarrier::Writes writes) {
-  auto t = tier(names, writes);  // checks names, shapes and dtypes
-  return tiled_over(std::move(t), info(names[0]).shape, std::move(primary), std::move(policy));
+                            std::shared_ptr<ResidencyPolicy> policy, CheckpointCarrier::Writes writes,
+                            const TierOptions& options) {
+  auto t = tier(names, writes, options);  // checks names, shapes and dtypes
+  std::optional<Quantization> q =
+      quantization(names[0], options.scales.empty() ? std::string() : options.scales[0], options.block_rows,
+                   options.block_cols);
+  return tiled_over(std::move(t), q ? q->shape : info(names[0]).shape, std::move(primary), std::move(policy));
 }
 
 TensorPtr Checkpoint::tiled_split(const std::string& name, CarrierPtr primary, std::shared_ptr<ResidencyPolicy> policy,
-                                  CheckpointCarrier::Writes writes, std::optional<int64_t> tiles) {
-  auto t = split_tier(name, writes, tiles);
-  return tiled_over(std::move(t), split_shape(name, tiles), std::move(primary), std::move(policy));
+                                  CheckpointCarrier::Writes writes, std::optional<int64_t> tiles,
+                                  const TierOptions& options) {
+  auto t = split_tier(name, writes, tiles, options);
+  return tiled_over(std::move(t), split_shape(name, tiles, options), std::move(primary), std::move(policy));
 }
 
 }  // namespace sw::safetensors

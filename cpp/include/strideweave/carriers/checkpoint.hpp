@@ -124,17 +124,47 @@ struct PromotionStats {
   int64_t mapped_live_bytes = 0, mapped_peak_bytes = 0, read_live_bytes = 0, read_peak_bytes = 0;
 };
 
+// Note [A quantized checkpoint tier]: a range may hold its values quantized (FP8 block-scaled or MXFP4: Note
+// [Quantized element formats] in strideweave/checkpoint/quantized.hpp) rather than in the carrier's dtype. Its
+// slots are then the dequantized values (the carrier's dtype is BFloat16 or Float32), and its bytes are the
+// quantized elements at `offset` plus the scales at `scale_offset` of `scale_file`. Reading slots of such a range
+// reads the quantized bytes and the scales that cover them (in chunks of about 1 MiB, so each chunk is dequantized
+// while it is in cache) and dequantizes them into the destination in the same pass: promoting a tile reads only
+// the quantized bytes and their scales (bytes_read counts exactly those) and writes the tile's memory once, on the
+// promoting thread. A quantized range is never mapped (map_slots returns nullptr: the engine reads it into the
+// primary tile). Its writes go to the overlay in the carrier's dtype like any read-only tier's (a first partial
+// write copies the dequantized range there first); a quantized tier cannot write in place (ValueError).
+struct QuantizedRange {
+  enum class Format : uint8_t { FP8, MXFP4 };
+  enum class Scale : uint8_t { F32, BF16, E8M0 };
+  Format format = Format::FP8;
+  Scale scale_type = Scale::F32;
+  std::shared_ptr<CheckpointFile> scale_file;
+  uint64_t scale_offset = 0;
+  // FP8: the matrix (rows, cols) and its block; MXFP4: rows * cols values, cols a multiple of 32 (groups of 32).
+  int64_t rows = 0, cols = 0, block_rows = 1, block_cols = 32;
+  int64_t scale_rows() const noexcept;
+  int64_t scale_cols() const noexcept;
+  int64_t scale_count() const noexcept { return scale_rows() * scale_cols(); }
+  size_t scale_itemsize() const noexcept { return scale_type == Scale::F32 ? 4 : scale_type == Scale::BF16 ? 2 : 1; }
+  uint64_t data_bytes() const noexcept;  // the quantized elements' bytes
+  uint64_t scale_bytes() const noexcept { return static_cast<uint64_t>(scale_count()) * scale_itemsize(); }
+};
+
 class CheckpointCarrier final : public Carrier, public AtomicSlotWrites {
  public:
   enum class Writes { Overlay, InPlace };
-  // One byte range of a file: `slots` slots of the carrier's dtype at byte `offset`.
+  // One byte range of a file: `slots` slots of the carrier's dtype at byte `offset`; or, with `quant`, `slots`
+  // dequantized values whose quantized bytes start at `offset` (Note [A quantized checkpoint tier]).
   struct Range {
     std::shared_ptr<CheckpointFile> file;
     uint64_t offset = 0;
     int64_t slots = 0;
+    std::shared_ptr<const QuantizedRange> quant;
   };
-  // ValueError when a range does not lie inside its file, or InPlace is asked of a file opened read-only;
-  // TypeError for a dtype without a fixed element size.
+  // ValueError when a range (or a quantized range's scales) does not lie inside its file, InPlace is asked of a
+  // file opened read-only or of quantized ranges, or a quantized range's sizes do not agree; TypeError for a dtype
+  // without a fixed element size, or quantized ranges in a carrier of a dtype other than BFloat16 and Float32.
   CheckpointCarrier(std::vector<Range> ranges, const DType& dtype, Writes writes);
   ~CheckpointCarrier() override;
 
@@ -179,12 +209,17 @@ class CheckpointCarrier final : public Carrier, public AtomicSlotWrites {
   void probe_read(int fd, uint64_t offset, size_t bytes) const noexcept;
   // Index of the range holding `slot`.
   size_t range_of(int64_t slot) const;
+  // Slots [within, within + n) of range `g` as they are in its file: a read, or the dequantized values of a
+  // quantized range (Note [A quantized checkpoint tier]).
+  void read_from_file(const Range& g, int64_t within, int64_t n, std::byte* dst) const;
+  void read_quantized(const Range& g, int64_t within, int64_t n, std::byte* dst) const;
   // The overlay offset of range r, copying the range there first unless `whole` (Writes::Overlay).
   int64_t overlay_for(size_t r, bool whole);
   template <class F>
   void for_pieces(int64_t start, int64_t count, F&& f) const;
 
   std::vector<Range> ranges_;
+  uint64_t serial_;  // distinct per carrier for the life of the process (read_quantized's cache key)
   std::vector<std::pair<std::shared_ptr<CheckpointFile>, uint64_t>> files_;  // each file once, with the bytes it must hold
   std::vector<int64_t> starts_;  // starts_[r]: first slot of range r; starts_.back() == total_
   int64_t total_ = 0;

@@ -44,7 +44,9 @@
 namespace sw::safetensors {
 
 // The element type names of the format, with their sizes in bytes. Float8
-// types are parsed (a file may hold them) but have no StrideWeave dtype yet.
+// types are parsed (a file may hold them) and have no StrideWeave dtype: F8_E4M3
+// with its scales is a quantized tensor (Note [Quantized tensors of a checkpoint]),
+// F8_E8M0 a scale.
 struct ElementType {
   std::string_view name;  // as the header spells it: "BF16", "F32", ...
   int64_t itemsize;
@@ -111,6 +113,39 @@ namespace sw::safetensors {
 // The StrideWeave dtype of a safetensors element type, or nullptr when there is none.
 const DType* dtype_of(std::string_view element_type);
 
+// Note [Quantized tensors of a checkpoint]: how a checkpoint's quantized tensors are recognised (their elements'
+// formats: Note [Quantized element formats] in strideweave/checkpoint/quantized.hpp).
+//  * FP8 block-scaled: a tensor of element type F8_E4M3, rank >= 2, (..., R, C), whose scale tensor is, unless
+//    named explicitly, "<prefix>.weight_scale_inv" (then "<prefix>.weight_scale") for a name "<prefix>.weight",
+//    else name + "_scale_inv" (then name + "_scale"): DeepSeek-V3's, Qwen3's and transformers' names. The scale
+//    is F32, BF16 or F8_E8M0, of shape (..., ceil(R / br), ceil(C / bc)) for the block (br, bc): (128, 128) unless
+//    given, or, where the scale's shape is not that but divides R and C exactly, (R / sr, C / sc) (transformers'
+//    rule, which covers one scale per tensor, shape (1, 1)).
+//  * MXFP4 (GPT-OSS): "X_blocks" (U8, shape (..., G, 16): 32 e2m1 values in 16 bytes per group) and "X_scales"
+//    (U8 or F8_E8M0, shape (..., G)), named "X_blocks" or "X" (the parameter's name, which no tensor has); the
+//    values are (..., 32 G).
+// Every rule is checked from the headers (no byte read): a scale missing, of the wrong shape or element type,
+// or blocks whose count does not match their scales raise ValueError naming the tensor and its file. A tier over
+// quantized tensors also reads every scale it will use once, when it is made, and refuses NaN (and infinite)
+// scales and the e8m0 NaN code 255 the same way: nothing is made then.
+struct Quantization {
+  QuantizedRange::Format format = QuantizedRange::Format::FP8;
+  std::string data;         // the quantized elements' tensor ("X.weight", "X_blocks")
+  std::string scale;        // the scales' tensor
+  std::string scale_dtype;  // its element type: "F32", "BF16", "F8_E8M0", "U8"
+  int64_t block_rows = 1, block_cols = 32;
+  std::vector<int64_t> shape;  // the dequantized values' shape
+  bool operator==(const Quantization&) const = default;
+};
+// Options of a tier over a checkpoint's tensors: `dtype` the values' dtype (nullptr: the tensors' own; required,
+// BFloat16 or Float32, for quantized tensors); `scales` explicit scale tensor names (empty: by naming), one per
+// name; `block` FP8's block (br, bc) (0: inferred).
+struct TierOptions {
+  const DType* dtype = nullptr;
+  std::vector<std::string> scales;
+  int64_t block_rows = 0, block_cols = 0;
+};
+
 // Note [Opening a checkpoint]: a checkpoint is one safetensors file, several
 // (listed), or a folder: the folder's model.safetensors.index.json names the
 // file of every tensor (a sharded checkpoint), or, without an index, the
@@ -134,24 +169,40 @@ class Checkpoint {
   // ValueError "... holds no tensor named '<name>'" for an unknown name.
   const TensorInfo& info(const std::string& name) const;
   const std::string& file_of(const std::string& name) const;
-  // The tensor's StrideWeave dtype: TypeError naming the tensor and its element type when it has none.
+  // The tensor's StrideWeave dtype: TypeError naming the tensor and its element type when it has none (a quantized
+  // tensor's says how to open it).
   const DType& dtype(const std::string& name) const;
+  // How `name` is quantized (Note [Quantized tensors of a checkpoint]), or nullopt for a plain tensor. `scale`:
+  // the scale tensor's name (empty: by naming); `block_rows`/`block_cols` FP8's block (0: inferred). ValueError
+  // naming the tensor and its file for a scale missing, of the wrong shape or element type, or blocks whose count
+  // does not match; ValueError "holds no tensor" for an unknown name.
+  std::optional<Quantization> quantization(const std::string& name, const std::string& scale = {},
+                                           int64_t block_rows = 0, int64_t block_cols = 0) const;
   const std::map<std::string, std::string>& metadata() const noexcept { return metadata_; }
 
   // The checkpoint tier over `names`, one range per name in the order given (slot order). The tensors must share
   // shape and dtype (ValueError naming the first that differs); `names` must be non-empty and distinct.
-  std::shared_ptr<CheckpointCarrier> tier(const std::vector<std::string>& names, CheckpointCarrier::Writes writes);
+  // Quantized tensors (Note [Quantized tensors of a checkpoint]): `options.dtype` (BFloat16 or Float32) is required
+  // (TypeError without it), every name must be quantized alike (format, shape), FP8 tensors listed by name must be
+  // matrices, and writes must be Overlay (ValueError); their scales are read and checked (NaN: ValueError naming
+  // the tensor and its file). Plain tensors: `options.dtype`, when given, must be theirs (TypeError).
+  std::shared_ptr<CheckpointCarrier> tier(const std::vector<std::string>& names, CheckpointCarrier::Writes writes,
+                                          const TierOptions& options = {});
   // The checkpoint tier over one tensor split along its first axis into `tiles` equal slabs (std::nullopt: shape[0]
   // slabs, one per index of that axis): range i covers rows [i R, (i + 1) R) of that axis (R = shape[0] / tiles),
   // contiguous in the file, in index order. ValueError for a tensor of rank 0 or with a first axis of extent 0, for
   // tiles < 1, and for a first extent `tiles` does not divide (naming the tensor, its first extent and tiles); no
   // file is opened then.
+  // A quantized tensor is split into shape[0] slabs (tiles, when given, must be that): FP8 (E, R, C) into E
+  // matrices, MXFP4 (E, ..., G, 16) into E slabs; the same options and errors as tier.
   std::shared_ptr<CheckpointCarrier> split_tier(const std::string& name, CheckpointCarrier::Writes writes,
-                                                std::optional<int64_t> tiles = std::nullopt);
+                                                std::optional<int64_t> tiles = std::nullopt,
+                                                const TierOptions& options = {});
   // The shape of one slab of split_tier(name, writes, tiles), the tile shape of tiled_split: (R, *shape[1:]) for
   // slabs of R = shape[0] / tiles > 1 rows, shape[1:] for slabs of one row (one index of the first axis, the axis
   // dropped), so tiles == shape[0] is the default. The same errors as split_tier.
-  std::vector<int64_t> split_shape(const std::string& name, std::optional<int64_t> tiles = std::nullopt) const;
+  std::vector<int64_t> split_shape(const std::string& name, std::optional<int64_t> tiles = std::nullopt,
+                                   const TierOptions& options = {}) const;
   // Bytes read from the checkpoint's files so far (all tiers over it).
   uint64_t bytes_read() const;
 
@@ -163,12 +214,13 @@ class Checkpoint {
   // The full tensor of shape (*shape, tiles.size()) over a TiledEvictable whose secondary tier is tier(names,
   // writes) (tiled_layout); `primary` an empty carrier (nullptr: an empty allocatable CPU carrier).
   TensorPtr tiled(const std::vector<std::string>& names, CarrierPtr primary, std::shared_ptr<ResidencyPolicy> policy,
-                  CheckpointCarrier::Writes writes);
+                  CheckpointCarrier::Writes writes, const TierOptions& options = {});
   // The same over split_tier(name, writes, tiles): shape (*split_shape(name, tiles), tiles), the same logical shape
   // as one tensor per slab: (*shape[1:], shape[0]) without `tiles`; (E I, H) with tiles = E gives (I, H, E), tile e
   // the rows [e I, (e + 1) I), as DBRX's fused experts are stored ((H, E) when I = 1).
   TensorPtr tiled_split(const std::string& name, CarrierPtr primary, std::shared_ptr<ResidencyPolicy> policy,
-                        CheckpointCarrier::Writes writes, std::optional<int64_t> tiles = std::nullopt);
+                        CheckpointCarrier::Writes writes, std::optional<int64_t> tiles = std::nullopt,
+                     const TierOptions& options = {});
 
  private:
   Checkpoint() = default;
@@ -176,6 +228,11 @@ class Checkpoint {
   // The file of header `index`, opened once per mode; RuntimeError naming the file and `action` when it is no
   // longer the file whose header was read (Note [A checkpoint is the file it parsed] in checkpoint.cpp).
   std::shared_ptr<CheckpointFile> file(size_t index, bool writable, const char* action);
+  // The quantized range of `q` for the slab `index` of `slabs` (the whole tensor: 0 of 1), its scales read and
+  // checked (Note [Quantized tensors of a checkpoint]).
+  CheckpointCarrier::Range quantized_range(const Quantization& q, int64_t index, int64_t slabs);
+  // The quantized tier's checks common to tier and split_tier; returns the values' dtype.
+  const DType& quantized_dtype(const Quantization& q, CheckpointCarrier::Writes writes, const TierOptions& options) const;
 
   std::vector<Header> headers_;
   std::vector<FileIdentity> identities_;  // per header: the file it was read from
@@ -218,8 +275,24 @@ std::string_view element_type_of(const DType& dtype);
 // another thread raises "wait". ValueError for an empty or repeated name, TypeError
 // for a dtype the format cannot hold, RuntimeError for a released carrier or
 // an I/O failure (the temporary file is removed; `path` is left as it was).
+//
+// Quantized saving: `quantize` maps names of `tensors` (BFloat16 or Float32) to a format; each such tensor is written
+// quantized (Note [Quantized element formats] in strideweave/checkpoint/quantized.hpp, quantize_fp8 and
+// quantize_mxfp4), one matrix (FP8) or chunk of groups (MXFP4) at a time as it is read, never gathered whole:
+// FP8 (rank >= 2, (..., R, C)) as F8_E4M3 `name` and F32 scales (..., ceil(R / br), ceil(C / bc)) named by
+// quantized_scale_name; MXFP4 (last extent a multiple of 32) as U8 "<name>_blocks" (..., C / 32, 16) and U8
+// "<name>_scales" (..., C / 32). ValueError for a name not among `tensors`, a shape the format cannot hold, or a
+// NaN value for MXFP4 (which has none; the file is not written); TypeError for another dtype.
+struct SaveQuantization {
+  QuantizedRange::Format format = QuantizedRange::Format::FP8;
+  int64_t block_rows = 128, block_cols = 128;  // FP8
+};
+// The scale tensor a quantized save writes beside `name`: FP8 "<prefix>.weight_scale_inv" for "<prefix>.weight",
+// else name + "_scale_inv"; MXFP4 name + "_scales" (its blocks: name + "_blocks").
+std::string quantized_scale_name(const std::string& name, QuantizedRange::Format format);
 void save(const std::string& path, const std::vector<std::pair<std::string, TensorPtr>>& tensors,
-          const std::map<std::string, std::string>& metadata);
+          const std::map<std::string, std::string>& metadata,
+          const std::map<std::string, SaveQuantization>& quantize = {});
 
 // Moves the finished folder `temp` (beside `target`, same file system) to `target` atomically: a new target by a
 // rename that refuses to replace, an existing target folder by exchanging the two and removing the old one
