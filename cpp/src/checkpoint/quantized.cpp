@@ -16,7 +16,8 @@
 //    leaves out: one group (16 bytes) at a time, low and high nibbles interleaved (value 2j the low nibble of byte
 //    j), widened to 32-bit indices into the 16-entry e2m1 table (VPERMPS), times 2^(s - 127) built from the
 //    exponent bits (s = 0: the subnormal 2^-127; s = 255: NaN).
-// The portable path computes the same Float32 products from 256-entry tables, so both give the same bits.
+// The portable path computes the same Float32 products from 256-entry tables (and, into BFloat16, uses the same
+// per-block tables and exponent-field additions, one element at a time), so both give the same bits.
 //
 // NaN results, Float32 output included, are the canonical quiet NaN (0x7FC00000; BFloat16 0x7FC0): a product of two
 // NaN operands would otherwise keep whichever payload the compiler's operand order picks.
@@ -103,6 +104,16 @@ inline uint16_t narrow(float v) {
 
 // ---------------------------------------------------------------- portable dequantization
 
+// Note [Per-block product tables] (below): block columns per band, and the elements of a block (within one call)
+// from which building its table pays.
+constexpr int64_t kTableBand = 64;
+// Elements of a block (within one call) from which building its table pays.
+constexpr int64_t kTabledElements = 2048;
+
+// The portable form of Note [Per-block product tables]: the same results, one table load per element.
+void fp8_bf16_tabled_portable(const uint8_t* q, int64_t rows, int64_t cols, int64_t row0, const float* scales,
+                              int64_t scale_cols, int64_t block_rows, int64_t block_cols, uint16_t* out);
+
 void fp8_row_portable(const uint8_t* q, int64_t cols, const float* srow, int64_t block_cols, void* out, Out out_type) {
   for (int64_t c0 = 0, b = 0; c0 < cols; c0 += block_cols, ++b) {
     const int64_t n = std::min(block_cols, cols - c0);
@@ -121,6 +132,18 @@ void mxfp4_portable(const uint8_t* blocks, const uint8_t* scales, int64_t groups
   for (int64_t g = 0; g < groups; ++g) {
     const float s = float_of(e8m0_bits(scales[g]));
     const uint8_t* b = blocks + 16 * g;
+    if (out_type == Out::BFloat16 && scales[g] >= 2 && scales[g] <= 252) {  // Note [MXFP4 in the exponent field]
+      const uint16_t add = static_cast<uint16_t>((int(scales[g]) - 127) * 128);
+      uint16_t t[16];
+      for (int n = 0; n < 16; ++n)
+        t[n] = static_cast<uint16_t>((bits_of(kE2m1[n]) >> 16) + ((n & 7) ? add : 0));
+      uint16_t* o = static_cast<uint16_t*>(out) + 32 * g;
+      for (int j = 0; j < 16; ++j) {
+        o[2 * j] = t[b[j] & 0xF];
+        o[2 * j + 1] = t[b[j] >> 4];
+      }
+      continue;
+    }
     if (out_type == Out::Float32) {
       float* o = static_cast<float*>(out) + 32 * g;
       for (int j = 0; j < 16; ++j) {
@@ -134,6 +157,31 @@ void mxfp4_portable(const uint8_t* blocks, const uint8_t* scales, int64_t groups
         o[2 * j + 1] = narrow(kE2m1[b[j] >> 4] * s);
       }
     }
+  }
+}
+
+void fp8_bf16_tabled_portable(const uint8_t* q, int64_t rows, int64_t cols, int64_t row0, const float* scales,
+                              int64_t scale_cols, int64_t block_rows, int64_t block_cols, uint16_t* out) {
+  alignas(64) uint16_t tables[kTableBand][256];
+  const int64_t first = row0 / block_rows;
+  for (int64_t i0 = 0; i0 < rows;) {
+    const int64_t br = (row0 + i0) / block_rows;
+    const int64_t i1 = std::min(rows, (br + 1) * block_rows - row0);
+    const float* srow = scales + (br - first) * scale_cols;
+    for (int64_t b0 = 0; b0 < scale_cols; b0 += kTableBand) {
+      const int64_t b1 = std::min(scale_cols, b0 + kTableBand);
+      for (int64_t b = b0; b < b1; ++b)
+        for (int c = 0; c < 256; ++c) tables[b - b0][c] = narrow(kE4m3[static_cast<size_t>(c)] * srow[b]);
+      for (int64_t i = i0; i < i1; ++i)
+        for (int64_t b = b0; b < b1; ++b) {
+          const uint16_t* t = tables[b - b0];
+          const int64_t c0 = b * block_cols, c1 = std::min(cols, c0 + block_cols);
+          const uint8_t* qr = q + i * cols;
+          uint16_t* o = out + i * cols;
+          for (int64_t j = c0; j < c1; ++j) o[j] = t[qr[j]];
+        }
+    }
+    i0 = i1;
   }
 }
 
@@ -234,9 +282,6 @@ SW_AVX512 void fp8_avx512(const uint8_t* q, int64_t rows, int64_t cols, int64_t 
 // VPERMT2W over 64-entry pairs and three blends on bits 6 and 7 of the code, instead of widening, multiplying and
 // rounding. Up to kTableBand block columns' tables (512 bytes each) are built per block row, then the rows stream
 // through in order.
-constexpr int64_t kTableBand = 64;
-// Elements of a block (within one call) from which building its table pays.
-constexpr int64_t kTabledElements = 2048;
 
 SW_AVX512 inline void build_bf16_table(float scale, uint16_t* t) {
   const __m512 s = _mm512_set1_ps(scale);
@@ -376,6 +421,9 @@ void dequantize_fp8(const uint8_t* q, int64_t rows, int64_t cols, int64_t row0, 
       fp8_avx512<Out::BFloat16>(q, rows, cols, row0, scales, scale_cols, block_rows, block_cols, out);
     return;
   }
+  if (out_type == Out::BFloat16 && std::min(rows, block_rows) * std::min(cols, block_cols) >= kTabledElements)
+    return fp8_bf16_tabled_portable(q, rows, cols, row0, scales, scale_cols, block_rows, block_cols,
+                                    static_cast<uint16_t*>(out));
   const int64_t width = out_type == Out::Float32 ? 4 : 2, first = row0 / block_rows;
   for (int64_t i = 0; i < rows; ++i)
     fp8_row_portable(q + i * cols, cols, scales + ((row0 + i) / block_rows - first) * scale_cols, block_cols,
