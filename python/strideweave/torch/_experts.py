@@ -22,6 +22,17 @@ expert at a time (the next one's projection in flight), and saving no weight for
   torch without a copy of the tile (DLPack), and the family's own functions compute on them; backward projects
   them again, recomputes the expert with torch's autograd on that expert's tokens and adds the weight gradients
   into the tiled gradients through StrideWeave's autograd (the projection's scatter-add).
+
+Note [Quantized experts]
+A checkpoint may store the experts quantized (``sw.safetensors.Quantized``: DeepSeek-V3's FP8 weights with
+``weight_scale_inv`` per 128 x 128 block, GPT-OSS's MXFP4 ``*_blocks``/``*_scales``). The binding then opens them
+with ``ckpt.tiled(..., dtype=<the module's dtype>)``: each promotion reads the quantized bytes and their scales and
+dequantizes them (C++) into a primary tile of the module's dtype, which is all the computation ever sees. Such a
+tensor matches the module by its dequantized shape (any format the reader knows); its tiles are never written back
+into the checkpoint (writes, an optimizer step's, go to the scratch overlay in the module's dtype). MXFP4 stores a
+transposed module's matrices untransposed (GPT-OSS's ``gate_up_proj`` (E, H, 2I) as blocks of (E, 2I, H)): the
+tiles are then (out, in) matrices (``tiles_transposed`` False) and the per-expert math uses ``F.linear`` on them;
+``gather`` gives the module's own form.
 """
 
 from __future__ import annotations
@@ -122,14 +133,38 @@ class ExpertsSpec:
         self.silu = act_name in ("SiLUActivation", "SiLU")
 
 
-def _expect(ckpt: Any, name: str, shape: tuple, dtype: Any, what: str) -> None:
-    """ValueError/TypeError when the checkpoint's `name` is not of `shape` and `dtype` (a StrideWeave DType)."""
+def _quantized(ckpt: Any, name: str) -> Any:
+    """The checkpoint's ``sw.safetensors.Quantized`` description of `name` (an FP8 weight with its scales, or
+    MXFP4 ``name_blocks``/``name_scales``), else None."""
+    q = getattr(_sw().safetensors, "Quantized", None)
+    if q is None or (name not in ckpt and name + "_blocks" not in ckpt):
+        return None
+    stored = ckpt.dtype(name)
+    return stored if isinstance(stored, q) else None
+
+
+def _expect(ckpt: Any, name: str, shape: tuple, dtype: Any, what: str, untransposed: Optional[tuple] = None) -> bool:
+    """ValueError/TypeError when the checkpoint's `name` is not of `shape` and `dtype` (a StrideWeave DType).
+    A quantized tensor (Note [Quantized experts]) is accepted in any format the checkpoint reader knows, compared
+    by its dequantized shape, which may also be `untransposed` (the module's transposed form stored (out, in));
+    returns whether the tensor is stored in that untransposed form."""
+    q = _quantized(ckpt, name)
+    if q is not None:
+        got = tuple(q.shape)
+        # MXFP4 groups 32 values along the last axis, the contraction's: a transposed module's matrices are stored
+        # (out, in). Another format is stored in the module's form, or (out, in) when that is not the same shape.
+        flipped = untransposed is not None and (q.format == "mxfp4" or got != shape)
+        want = untransposed if flipped else shape
+        if got != want:
+            raise ValueError(f"{name!r} ({q}) has shape {got}, the model's {what} {want}")
+        return flipped
     got = tuple(ckpt.shape(name))
     if got != shape:
         raise ValueError(f"{name!r} has shape {got}, the model's {what} {shape}")
     if ckpt.dtype(name).name != dtype.name:
         raise TypeError(f"{name!r} is {ckpt.dtype(name).name}, the model's {what} {dtype.name} (nothing converts "
                         "implicitly; open the model in the checkpoint's dtype)")
+    return False
 
 
 class OffloadedExperts:
@@ -172,7 +207,7 @@ class OffloadedExperts:
                     tried.append(names["gate"][0])
             else:
                 names = {"gate_up": [f"{prefix}.{form.gate_up}"], "down": [f"{prefix}.{form.down}"]}
-                if names["gate_up"][0] in ckpt:
+                if names["gate_up"][0] in ckpt or names["gate_up"][0] + "_blocks" in ckpt:
                     chosen = (form, names)
                     break
                 tried.append(names["gate_up"][0])
@@ -188,11 +223,22 @@ class OffloadedExperts:
             raise TypeError(f"{name}: {self.module_class} interleaves gate and up, but the checkpoint stores them "
                             "as separate tensors")
         # Shapes and dtypes, every tensor, before anything opens.
+        # Whether the tiles are the module's transposed (in, out) form; a quantized checkpoint may store a transposed
+        # module's matrices (out, in) (GPT-OSS's MXFP4 experts), computed then with F.linear.
+        self.tiles_transposed = spec.transposed
         if self.fused:
             gu_shape = (H, 2 * I) if spec.transposed else (2 * I, H)
             down_shape = (I, H) if spec.transposed else (H, I)
-            _expect(ckpt, names["gate_up"][0], (E,) + gu_shape, sw_dtype, f"{name}.gate_up_proj")
-            _expect(ckpt, names["down"][0], (E,) + down_shape, sw_dtype, f"{name}.down_proj")
+            alt = {"gate_up": (E, 2 * I, H), "down": (E, H, I)} if spec.transposed else {"gate_up": None, "down": None}
+            flipped = [_expect(ckpt, names["gate_up"][0], (E,) + gu_shape, sw_dtype, f"{name}.gate_up_proj",
+                               alt["gate_up"]),
+                       _expect(ckpt, names["down"][0], (E,) + down_shape, sw_dtype, f"{name}.down_proj", alt["down"])]
+            if flipped[0] != flipped[1]:
+                raise ValueError(f"{name}: the checkpoint stores gate_up_proj and down_proj in different forms (one "
+                                 "transposed, one not)")
+            if flipped[0]:
+                self.tiles_transposed = False
+                gu_shape, down_shape = (2 * I, H), (H, I)
             self.tile_shapes = {"gate_up": gu_shape, "down": down_shape}
         else:
             if spec.transposed:
@@ -213,14 +259,19 @@ class OffloadedExperts:
                         _expect(ckpt, n, self.tile_shapes[role], sw_dtype, f"{name} {role} projection")
         self.checkpoint_names = names
         self.checkpoint = ckpt  # the open strideweave.safetensors Checkpoint the tiles are over
+        # name -> sw.safetensors.Quantized for the quantized tensors (Note [Quantized experts])
+        self.quantized = {n: q for ns in names.values() for n in ns if (q := _quantized(ckpt, n)) is not None}
+        if self.quantized and len(self.quantized) != sum(len(ns) for ns in names.values()):
+            raise TypeError(f"{name}: some of its checkpoint tensors are quantized and some are not")
         self.tiled = {}
         for role, ns in names.items():
+            kw = {"dtype": sw_dtype} if self.quantized else {}
             if self.fused:
-                self.tiled[role] = ckpt.tiled(ns[0], mutable=mutable)
+                self.tiled[role] = ckpt.tiled(ns[0], mutable=mutable, **kw)
             elif form.split:
-                self.tiled[role] = ckpt.tiled(ns[0], tiles=E, mutable=mutable)
+                self.tiled[role] = ckpt.tiled(ns[0], tiles=E, mutable=mutable, **kw)
             else:
-                self.tiled[role] = ckpt.tiled(ns, mutable=mutable)
+                self.tiled[role] = ckpt.tiled(ns, mutable=mutable, **kw)
         for t in self.tiled.values():
             _OWNERS[id(t)] = self
         self.parameter_names = tuple(spec.params)
@@ -343,7 +394,7 @@ class OffloadedExperts:
         spec, module = self.spec, self._module_ref
         F = torch.nn.functional
         if self.fused:
-            gu = x @ W["gate_up"] if spec.transposed else F.linear(x, W["gate_up"])
+            gu = x @ W["gate_up"] if self.tiles_transposed else F.linear(x, W["gate_up"])
             if bgu is not None:
                 gu = gu + bgu[e]
             if spec.outside == "llama4":
@@ -351,7 +402,7 @@ class OffloadedExperts:
                 h = up * spec.act(gate)
             else:
                 h = module._apply_gate(gu)
-            y = h @ W["down"] if spec.transposed else F.linear(h, W["down"])
+            y = h @ W["down"] if self.tiles_transposed else F.linear(h, W["down"])
             if bd is not None:
                 y = y + bd[e]
             return y
@@ -388,7 +439,10 @@ class OffloadedExperts:
             return out.permute(2, 0, 1).contiguous()
 
         if self.fused:
-            return full("gate_up" if name.startswith("gate_up") else "down").reshape(self.spec.shapes[name])
+            value = full("gate_up" if name.startswith("gate_up") else "down")
+            if self.tiles_transposed != self.spec.transposed:  # tiles (out, in), the module (in, out)
+                value = value.transpose(1, 2).contiguous()
+            return value.reshape(self.spec.shapes[name])
         if self.spec.outside == "dbrx":
             role = {"mlp.w1": "gate", "mlp.v1": "up", "mlp.w2": "down"}[name]
             return full(role).reshape(self.spec.shapes[name])

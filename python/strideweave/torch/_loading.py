@@ -13,6 +13,16 @@ of the same config on the meta device (it costs no memory): the experts modules 
 (checked after loading). The wrap is on the classes for the duration of the call; it acts only in the calling
 thread (a model of the same classes built by another thread meanwhile is built as usual), and calls of
 ``from_pretrained`` take turns (one lock).
+
+Quantized checkpoints (a ``quantization_config`` with ``quant_method`` "fp8" or "mxfp4"): transformers is asked to
+dequantize what it loads (``dequantize=True``, what it does on a CPU anyway; on an accelerator it would otherwise
+replace the experts modules by its own quantized ones, which hold the experts' weights). Its weight conversions
+(``Fp8Dequantize``, ``Mxfp4Dequantize``) only run for tensors whose target is a parameter of the model, so the
+experts' quantized tensors and scales are never read by transformers either (its non-expert FP8 linears are, and
+are dequantized into the model's dtype). The experts are bound to the quantized tensors and dequantized on promotion
+(Note [Quantized experts] in ``_experts.py``). transformers removes ``quantization_config`` from the dequantized
+model's config; the checkpoint's is kept as ``model._strideweave_quantization`` (``save_pretrained(quantize=True)``
+writes it back).
 """
 
 from __future__ import annotations
@@ -114,6 +124,9 @@ def from_pretrained(path: Any, budget: Any, *, torch_dtype: Any = None, layers: 
         raise FileNotFoundError(f"{what}: {folder!r} is not a folder (a checkpoint as save_pretrained writes it)")
     config_kwargs = {k: kwargs[k] for k in ("trust_remote_code", "revision") if k in kwargs}
     config = kwargs.pop("config", None) or transformers.AutoConfig.from_pretrained(folder, **config_kwargs)
+    quantization = _quantization_of(config)
+    if quantization is not None and "quantization_config" not in kwargs:
+        kwargs["quantization_config"] = _dequantizing(quantization)
     with torch.device("meta"):
         probe = transformers.AutoModelForCausalLM.from_config(config)
     selected = select(probe, layers, what)
@@ -143,10 +156,37 @@ def from_pretrained(path: Any, budget: Any, *, torch_dtype: Any = None, layers: 
     bindings = bind_all(model, selected, ckpt, budget, prefetch=prefetch, mutable=mutable, what=what)
     used = {n for b in bindings for names in b.checkpoint_names.values() for n in names}
     used |= {f"{b.name}.{p}" for b in bindings for p in b.parameter_names}  # as transformers names them
+    for b in bindings:  # the quantized tensors' scales, MXFP4's blocks
+        for n, q in b.quantized.items():
+            used |= {q.scale, n + "_blocks", n + "_scales"}
     unexpected = [k for k in info.get("unexpected_keys", ()) if k not in used]
     missing = [k for k in info.get("missing_keys", ())]
     if unexpected or missing:
         warnings.warn(f"{what}: {len(missing)} weights of {type(model).__name__} were not in the checkpoint "
                       f"(initialised: {missing[:5]}) and {len(unexpected)} checkpoint tensors were not used "
                       f"({unexpected[:5]})", stacklevel=2)
+    if quantization is not None:
+        model.__dict__["_strideweave_quantization"] = quantization
     return model.eval()
+
+
+def _quantization_of(config: Any) -> Any:
+    """The checkpoint's ``quantization_config`` as a dict when it is FP8 or MXFP4 (the formats StrideWeave reads),
+    else None (any other method is transformers' business)."""
+    q = getattr(config, "quantization_config", None)
+    if q is None:
+        return None
+    d = q.to_dict() if hasattr(q, "to_dict") else dict(q)
+    return d if d.get("quant_method") in ("fp8", "mxfp4") else None
+
+
+def _dequantizing(quantization: dict) -> Any:
+    """The transformers quantization config asking to dequantize the checkpoint's `quantization` at load."""
+    import transformers
+    if quantization["quant_method"] == "fp8":
+        return transformers.FineGrainedFP8Config(
+            activation_scheme=quantization.get("activation_scheme", "dynamic"),
+            weight_block_size=tuple(quantization.get("weight_block_size") or (128, 128)),
+            modules_to_not_convert=quantization.get("modules_to_not_convert"), dequantize=True)
+    return transformers.Mxfp4Config(modules_to_not_convert=quantization.get("modules_to_not_convert"),
+                                    dequantize=True)

@@ -23,6 +23,18 @@ Memory: the non-expert tensors are the model's own (no copy; only a conversion t
 non-expert weights, allocates), and the experts cost the writer's chunk buffer (8 MiB), well inside the residency
 budget, which saving leaves untouched.
 
+Note [Quantized checkpoints when saving]
+A model opened from an FP8 or MXFP4 checkpoint computes in its dtype (BFloat16): transformers dequantized its
+non-expert weights at load, and the experts' tiles are dequantized on promotion, their updates kept in the overlay
+in that dtype. By default it is saved so: every tensor in the model's dtype, the experts under their logical names
+in the module's own form (MXFP4's ``gate_up_proj`` as the module's (E, H, 2I), a transposed view of the tiles), and
+config.json without ``quantization_config``: a plain checkpoint. ``quantize=True`` writes the checkpoint's format
+back: each tensor the source checkpoint stores quantized (experts and, for FP8, the non-expert linears) is passed
+to ``strideweave.safetensors.save(quantize=)``, which quantizes it matrix by matrix in C++ as it reads it (FP8: e4m3
+values and Float32 ``weight_scale_inv`` recomputed per block of the source's block size; MXFP4: ``X_blocks`` and
+``X_scales`` of the stored (out, in) form), and config.json carries the checkpoint's ``quantization_config``. The
+index's ``weight_map`` and ``total_size`` name and count the tensors as written.
+
 Layout of the folder (what transformers writes, always the sharded form): ``config.json`` (with ``dtype`` and
 ``architectures`` set as transformers sets them, the model's config itself unchanged), ``generation_config.json``
 when the model can generate, ``model-0000i-of-0000n.safetensors`` (metadata ``{"format": "pt"}``) and
@@ -79,9 +91,13 @@ def shard_size(max_shard_size: Any, what: str = "save_pretrained") -> int:
     return int(size)
 
 
-def _write_shard(path: str, tensors: dict, metadata: dict) -> None:
-    """Writes one shard (strideweave.safetensors.save: C++, tiled tensors read tile range by tile range)."""
-    _sw().safetensors.save(path, tensors, metadata)
+def _write_shard(path: str, tensors: dict, metadata: dict, quantize: Any = None) -> None:
+    """Writes one shard (strideweave.safetensors.save: C++, tiled tensors read tile range by tile range; the
+    tensors named in `quantize` quantized matrix by matrix as they are read)."""
+    if quantize:
+        _sw().safetensors.save(path, tensors, metadata, quantize=quantize)
+    else:
+        _sw().safetensors.save(path, tensors, metadata)
 
 
 def _strides(layout: Any) -> list:
@@ -91,9 +107,11 @@ def _strides(layout: Any) -> list:
     return [layout([1 if j == k else 0 for j in range(rank)]) - origin for k in range(rank)]
 
 
-def expert_tensors(binding: Any) -> dict:
+def expert_tensors(binding: Any, *, requantize: bool = False) -> dict:
     """{checkpoint name: StrideWeave tensor} of one binding's experts, in the checkpoint's own shape and row-major
-    order, each a view of the tiles' carrier (no value read, nothing copied)."""
+    order, each a view of the tiles' carrier (no value read, nothing copied). Quantized experts (Note [Quantized
+    checkpoints when saving]) are given under their logical names in the module's own form, or, `requantize`, in the
+    form the checkpoint quantized them."""
     sw = _sw()
     out = {}
     for role, names in binding.checkpoint_names.items():
@@ -102,7 +120,11 @@ def expert_tensors(binding: Any) -> dict:
             raise TypeError(f"{binding.name}: the {role} tiles have layout {t.layout}; (rows, cols, experts) expected")
         rows, cols, experts = (int(x) for x in t.shape.extents)
         s_rows, s_cols, s_tile = _strides(t.layout)
-        if binding.fused:  # (E, rows, cols)
+        if binding.fused and not requantize and binding.tiles_transposed != binding.spec.transposed:
+            # (E, cols, rows): the module's form of (out, in) tiles, a transposed view (the writer reads any layout)
+            layout = sw.Layout(sw.Shape(experts, cols, rows), sw.Stride(s_tile, s_cols, s_rows))
+            out[names[0]] = sw.Tensor(t.carrier, t.offset, layout)
+        elif binding.fused:  # (E, rows, cols)
             layout = sw.Layout(sw.Shape(experts, rows, cols), sw.Stride(s_tile, s_rows, s_cols))
             out[names[0]] = sw.Tensor(t.carrier, t.offset, layout)
         elif len(names) == 1 and experts > 1:  # DBRX's split form: (E * rows, cols), expert e the rows [e*rows, ..)
@@ -143,8 +165,35 @@ def _natural_key(name: str) -> Any:
     return dot_natural_key(name)
 
 
-def plan(model: Any, max_shard_size: int, what: str) -> tuple:
-    """(shards: [[(name, StrideWeave tensor)]], total bytes, total parameters); checks everything, writes nothing."""
+def _scale_name(name: str) -> str:
+    """Where sw.safetensors.save writes an FP8 tensor's scales (the reader's naming rule, first candidate)."""
+    return name[:-len("weight")] + "weight_scale_inv" if name.endswith(".weight") else name + "_scale_inv"
+
+
+def _stored(name: str, t: Any, spec: Any) -> list:
+    """[(name in the file, bytes)] of tensor `name` written as `spec` (None: as it is; "mxfp4"; ("fp8", block))."""
+    if spec is None:
+        return [(name, _nbytes(t))]
+    extents = [int(x) for x in t.shape.extents]
+    n = _prod(extents)
+    if spec == "mxfp4":
+        return [(name + "_blocks", n // 2), (name + "_scales", n // 32)]
+    (br, bc) = spec[1]
+    lead = _prod(extents[:-2])
+    scales = lead * -(-extents[-2] // br) * -(-extents[-1] // bc)
+    return [(name, n), (_scale_name(name), 4 * scales)]
+
+
+def _format_of(q: Any) -> Any:
+    """The sw.safetensors.save quantize= entry re-creating the checkpoint's format `q` (a Quantized)."""
+    return "mxfp4" if q.format == "mxfp4" else ("fp8", tuple(int(b) for b in q.block))
+
+
+def plan(model: Any, max_shard_size: int, what: str, quantize: bool = False) -> tuple:
+    """(shards: [[(name, StrideWeave tensor)]], total bytes, total parameters, {name: quantize= entry}); checks
+    everything, writes nothing. `quantize`: every tensor the source checkpoint stores quantized is written in its
+    format (Note [Quantized checkpoints when saving])."""
+    from ._experts import _quantized
     from ._offload import offloaded_experts
     bindings = offloaded_experts(model)
     if not bindings:
@@ -152,6 +201,12 @@ def plan(model: Any, max_shard_size: int, what: str) -> tuple:
                         "strideweave.torch.from_pretrained or bind them with strideweave.torch.offload_experts "
                         "(a model in RAM saves with its own save_pretrained)")
     torch = _torch()
+    formats: dict = {}
+    if quantize:
+        if model.__dict__.get("_strideweave_quantization") is None:
+            raise ValueError(f"{what}: quantize=True re-quantizes a model opened by strideweave.torch.from_pretrained "
+                             f"from a quantized checkpoint (FP8 or MXFP4); {type(model).__name__} was not")
+        source = next(iter(bindings.values())).checkpoint
     tensors: dict = {}
     # transformers' count for the untouched model: its parameters (tied ones once) plus the bound experts'
     params = model.num_parameters() if hasattr(model, "num_parameters") else 0
@@ -163,18 +218,25 @@ def plan(model: Any, max_shard_size: int, what: str) -> tuple:
         except (TypeError, ValueError, BufferError) as e:
             raise TypeError(f"{what}: {name!r} ({value.dtype}, shape {tuple(value.shape)}) cannot be written: "
                             f"{e}") from None
+        if quantize and (q := _quantized(source, name)) is not None:
+            if tuple(q.shape) != tuple(value.shape):
+                raise ValueError(f"{what}: quantize=True: {name!r} is {tuple(value.shape)} in the model, the "
+                                 f"checkpoint quantized it as {tuple(q.shape)} ({q})")
+            formats[name] = _format_of(q)
     for b in bindings.values():
-        for name, t in expert_tensors(b).items():
+        for name, t in expert_tensors(b, requantize=quantize).items():
             if name in tensors:
                 raise ValueError(f"{what}: {name!r} is both a weight of the model and an expert tensor of {b.name}")
             tensors[name] = t
+            if quantize and name in b.quantized:
+                formats[name] = _format_of(b.quantized[name])
         params += sum(_prod(shape) for shape in b.spec.shapes.values())
     shards: list = []
     current: list = []
     size = total = 0
     for name in sorted(tensors, key=_natural_key):  # huggingface_hub's greedy rule, in transformers' order
         t = tensors[name]
-        n = _nbytes(t)
+        n = sum(size_of for _, size_of in _stored(name, t, formats.get(name)))
         total += n
         if n > max_shard_size:
             shards.append([(name, t)])
@@ -186,7 +248,7 @@ def plan(model: Any, max_shard_size: int, what: str) -> tuple:
         size += n
     if current:
         shards.append(current)
-    return shards, total, params
+    return shards, total, params, formats
 
 
 def _prod(shape: tuple) -> int:
@@ -204,11 +266,15 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
-def _write_into(model: Any, tmp: str, shards: list, total: int, params: int) -> None:
-    """Writes the whole checkpoint into the (new, empty) folder `tmp`."""
+def _write_into(model: Any, tmp: str, shards: list, total: int, params: int, formats: dict) -> None:
+    """Writes the whole checkpoint into the (new, empty) folder `tmp` (`formats`: the tensors written quantized)."""
     config = copy.deepcopy(model.config)  # transformers sets these on the model's config; we leave it unchanged
     config.dtype = str(model.dtype).split(".")[1]
     config.architectures = [type(model).__name__.removeprefix("FSDP")]
+    if formats:
+        config.quantization_config = copy.deepcopy(model.__dict__["_strideweave_quantization"])
+    elif hasattr(config, "quantization_config"):
+        del config.quantization_config  # the weights are written in the model's dtype
     if getattr(model, "is_remote_code", lambda: False)():
         from transformers.dynamic_module_utils import custom_object_save
         custom_object_save(model, tmp, config=config)
@@ -221,8 +287,9 @@ def _write_into(model: Any, tmp: str, shards: list, total: int, params: int) -> 
     count = len(shards)
     for i, shard in enumerate(shards):
         filename = WEIGHTS_PATTERN.format(index=i + 1, count=count)
-        _write_shard(os.path.join(tmp, filename), dict(shard), {"format": "pt"})
-        weight_map.update({name: filename for name, _ in shard})
+        quantize = {name: formats[name] for name, _ in shard if name in formats}
+        _write_shard(os.path.join(tmp, filename), dict(shard), {"format": "pt"}, *([quantize] if quantize else []))
+        weight_map.update({stored: filename for name, t in shard for stored, _ in _stored(name, t, formats.get(name))})
     index = {"metadata": {"total_parameters": params, "total_size": total}, "weight_map": weight_map}
     with open(os.path.join(tmp, INDEX_NAME), "w", encoding="utf-8") as f:
         f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
@@ -234,12 +301,17 @@ def _write_into(model: Any, tmp: str, shards: list, total: int, params: int) -> 
             _fsync(path)
 
 
-def save_pretrained(model: Any, folder: Any, *, max_shard_size: Any = "5GB") -> None:
+def save_pretrained(model: Any, folder: Any, *, max_shard_size: Any = "5GB", quantize: bool = False) -> None:
     """Writes `model` (its experts bound by ``from_pretrained`` or ``offload_experts``) as a complete Hugging Face
     checkpoint in `folder`: config, every non-expert weight under the names transformers' ``save_pretrained`` would
     write, every expert streamed from its tiles (their current, fine-tuned values) in the checkpoint's own names and
     layout, sharded by ``max_shard_size`` (bytes, or a string such as ``"5GB"``) with
     ``model.safetensors.index.json``. transformers' ``from_pretrained`` loads it with nothing missing.
+
+    A model opened from a quantized checkpoint (FP8, MXFP4) is written in its dtype (BFloat16 experts, no
+    ``quantization_config``), or with ``quantize=True`` in the checkpoint's format: every tensor the checkpoint
+    stored quantized re-quantized from its current values (FP8 scales recomputed per block, MXFP4 blocks and
+    scales), the checkpoint's ``quantization_config`` in config.json (Note [Quantized checkpoints when saving]).
 
     The folder is written beside `folder` and moved into place at the end in one rename; an existing `folder` is
     replaced whole (Note [Saving a model whose experts are tiles]). Memory: the non-expert weights are written from
@@ -256,11 +328,13 @@ def save_pretrained(model: Any, folder: Any, *, max_shard_size: Any = "5GB") -> 
         raise TypeError(f"{what}: expected a transformers model (a torch.nn.Module), got {type(model).__name__}")
     if not isinstance(folder, (str, os.PathLike)):
         raise TypeError(f"{what}: folder must be a path, got {type(folder).__name__}")
+    if not isinstance(quantize, bool):
+        raise TypeError(f"{what}: quantize must be a bool, got {type(quantize).__name__}")
     limit = shard_size(max_shard_size, what)
     target = os.path.realpath(os.fspath(folder))
     if os.path.lexists(target) and not os.path.isdir(target):
         raise NotADirectoryError(errno.ENOTDIR, f"{what}: exists and is not a folder (nothing was written)", target)
-    shards, total, params = plan(model, limit, what)
+    shards, total, params, formats = plan(model, limit, what, quantize)
     sw = _sw()
     parent, name = os.path.split(target)
     created = []  # parent folders made by this call, removed again on error
@@ -282,7 +356,7 @@ def save_pretrained(model: Any, folder: Any, *, max_shard_size: Any = "5GB") -> 
                 tmp = candidate
             except FileExistsError:
                 continue
-        _write_into(model, tmp, shards, total, params)
+        _write_into(model, tmp, shards, total, params, formats)
         sw._core._install_folder(tmp, target)
         tmp = None
     except BaseException:
