@@ -1,6 +1,6 @@
 """checkpoint: bf16 experts of a safetensors checkpoint, opened where they lie.
 
-Four cases, each a ratio ours / reference measured in interleaved pairs (bench/harness.py):
+The cases, each a ratio ours / reference measured in interleaved pairs (bench/harness.py):
 
 * ``promote vs safe_open``: ``carrier.promote`` of 16 bf16 experts (1024 x 1024, 2 MiB each) of a
   safetensors file in the page cache, through ``sw.safetensors.open(path).tiled(names)``, against
@@ -18,6 +18,24 @@ Four cases, each a ratio ours / reference measured in interleaved pairs (bench/h
   same threads (``sw.matmul(x, w)`` contracts mode 1 of both operands: ``x @ w.T``). Each timed sample (eight
   calls) starts after a 0.1 s settle pause, both sides alike, as in bench/matmul.py: PyTorch's OpenMP threads
   spin for milliseconds after its calls and would otherwise slow whichever side comes next. Target <= 1.0.
+
+* Quantized experts (one tile each, 2048 x 7168: a DeepSeek-V3 expert's gate_proj, 28 MiB in BFloat16),
+  promoted into BFloat16 from the page cache, the same values stored three ways: BFloat16; FP8 e4m3 with one
+  Float32 scale per 128 x 128 block (``weight_scale_inv``); MXFP4 (``_blocks`` and ``_scales``, one e8m0 scale per
+  32 values), both written with ``sw.safetensors.quantize``. Bytes read per promotion (``ckpt.bytes_read``, checked
+  once: the quantized bytes and their scales; targets 0.5x for FP8 and about 0.27x for MXFP4 of BFloat16's) go in
+  the log and the record's note. Timed, each ratio ours / reference:
+  ``fp8 promote vs bf16 read`` and ``mxfp4 promote vs bf16 read``: the quantized tile's promotion (a read of its
+  bytes and scales and a dequantization into the tile) against the BFloat16 tile's promotion by a read into a
+  buffer of its own (``set_promotion_path("read")``), the same 28 MiB written. Target <= 1.0.
+  ``fp8 promote vs bf16 mapped`` and ``mxfp4 promote vs bf16 mapped`` (untargeted): against the default BFloat16
+  promotion, which maps the page cache's pages and copies nothing (Note [Promotion by mapping] in
+  cpp/src/carriers/checkpoint.cpp); no promotion that writes the tile can match it.
+  ``fp8 promote vs transformers`` and ``mxfp4 promote vs transformers`` (untargeted): against transformers' own
+  dequantizers of the same tensors from the same files (``safe_open`` + ``get_tensor``):
+  ``Fp8Dequantize._dequantize_one(..., output_dtype=torch.bfloat16)`` and ``convert_moe_packed_tensors`` (whose
+  result is GPT-OSS's transposed layout, made contiguous). The promoted tiles are checked once, bit for bit,
+  against these.
 
 The record's ratio is the worst case against its own target: each case's ratio is divided by its
 target, so "meets target" means every case does.
@@ -47,7 +65,11 @@ import strideweave as sw  # noqa: E402
 EXPERTS, OUT, IN = 16, 1024, 1024
 TOKENS, HIDDEN = 64, 4096
 MANY = 20_000  # tensors of the open case
-TARGETS = {"promote vs safe_open": 1.0, "promote vs preadv": 1.25, "open 20000 tensors": 2.0, "bf16 matmul": 1.0}
+QROWS, QCOLS = 2048, 7168  # one quantized expert: DeepSeek-V3's moe_intermediate_size x hidden_size
+TARGETS = {"promote vs safe_open": 1.0, "promote vs preadv": 1.25, "open 20000 tensors": 2.0, "bf16 matmul": 1.0,
+           "fp8 promote vs bf16 read": 1.0, "mxfp4 promote vs bf16 read": 1.0}
+UNTARGETED = {"fp8 promote vs bf16 mapped", "mxfp4 promote vs bf16 mapped", "fp8 promote vs transformers",
+              "mxfp4 promote vs transformers"}
 
 
 def data_ranges(path: str, names: list[str]) -> list[tuple[int, int]]:
@@ -57,6 +79,107 @@ def data_ranges(path: str, names: list[str]) -> list[tuple[int, int]]:
         header = json.loads(fh.read(n))
     return [(8 + n + header[k]["data_offsets"][0], header[k]["data_offsets"][1] - header[k]["data_offsets"][0])
             for k in names]
+
+
+def quantized_cases(tmpdir: str, gen, reps: int, budget: float | None) -> tuple[list, str]:
+    """The quantized-expert cases (module docstring) and the note on bytes read."""
+    import ml_dtypes
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    w = (torch.randn(QROWS, QCOLS, generator=gen) * 0.02).bfloat16()
+    q8, s8 = sw.safetensors.quantize(w.view(torch.int16).numpy().view(ml_dtypes.bfloat16), "fp8")
+    q4, s4 = sw.safetensors.quantize(w.view(torch.int16).numpy().view(ml_dtypes.bfloat16), "mxfp4")
+    name = "model.layers.3.mlp.experts.0.gate_proj.weight"
+    paths = {k: os.path.join(tmpdir, f"{k}.safetensors") for k in ("bf16", "fp8", "mxfp4")}
+    save_file({name: w}, paths["bf16"])
+    save_file({name: torch.from_numpy(q8).view(torch.float8_e4m3fn),
+               name.removesuffix(".weight") + ".weight_scale_inv": torch.from_numpy(s8)}, paths["fp8"])
+    save_file({name + "_blocks": torch.from_numpy(q4), name + "_scales": torch.from_numpy(s4)}, paths["mxfp4"])
+    try:
+        for p in paths.values():  # the page cache holds every file for both sides
+            with open(p, "rb") as fh:
+                while fh.read(8 << 20):
+                    pass
+        ckpts = {k: sw.safetensors.open(p) for k, p in paths.items()}
+        tiled = {k: c.tiled([name], dtype=sw.DType.BFloat16) for k, c in ckpts.items()}
+        one = sw.TileSelection(((0,), (0,), (0,)))
+
+        def bits(k):
+            return np.asarray(tiled[k].carrier.project(tiled[k], one).wait())[:, :, 0].view(np.uint16)
+
+        # transformers' dequantizers of the same tensors, read from the same files as they load them.
+        def fp8_transformers():
+            with safe_open(paths["fp8"], "pt") as f:
+                return Fp8Dequantize(None)._dequantize_one(
+                    f.get_tensor(name), f.get_tensor(name.removesuffix(".weight") + ".weight_scale_inv"),
+                    output_dtype=torch.bfloat16)
+
+        def mxfp4_transformers():
+            with safe_open(paths["mxfp4"], "pt") as f:
+                return convert_moe_packed_tensors(f.get_tensor(name + "_blocks")[None],
+                                                  f.get_tensor(name + "_scales")[None], dtype=torch.bfloat16)
+
+        # Same values, checked once before timing (no NaN here: torch's vectorised cast and ours agree on every
+        # other value).
+        if not np.array_equal(bits("bf16"), w.view(torch.int16).numpy().view(np.uint16)):
+            raise SystemExit("checkpoint: the bf16 expert differs from what was saved")
+        if not np.array_equal(bits("fp8"), fp8_transformers().view(torch.int16).numpy().view(np.uint16)):
+            raise SystemExit("checkpoint: the fp8 expert differs from transformers' Fp8Dequantize")
+        if not np.array_equal(bits("mxfp4"), mxfp4_transformers()[0].T.contiguous().view(torch.int16).numpy().view(np.uint16)):
+            raise SystemExit("checkpoint: the mxfp4 expert differs from transformers' convert_moe_packed_tensors")
+
+        # Bytes read per promotion: the tile's stored bytes and its scales (a promotion read in chunks of rows may
+        # read the scales of a block row once per chunk that meets it: at most the scales once more).
+        read = {}
+        for k in tiled:
+            tiled[k].carrier.evict(one)
+            before = ckpts[k].bytes_read
+            tiled[k].carrier.promote(one)
+            read[k] = ckpts[k].bytes_read - before
+        want = {"bf16": (w.numel() * 2, 0), "fp8": (q8.nbytes + s8.nbytes, s8.nbytes),
+                "mxfp4": (q4.nbytes + s4.nbytes, s4.nbytes)}
+        if any(not want[k][0] <= read[k] <= sum(want[k]) for k in read):
+            raise SystemExit(f"checkpoint: bytes read per promotion {read}, expected {want} (bytes, scales)")
+        note = (f"bytes read per {QROWS}x{QCOLS} expert promotion: bf16 {read['bf16']}, fp8 {read['fp8']} "
+                f"({read['fp8'] / read['bf16']:.3f}x), mxfp4 {read['mxfp4']} ({read['mxfp4'] / read['bf16']:.3f}x)")
+
+        def promote(k):
+            return lambda: tiled[k].carrier.promote(one)
+
+        def evict_both(k):
+            def evict():
+                tiled[k].carrier.evict(one)
+                tiled["bf16"].carrier.evict(one)
+            return evict
+
+        cases = []
+        for k in ("fp8", "mxfp4"):
+            for path in ("read", "map"):
+                previous = sw.safetensors.set_promotion_path(path if path == "read" else "auto")
+                try:
+                    cases.append(harness.compare(f"{k} promote vs bf16 {'read' if path == 'read' else 'mapped'}",
+                                                 promote(k), promote("bf16"), reps=reps, warmup=5, inner=1,
+                                                 bytes=read[k], budget_s=budget, prepare_ours=evict_both(k)))
+                finally:
+                    sw.safetensors.set_promotion_path(previous)
+            # transformers' side takes 0.1-0.3 s a call here: a quarter of the pairs.
+            cases.append(harness.compare(f"{k} promote vs transformers", promote(k),
+                                         fp8_transformers if k == "fp8" else mxfp4_transformers,
+                                         reps=max(reps // 4, 10), warmup=2, inner=1, bytes=read[k],
+                                         budget_s=budget, prepare_ours=evict_both(k)))
+        for t in tiled.values():
+            t.carrier.release()
+        return cases, note
+    finally:
+        for p in paths.values():
+            try:
+                os.unlink(p)
+            except OSError:
+                pass
 
 
 def main(argv=None) -> None:
@@ -148,6 +271,8 @@ def main(argv=None) -> None:
 
         cases.append(harness.compare("open 20000 tensors", open_many, safe_open_many, reps=max(reps // 4, 10),
                                      warmup=3, inner=1, bytes=os.path.getsize(many_path), budget_s=budget))
+        quantized, quantized_note = quantized_cases(tmpdir, gen, reps, budget)
+        cases += quantized
     finally:
         for p in (path, many_path):
             try:
@@ -181,9 +306,10 @@ def main(argv=None) -> None:
     for c in cases:
         harness.log(args, c.summary())
     harness.emit(harness.record("checkpoint", cases, target=1.0, better="lower", quick=args.quick,
-                                case_targets=TARGETS,
-                                note=f"{EXPERTS} bf16 experts ({OUT}x{IN}) in page cache; torch threads "
-                                     f"{torch.get_num_threads()}"))
+                                case_targets=TARGETS, untargeted=UNTARGETED,
+                                note=f"{EXPERTS} bf16 experts ({OUT}x{IN}) in page cache; {quantized_note}; "
+                                     f"quantized kernels {'AVX-512' if sw._core._quant_uses_avx512() else 'portable'}; "
+                                     f"torch threads {torch.get_num_threads()}"))
 
 
 if __name__ == "__main__":
