@@ -95,7 +95,8 @@ def from_pretrained(path: Any, budget: Any, *, torch_dtype: Any = None, layers: 
 
     ``budget``: a ``strideweave.ResidencyBudget`` or a byte count (every bound module's expert weights and their
     gradients draw from it). ``torch_dtype``: the non-expert weights' dtype (default: the checkpoint's); the
-    experts are the checkpoint's and must be of it. ``layers``: the layers whose experts are bound (the others are
+    experts are the checkpoint's and must be of it, except quantized ones (FP8, MXFP4), dequantized on promotion
+    into the model's BFloat16 or Float32. ``layers``: the layers whose experts are bound (the others are
     loaded by transformers, in RAM). ``prefetch`` and ``mutable``: as in ``offload_experts``.
 
     Errors: TypeError for a model without an experts module StrideWeave knows (naming its class), arguments of the
