@@ -614,6 +614,12 @@ def special_values(rng, shape) -> np.ndarray:
     x[129, 199] = 3.0e38
     x[100, 3] = -0.0
     x[101, 4] = 1e-40  # a Float32 subnormal
+    # Rows 64, 65 x columns 128..159 lie in one block for both block shapes tested, with amax 448 (scale 1): the
+    # e4m3 ties there (normal, subnormal, beyond 448) round to the even code.
+    x[:128, 128:200] = np.clip(x[:128, 128:200], -400, 400)
+    ties = [448.0, 1.0625, 1.1875, -1.0625, 2.0**-10, 3 * 2.0**-10, -(2.0**-10), 464.0, -464.0, 232.0, 0.0146484375]
+    x[64, 128:128 + len(ties)] = ties
+    x[65, 128:160] = np.linspace(-448, 448, 32)
     return x
 
 
@@ -658,6 +664,11 @@ def test_quantize_mxfp4_is_the_reference_and_round_trips_within_the_format_bound
     x[0, 1, 5] = np.inf
     x[0, 2, 64:96] = 1e-44
     x[1, 1, 40] = -3.0e38
+    # a group with amax 6 (scale 2^0): every e2m1 tie, and values beyond 6 would saturate (none: amax sets e)
+    x[3, 3, 32:64] = np.resize([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5,
+                                -5.0, 0.1], 32)
+    # a group with amax 7.5 (scale 2^0 again): 7.5 and 6.5 saturate to 6
+    x[3, 4, 0:32] = np.resize([7.5, 6.5, -7.0, 0.75, 5.0, 2.5], 32)
     blocks, scales = sw.safetensors.quantize(x, "mxfp4")
     wb, ws = ref.quantize_mxfp4(x)
     assert blocks.dtype == np.uint8 and blocks.shape == (5, 7, 4, 16)
