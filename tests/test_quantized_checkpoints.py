@@ -161,13 +161,19 @@ def project(full, experts, dtype) -> np.ndarray:
 # ---------------------------------------------------------------- transformers' dequantizers
 
 
-def transformers_fp8_f32(q: np.ndarray, scales_f64: np.ndarray, block) -> torch.Tensor:
-    """transformers' FP8 dequantization of one (R, C) matrix in Float32 (the product before any cast):
-    Fp8Dequantize._dequantize_one where the block divides the shape, _dequantize_fp8_weight otherwise."""
+TORCH_SCALE = {"F32": (np.float32, torch.float32), "BF16": (np.int16, torch.bfloat16),
+               "F8_E8M0": (np.uint8, torch.float8_e8m0fnu)}
+
+
+def transformers_fp8_f32(q: np.ndarray, stored: np.ndarray, scale_dtype: str, block) -> torch.Tensor:
+    """transformers' FP8 dequantization of one (R, C) matrix in Float32 (the product before any cast), with the
+    scales as torch loads them from the file (float32, bfloat16 or float8_e8m0fnu): Fp8Dequantize._dequantize_one
+    where the block divides the shape, _dequantize_fp8_weight otherwise."""
     from transformers.integrations.finegrained_fp8 import Fp8Dequantize, _dequantize_fp8_weight
 
     tq = torch.from_numpy(np.ascontiguousarray(q)).view(torch.float8_e4m3fn)
-    ts = torch.from_numpy(np.asarray(scales_f64, dtype=np.float32))  # exact: every scale here is a Float32
+    np_type, torch_type = TORCH_SCALE[scale_dtype]
+    ts = torch.from_numpy(np.ascontiguousarray(stored).view(np_type)).view(torch_type)
     rows, cols = q.shape
     if rows % block[0] == 0 and cols % block[1] == 0:
         return Fp8Dequantize(None)._dequantize_one(tq, ts, output_dtype=torch.float32)
@@ -252,14 +258,14 @@ def test_the_reference_fp8_dequantizer_is_transformers(scale_dtype):
     """The reference against transformers on the same bytes: Float32 bit for bit (NaN as NaN), and its BFloat16
     cast (NaN as NaN); both the non-dividing 130 x 200 and a dividing 256 x 384 shape."""
     expected = fp8_reference(scale_dtype)
-    s = ref.scale_values(stored_scales(scale_dtype), scale_dtype)
+    stored = stored_scales(scale_dtype)
     for e in range(E_FP8):
-        t = transformers_fp8_f32(fp8_codes()[e], s[e], (128, 128))
+        t = transformers_fp8_f32(fp8_codes()[e], stored[e], scale_dtype, (128, 128))
         assert_bits(t.numpy(), expected[e], F32)
         assert_bf16_nan_as_nan(ref.f32_to_bf16_bits(expected[e]), t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16))
     big = np.tile(fp8_codes()[0], (2, 2))[:256, :384]
-    s2 = ref.scale_values(F32_SCALES[:6].reshape(2, 3), "F32")
-    assert_bits(transformers_fp8_f32(big, s2, (128, 128)).numpy(), ref.fp8_dequantize_f32(big, s2), F32)
+    s2 = F32_SCALES[:6].reshape(2, 3)
+    assert_bits(transformers_fp8_f32(big, s2, "F32", (128, 128)).numpy(), ref.fp8_dequantize_f32(big, s2.astype(np.float64)), F32)
 
 
 # ---------------------------------------------------------------- exactness through the tiers
@@ -281,9 +287,9 @@ def test_fp8_tier_is_bit_identical_over_every_code_and_scale(files, scale_dtype,
     full.carrier.promote(sw.TileSelection(((0,), (0,), tuple(range(E_FP8)))))
     assert_bits(tiles_of(full, dtype), expected, dtype)  # every tile promoted
     # and transformers' own dequantization of the same bytes (NaN compared as NaN for BFloat16, see above)
-    s = ref.scale_values(stored_scales(scale_dtype), scale_dtype)
+    stored = stored_scales(scale_dtype)
     for e in picked:
-        t = transformers_fp8_f32(fp8_codes()[e], s[e], (128, 128))
+        t = transformers_fp8_f32(fp8_codes()[e], stored[e], scale_dtype, (128, 128))
         if dtype == F32:
             assert_bits(tiles_of(full, dtype)[e], t.numpy(), F32)
         else:
@@ -327,12 +333,11 @@ def test_fp8_dequantize_is_bit_identical_to_the_reference_and_transformers(scale
     q = fp8_codes()
     stored = stored_scales(scale_dtype)
     expected = fp8_reference(scale_dtype)
-    s = ref.scale_values(stored, scale_dtype)
     for e in range(E_FP8):
         out = sw.safetensors.dequantize(q[e], scale_array(scale_dtype, stored[e]), "fp8", dtype=dtype)
         assert out.shape == (R, C)
         assert_bits(got_bits(out, dtype), want(expected[e], dtype), dtype)
-        t = transformers_fp8_f32(q[e], s[e], (128, 128))
+        t = transformers_fp8_f32(q[e], stored[e], scale_dtype, (128, 128))
         if dtype == F32:
             assert_bits(out, t.numpy(), F32)
         else:
@@ -344,7 +349,7 @@ def test_fp8_dequantize_is_bit_identical_to_the_reference_and_transformers(scale
     big = np.tile(q[0], (2, 2))[:256, :384]
     s2 = F32_SCALES[3:9].reshape(2, 3)
     out = sw.safetensors.dequantize(big, s2, "fp8", dtype=dtype, block=(128, 128))
-    t = transformers_fp8_f32(big, s2.astype(np.float64), (128, 128))
+    t = transformers_fp8_f32(big, s2, "F32", (128, 128))
     assert_bits(got_bits(out, dtype), want(t.numpy(), dtype), dtype)
 
 
