@@ -137,11 +137,20 @@ void ref_dequantize_fp8(const std::vector<uint8_t>& qv, int64_t rows, int64_t co
 }
 
 // Runs f on every dispatch path this machine has: the AVX-512 kernels (when the CPU has them and SW_NO_AVX512 is
-// unset) and the portable ones.
+// unset) with VBMI where the CPU has it and without, and the portable ones.
 void on_every_path(const std::function<void(const char*)>& f) {
   q::force_portable(false);
-  if (q::uses_avx512()) f("avx512");
-  else {
+  q::force_avx512_without_vbmi(false);
+  if (q::uses_avx512_vbmi()) {
+    f("avx512-vbmi");
+    q::force_avx512_without_vbmi(true);
+    ASSERT_FALSE(q::uses_avx512_vbmi());
+    ASSERT_TRUE(q::uses_avx512());
+    f("avx512");
+    q::force_avx512_without_vbmi(false);
+  } else if (q::uses_avx512()) {
+    f("avx512");
+  } else {
     static const bool once = [] {
       std::cout << "[ NOTE     ] the AVX-512 kernels do not run here: portable path only" << std::endl;
       return true;
@@ -237,18 +246,24 @@ struct Fp8Case {
 
 // Codes uniform over all 256 (NaN codes included), scales drawn from ordinary Float32 values, powers of two and
 // the extremes of e8m0: 2^-127 (code 0, subnormal products) and 2^127 (code 254, products that overflow to
-// infinity); a few BFloat16-valued.
+// infinity); a few BFloat16-valued; and, as the kernels take any Float32 (the tiers refuse them in files),
+// negative scales, NaN of either sign and any payload, infinities and signed zeros.
 void draw_fp8(Rng& rng, const Fp8Case& c, std::vector<uint8_t>* qv, std::vector<float>* scales) {
   qv->resize(static_cast<size_t>(c.rows * c.cols));
   for (auto& b : *qv) b = static_cast<uint8_t>(rng.uniform(0, 255));
   const int64_t n = ((c.rows + c.br - 1) / c.br) * ((c.cols + c.bc - 1) / c.bc);
   scales->resize(static_cast<size_t>(n));
   for (auto& s : *scales) {
-    switch (rng.uniform(0, 4)) {
+    switch (rng.uniform(0, 9)) {
+      case 5: s = -std::ldexp(std::uniform_real_distribution<float>(1, 2)(rng.g), int(rng.uniform(-30, 10))); break;
+      case 6: s = from_bits(0x7FC00000u | (rng.chance(0.5) ? 0x80000000u : 0u) | uint32_t(rng.uniform(0, 0x3FFFFF))); break;
+      case 7: s = rng.chance(0.5) ? INFINITY : -INFINITY; break;
+      case 8: s = rng.chance(0.5) ? 0.0f : -0.0f; break;
       case 0: s = q::e8m0_to_float(0); break;
       case 1: s = q::e8m0_to_float(254); break;
       case 2: s = q::e8m0_to_float(static_cast<uint8_t>(rng.uniform(1, 253))); break;
       case 3: s = from_bits(uint32_t{q::float_to_bf16(std::ldexp(std::uniform_real_distribution<float>(1, 2)(rng.g), int(rng.uniform(-30, 10))))} << 16); break;
+      case 4: s = std::ldexp(std::uniform_real_distribution<float>(1, 2)(rng.g), int(rng.uniform(-30, 10))); break;
       default: s = std::ldexp(std::uniform_real_distribution<float>(1, 2)(rng.g), int(rng.uniform(-30, 10)));
     }
   }
@@ -301,16 +316,23 @@ TEST(QuantizedFp8, DequantizeMatchesTheScalarReferenceBitForBitOnEveryPathAndBlo
   }
 }
 
-TEST(QuantizedFp8, EveryCodeTimesEveryE8m0ScaleMatchesTheReference) {
+TEST(QuantizedFp8, EveryCodeTimesEveryE8m0AndSpecialScaleMatchesTheReference) {
   // Block row b (br rows) holds all 256 codes twice per row (a row of 512: two column blocks of 256) with scale
-  // 2^(b - 127) for b = 0..254: subnormal, ordinary and overflowing products, and NaN codes -> 0x7FC0. One-row blocks
-  // take the per-element kernels, 8 x 256 blocks the per-block product tables (Note [Per-block product tables]).
+  // 2^(b - 127) for b = 0..254: subnormal, ordinary and overflowing products, and NaN codes -> 0x7FC0; then the
+  // scales the kernels take though no file may hold them: negative, NaN with a sign and payload, infinities (zero
+  // times infinity is NaN) and signed zeros. One-row blocks take the per-element kernels, 8 x 256 blocks the
+  // per-block product tables (Note [Per-block product tables]).
+  const std::vector<float> special = {-1.5f, -0x1p-127f, from_bits(0xFFC12345u), from_bits(0x7F812345u), INFINITY,
+                                      -INFINITY, 0.0f, -0.0f};
+  const int64_t blocks = 255 + static_cast<int64_t>(special.size());
   for (const int64_t br : {1, 8}) {
-    const int64_t rows = 255 * br, cols = 512, bc = 256;
+    const int64_t rows = blocks * br, cols = 512, bc = 256;
     std::vector<uint8_t> qv(static_cast<size_t>(rows * cols));
     for (size_t k = 0; k < qv.size(); ++k) qv[k] = static_cast<uint8_t>(k % 256);
-    std::vector<float> scales(255 * 2);
-    for (int64_t b = 0; b < 255; ++b) scales[2 * b] = scales[2 * b + 1] = to_float_exact(e8m0_value(static_cast<uint8_t>(b)));
+    std::vector<float> scales(static_cast<size_t>(blocks * 2));
+    for (int64_t b = 0; b < blocks; ++b)
+      scales[2 * b] = scales[2 * b + 1] =
+          b < 255 ? to_float_exact(e8m0_value(static_cast<uint8_t>(b))) : special[static_cast<size_t>(b - 255)];
     std::vector<float> want_f32;
     std::vector<uint16_t> want_bf16;
     ref_dequantize_fp8(qv, rows, cols, scales, br, bc, &want_f32, &want_bf16);
@@ -321,8 +343,8 @@ TEST(QuantizedFp8, EveryCodeTimesEveryE8m0ScaleMatchesTheReference) {
       q::dequantize_fp8(qv.data(), rows, cols, 0, scales.data(), 2, br, bc, f32.data(), q::Out::Float32);
       q::dequantize_fp8(qv.data(), rows, cols, 0, scales.data(), 2, br, bc, bf16.data(), q::Out::BFloat16);
       for (size_t k = 0; k < qv.size(); ++k) {
-        ASSERT_EQ(bits(f32[k]), bits(want_f32[k])) << "code " << int(qv[k]) << " scale byte " << k / cols / br;
-        ASSERT_EQ(bf16[k], want_bf16[k]) << "code " << int(qv[k]) << " scale byte " << k / cols / br;
+        ASSERT_EQ(bits(f32[k]), bits(want_f32[k])) << "code " << int(qv[k]) << " block row " << k / cols / br;
+        ASSERT_EQ(bf16[k], want_bf16[k]) << "code " << int(qv[k]) << " block row " << k / cols / br;
       }
       EXPECT_EQ(bf16[0x7F], 0x7FC0);
       EXPECT_EQ(bf16[0xFF], 0x7FC0);
@@ -650,9 +672,14 @@ TEST(QuantizedMxfp4, RoundTripIsWithinHalfAnE2m1Step) {
 TEST(QuantizedDispatch, ForcePortableSwitchesThePathAndBack) {
   q::force_portable(true);
   EXPECT_FALSE(q::uses_avx512());
+  EXPECT_FALSE(q::uses_avx512_vbmi());
   q::force_portable(false);
+  q::force_avx512_without_vbmi(true);
+  EXPECT_FALSE(q::uses_avx512_vbmi());
+  q::force_avx512_without_vbmi(false);
   const bool cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
   const char* env = std::getenv("SW_NO_AVX512");
   const bool disabled = env && *env && std::string(env) != "0";
   EXPECT_EQ(q::uses_avx512(), cpu && !disabled);
+  EXPECT_EQ(q::uses_avx512_vbmi(), cpu && !disabled && __builtin_cpu_supports("avx512vbmi"));
 }

@@ -42,6 +42,7 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
 #define SW_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
+#define SW_AVX512_VBMI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi")))
 
 namespace sw::quant {
 
@@ -63,6 +64,14 @@ bool cpu_has_avx512() {
 }
 
 bool avx512() { return cpu_has_avx512() && !g_portable.load(std::memory_order_relaxed); }
+
+std::atomic<bool> g_no_vbmi{false};
+
+// AVX-512 VBMI (byte permutes: Ice Lake, Zen 4 and later) for Note [Per-block product tables].
+bool vbmi() {
+  static const bool ok = __builtin_cpu_supports("avx512vbmi");
+  return ok && avx512() && !g_no_vbmi.load(std::memory_order_relaxed);
+}
 
 float float_of(uint32_t u) { return std::bit_cast<float>(u); }
 uint32_t bits_of(float f) { return std::bit_cast<uint32_t>(f); }
@@ -277,11 +286,15 @@ SW_AVX512 void fp8_avx512(const uint8_t* q, int64_t rows, int64_t cols, int64_t 
 }
 
 // Note [Per-block product tables]: a block shares one scale, so BFloat16 output has at most 256 distinct values per
-// block: round_bf16(e4m3(c) * s) for each code c. Where blocks are large enough to pay for it, each block's 256
-// results are computed once (the same products, rounded by the same code) and every element is a lookup: four
-// VPERMT2W over 64-entry pairs and three blends on bits 6 and 7 of the code, instead of widening, multiplying and
-// rounding. Up to kTableBand block columns' tables (512 bytes each) are built per block row, then the rows stream
-// through in order.
+// block: round_bf16(e4m3(c) * s) for each code c. Where blocks are large enough to pay for it, each block's results
+// are computed once (the same products, rounded by the same code) and every element is a lookup instead of a
+// widening, a product and a rounding. Only the 128 magnitudes' results are looked up: rounding to nearest even
+// commutes with negation (round(-x) = -round(x)), so the result of code c | 0x80 is that of c with its sign bit
+// flipped (a masked add of 0x8000). NaN results stay 0x7FC0: a magnitude's result that is NaN is not flipped (code
+// 0x7F's; zero's where the scale is infinite; every one where the scale is NaN). AVX-512 F/BW: two
+// VPERMT2W over the 64-entry halves of the table and a blend on bit 6 of the code, 32 codes at a time. With VBMI,
+// below, 64 at a time in bytes. Up to kTableBand block columns' tables are built per block row, then the rows
+// stream through in order.
 
 SW_AVX512 inline void build_bf16_table(float scale, uint16_t* t) {
   const __m512 s = _mm512_set1_ps(scale);
@@ -292,16 +305,22 @@ SW_AVX512 inline void build_bf16_table(float scale, uint16_t* t) {
   }
 }
 
+// The lanes of 32 BFloat16 patterns that hold a NaN.
+SW_AVX512 inline __mmask32 nan_lanes(__m512i w) {
+  return _mm512_cmpgt_epu16_mask(_mm512_and_si512(w, _mm512_set1_epi16(0x7FFF)), _mm512_set1_epi16(0x7F80));
+}
+
 template <bool Full>
 SW_AVX512 inline void fp8_table_chunk(const __m512i* t, const uint8_t* q, int64_t n, uint16_t* o) {
   const __mmask32 m = Full ? __mmask32(0xFFFFFFFFu) : lanes32(n);
   const __m256i bytes = Full ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)) : _mm256_maskz_loadu_epi8(m, q);
   const __m512i c = _mm512_cvtepu8_epi16(bytes);
   const __mmask32 b6 = _mm512_test_epi16_mask(c, _mm512_set1_epi16(0x40));
-  const __mmask32 b7 = _mm512_test_epi16_mask(c, _mm512_set1_epi16(0x80));
-  const __m512i lo = _mm512_mask_blend_epi16(b6, _mm512_permutex2var_epi16(t[0], c, t[1]), _mm512_permutex2var_epi16(t[2], c, t[3]));
-  const __m512i hi = _mm512_mask_blend_epi16(b6, _mm512_permutex2var_epi16(t[4], c, t[5]), _mm512_permutex2var_epi16(t[6], c, t[7]));
-  const __m512i r = _mm512_mask_blend_epi16(b7, lo, hi);
+  // Index bits 0..5 pick one of 64 entries of a pair; bit 6 the pair.
+  const __m512i mag = _mm512_mask_blend_epi16(b6, _mm512_permutex2var_epi16(t[0], c, t[1]),
+                                              _mm512_permutex2var_epi16(t[2], c, t[3]));
+  const __mmask32 flip = _kandn_mask32(nan_lanes(mag), _mm512_test_epi16_mask(c, _mm512_set1_epi16(0x80)));
+  const __m512i r = _mm512_mask_add_epi16(mag, flip, mag, _mm512_set1_epi16(int16_t(0x8000)));
   if constexpr (Full) _mm512_storeu_si512(o, r);
   else _mm512_mask_storeu_epi16(o, m, r);
 }
@@ -321,12 +340,84 @@ SW_AVX512 void fp8_bf16_tabled(const uint8_t* q, int64_t rows, int64_t cols, int
         const uint8_t* qrow = q + i * cols;
         uint16_t* orow = out + i * cols;
         for (int64_t b = b0; b < b1; ++b) {
-          __m512i t[8];
-          for (int k = 0; k < 8; ++k) t[k] = _mm512_load_si512(tables[b - b0] + 32 * k);
+          __m512i t[4];
+          for (int k = 0; k < 4; ++k) t[k] = _mm512_load_si512(tables[b - b0] + 32 * k);
           const int64_t c0 = b * block_cols, n = std::min(block_cols, cols - c0);
           int64_t j = 0;
           for (; j + 32 <= n; j += 32) fp8_table_chunk<true>(t, qrow + c0 + j, 32, orow + c0 + j);
           if (j < n) fp8_table_chunk<false>(t, qrow + c0 + j, n - j, orow + c0 + j);
+        }
+      }
+    }
+    i0 = i1;
+  }
+}
+
+// With AVX-512 VBMI (Note [Per-block product tables]) the tables are bytes: per 64 codes, two VPERMT2B (each over
+// the 128 low or high bytes of the magnitudes' results, held in two registers) look them up, two more interleave
+// them into 32 + 32 results, and the sign is flipped as above. Four permutes per 64 results, where the F/BW kernel
+// takes six (a zero-extension and two VPERMT2W per 32): the permutes are what bounds both.
+SW_AVX512_VBMI inline void build_byte_tables(float scale, uint8_t* t) {
+  alignas(64) uint16_t words[256];
+  build_bf16_table(scale, words);  // codes 128..255 unused
+  for (int k = 0; k < 128; k += 32) {
+    const __m512i w = _mm512_load_si512(words + k);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(t + k), _mm512_cvtepi16_epi8(w));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(t + 128 + k), _mm512_cvtepi16_epi8(_mm512_srli_epi16(w, 8)));
+  }
+}
+
+template <bool Full>
+SW_AVX512_VBMI inline void fp8_byte_chunk(const __m512i* t, __m512i inter0, __m512i inter1, const uint8_t* q,
+                                          int64_t n, uint16_t* o) {
+  const __m512i c =
+      Full ? _mm512_loadu_si512(q) : _mm512_maskz_loadu_epi8(n >= 64 ? ~__mmask64(0) : (__mmask64(1) << n) - 1, q);
+  const __mmask64 negative = _mm512_movepi8_mask(c);  // code order: bits 0..31 are w0's, 32..63 w1's
+  const __m512i lo = _mm512_permutex2var_epi8(t[0], c, t[1]);  // index bits 0..6: the magnitude
+  const __m512i hi = _mm512_permutex2var_epi8(t[2], c, t[3]);
+  const __m512i sign = _mm512_set1_epi16(int16_t(0x8000));
+  const __m512i w0 = _mm512_permutex2var_epi8(lo, inter0, hi), w1 = _mm512_permutex2var_epi8(lo, inter1, hi);
+  const __m512i r0 = _mm512_mask_add_epi16(w0, _kandn_mask32(nan_lanes(w0), __mmask32(negative)), w0, sign);
+  const __m512i r1 = _mm512_mask_add_epi16(w1, _kandn_mask32(nan_lanes(w1), __mmask32(negative >> 32)), w1, sign);
+  if constexpr (Full) {
+    _mm512_storeu_si512(o, r0);
+    _mm512_storeu_si512(o + 32, r1);
+  } else {
+    _mm512_mask_storeu_epi16(o, lanes32(n), r0);
+    _mm512_mask_storeu_epi16(o + 32, lanes32(n - 32), r1);
+  }
+}
+
+SW_AVX512_VBMI void fp8_bf16_tabled_vbmi(const uint8_t* q, int64_t rows, int64_t cols, int64_t row0,
+                                         const float* scales, int64_t scale_cols, int64_t block_rows,
+                                         int64_t block_cols, uint16_t* out) {
+  alignas(64) uint8_t tables[kTableBand][256];
+  alignas(64) uint8_t inter_bytes[128];  // byte 2i: low byte i, byte 2i + 1: high byte i (64 + i), then i + 32
+  for (int i = 0; i < 32; ++i) {
+    inter_bytes[2 * i] = static_cast<uint8_t>(i);
+    inter_bytes[2 * i + 1] = static_cast<uint8_t>(64 + i);
+    inter_bytes[64 + 2 * i] = static_cast<uint8_t>(32 + i);
+    inter_bytes[64 + 2 * i + 1] = static_cast<uint8_t>(96 + i);
+  }
+  const __m512i inter0 = _mm512_load_si512(inter_bytes), inter1 = _mm512_load_si512(inter_bytes + 64);
+  const int64_t first = row0 / block_rows;
+  for (int64_t i0 = 0; i0 < rows;) {
+    const int64_t br = (row0 + i0) / block_rows;
+    const int64_t i1 = std::min(rows, (br + 1) * block_rows - row0);
+    const float* srow = scales + (br - first) * scale_cols;
+    for (int64_t b0 = 0; b0 < scale_cols; b0 += kTableBand) {
+      const int64_t b1 = std::min(scale_cols, b0 + kTableBand);
+      for (int64_t b = b0; b < b1; ++b) build_byte_tables(srow[b], tables[b - b0]);
+      for (int64_t i = i0; i < i1; ++i) {
+        const uint8_t* qrow = q + i * cols;
+        uint16_t* orow = out + i * cols;
+        for (int64_t b = b0; b < b1; ++b) {
+          const __m512i t[4] = {_mm512_load_si512(tables[b - b0]), _mm512_load_si512(tables[b - b0] + 64),
+                                _mm512_load_si512(tables[b - b0] + 128), _mm512_load_si512(tables[b - b0] + 192)};
+          const int64_t c0 = b * block_cols, n = std::min(block_cols, cols - c0);
+          int64_t j = 0;
+          for (; j + 64 <= n; j += 64) fp8_byte_chunk<true>(t, inter0, inter1, qrow + c0 + j, 64, orow + c0 + j);
+          if (j < n) fp8_byte_chunk<false>(t, inter0, inter1, qrow + c0 + j, n - j, orow + c0 + j);
         }
       }
     }
@@ -416,7 +507,8 @@ void dequantize_fp8(const uint8_t* q, int64_t rows, int64_t cols, int64_t row0, 
     if (out_type == Out::Float32)
       fp8_avx512<Out::Float32>(q, rows, cols, row0, scales, scale_cols, block_rows, block_cols, out);
     else if (std::min(rows, block_rows) * std::min(cols, block_cols) >= kTabledElements)  // Note [Per-block product tables]
-      fp8_bf16_tabled(q, rows, cols, row0, scales, scale_cols, block_rows, block_cols, static_cast<uint16_t*>(out));
+      (vbmi() ? fp8_bf16_tabled_vbmi : fp8_bf16_tabled)(q, rows, cols, row0, scales, scale_cols, block_rows,
+                                                        block_cols, static_cast<uint16_t*>(out));
     else
       fp8_avx512<Out::BFloat16>(q, rows, cols, row0, scales, scale_cols, block_rows, block_cols, out);
     return;
@@ -524,5 +616,9 @@ bool quantize_mxfp4(const void* in, bool in_bf16, int64_t groups, uint8_t* block
 bool uses_avx512() noexcept { return avx512(); }
 
 void force_portable(bool portable) noexcept { g_portable.store(portable, std::memory_order_relaxed); }
+
+void force_avx512_without_vbmi(bool without) noexcept { g_no_vbmi.store(without, std::memory_order_relaxed); }
+
+bool uses_avx512_vbmi() noexcept { return vbmi(); }
 
 }  // namespace sw::quant

@@ -81,5 +81,9 @@ bool uses_avx512() noexcept;
 // Tests: makes this process take the portable path (true) or the one the CPU and SW_NO_AVX512 select (false), so
 // one process can compare both.
 void force_portable(bool portable) noexcept;
+// Tests: where the CPU has AVX-512 VBMI (byte permutes), its FP8 kernel is used for BFloat16 output; true makes the
+// process take the AVX-512 F/BW kernels instead (as a CPU without VBMI would), false undoes it.
+void force_avx512_without_vbmi(bool without) noexcept;
+bool uses_avx512_vbmi() noexcept;
 
 }  // namespace sw::quant
