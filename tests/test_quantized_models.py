@@ -23,6 +23,10 @@ lie and dequantizes each tile on promotion.
   source format and quantization_config; transformers' dequantized reload within the derived re-quantization
   bound of our weights, every FP8 linear included; ``from_pretrained`` of the folder against transformers' reload:
   the experts' bound in BFloat16, logits within the parity bound in Float32).
+* ``test_fp8_dequantized_where_transformers_would_keep_it``: where transformers would keep the FP8 checkpoint
+  quantized (on an accelerator; simulated), from_pretrained still binds the experts unread.
+* ``test_mutable_refused``, ``test_quantize_refused_for_a_plain_model``: the refusals (type, message, nothing
+  written).
 
 Seeds: the models are drawn from ``BASE_SEED + crc32(family)``, the token ids from that + 1; printed.
 """
@@ -489,3 +493,45 @@ def test_train_save_reload(family, folders, tmp_path):
     again = swt().from_pretrained(requantized, budget=4 * expert_bytes_bf16(family))
     check_experts_bound(family, reloaded, again, ids)
     check_float32_reload(family, requantized, ids)
+
+
+# ------------------------------------------------------------------------------------------------------- refusals
+
+
+def test_fp8_dequantized_where_transformers_would_keep_it(folders, monkeypatch):
+    """On an accelerator, transformers keeps an FP8 checkpoint quantized: its FP8 experts modules (which hold the
+    experts' weights) replace the model's. from_pretrained asks for dequantization, so the experts stay unread and
+    bound. (Simulated: the quantizer's environment check, which on a CPU turns dequantization on, does nothing.)"""
+    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+    folder = folders("deepseek_v3")
+    monkeypatch.setattr(FineGrainedFP8HfQuantizer, "validate_environment", lambda self, *a, **k: None)
+    kept = load_reference(folder)
+    assert "FP8" in type(kept.model.layers[1].mlp.experts).__name__  # the simulation is in effect
+    del kept
+    counter = _ReadCounter(monkeypatch)
+    model = swt().from_pretrained(folder, budget=E * expert_bytes_bf16("deepseek_v3"))
+    assert not [n for n in counter.read if is_routed_expert_tensor(n)]
+    assert list(swt().offloaded_experts(model)) == [experts_path(1)]
+    assert model.model.layers[0].mlp.gate_proj.weight.dtype == torch.bfloat16  # transformers dequantized the rest
+
+
+def test_mutable_refused(folders):
+    folder = folders("deepseek_v3")
+    hashes = file_hashes(folder)
+    with pytest.raises(ValueError, match=r"from_pretrained: .*experts\.0\.gate_proj\.weight.*quantized.*mutable=True"):
+        swt().from_pretrained(folder, budget=E * expert_bytes_bf16("deepseek_v3"), mutable=True)
+    assert file_hashes(folder) == hashes
+
+
+def test_quantize_refused_for_a_plain_model(folders, tmp_path):
+    folder = folders("gpt_oss")
+    plain = str(tmp_path / "plain")
+    swt().save_pretrained(swt().from_pretrained(folder, budget=E * expert_bytes_bf16("gpt_oss") * 2), plain)
+    model = swt().from_pretrained(plain, budget=E * expert_bytes_bf16("gpt_oss") * 2)
+    target = tmp_path / "out"
+    with pytest.raises(ValueError, match="quantize=True re-quantizes a model opened by strideweave.torch"
+                                         ".from_pretrained from a quantized checkpoint"):
+        swt().save_pretrained(model, target, quantize=True)
+    with pytest.raises(TypeError, match="quantize must be a bool, got str"):
+        swt().save_pretrained(model, target, quantize="mxfp4")
+    assert sorted(os.listdir(tmp_path)) == ["plain"]  # nothing written, no temporary folder left
