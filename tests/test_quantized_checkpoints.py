@@ -8,11 +8,15 @@
   from the formats' definitions) and with transformers' own dequantizers. No tolerance: dequantizing is one
   exact product rounded once to Float32 (then once to BFloat16), so every implementation of the definition gives
   the same bits.
-* ckpt.dtype() of each form; bytes read per promotion (the quantized bytes and their scales); slot reads across
-  rows and blocks; writes to the overlay in the compute dtype with the file unchanged.
+  SW_NO_AVX512=1 runs the same checks on the portable kernels in a child process.
+* ckpt.dtype() of each form; bytes read per promotion (the quantized bytes and their scales); tiles promoted in
+  chunks that begin inside a block; slot reads across rows and blocks; writes to the overlay in the compute dtype
+  with the file unchanged.
 * sw.safetensors.quantize / dequantize / save(quantize=): equal to the reference quantizers, round trips within
   the formats' bounds, files the `safetensors` package loads.
 * Hostile files: ValueError naming the tensor and the file, nothing opened.
+* Two strict expected failures record where the engine and its contract part (scale rows re-read at chunk
+  boundaries; a saved FP8 block the reader's rule cannot infer); each turns into a failure once fixed.
 
 Run: ``.venv/bin/python -m pytest -q tests/test_quantized_checkpoints.py``.
 """
