@@ -25,6 +25,8 @@ lie and dequantizes each tile on promotion.
   the experts' bound in BFloat16, logits within the parity bound in Float32).
 * ``test_fp8_dequantized_where_transformers_would_keep_it``: where transformers would keep the FP8 checkpoint
   quantized (on an accelerator; simulated), from_pretrained still binds the experts unread.
+* ``test_partly_bound_requantized``: ``layers=`` leaves GPT-OSS's layer 0 to transformers (in RAM, the module's
+  transposed form); ``quantize=True`` writes it as the checkpoint stored it, within the re-quantization bound.
 * ``test_mutable_refused``, ``test_quantize_refused_for_a_plain_model``: the refusals (type, message, nothing
   written).
 
@@ -535,3 +537,25 @@ def test_quantize_refused_for_a_plain_model(folders, tmp_path):
     with pytest.raises(TypeError, match="quantize must be a bool, got str"):
         swt().save_pretrained(model, target, quantize="mxfp4")
     assert sorted(os.listdir(tmp_path)) == ["plain"]  # nothing written, no temporary folder left
+
+
+def test_partly_bound_requantized(folders, tmp_path):
+    """layers=[1]: layer 0's experts are transformers' (dequantized in RAM, the module's (E, H, 2I) form), layer 1's
+    tiles; quantize=True writes both as the checkpoint stored them (MXFP4 of (E, 2I, H)), and transformers' reload
+    of each is within the re-quantization bound (test_train_save_reload's derivation) of the model's values."""
+    folder = folders("gpt_oss")
+    model = swt().from_pretrained(folder, budget=E * expert_bytes_bf16("gpt_oss"), layers=[1])
+    assert list(swt().offloaded_experts(model)) == [experts_path(1)]
+    in_ram = dict(model.named_parameters())
+    binding = swt().offloaded_experts(model)[experts_path(1)]
+    values = {f"{experts_path(0)}.{p}": in_ram[f"{experts_path(0)}.{p}"].detach() for p in binding.parameter_names}
+    values |= {f"{experts_path(1)}.{p}": binding.gather(p) for p in binding.parameter_names}
+    out = str(tmp_path / "quantized")
+    swt().save_pretrained(model, out, quantize=True)
+    stored = stored_tensors(out)
+    state = dict(load_reference(out).named_parameters())
+    for name, value in values.items():
+        assert name not in stored and stored[name + "_blocks"].dtype == torch.uint8, name
+        err = (state[name].detach().double() - value.double()).abs()
+        bound = requantization_bound("gpt_oss", value, expanded_scales("gpt_oss", stored, name, tuple(value.shape)))
+        assert bool((err <= bound).all()), name

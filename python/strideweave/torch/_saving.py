@@ -219,7 +219,11 @@ def plan(model: Any, max_shard_size: int, what: str, quantize: bool = False) -> 
             raise TypeError(f"{what}: {name!r} ({value.dtype}, shape {tuple(value.shape)}) cannot be written: "
                             f"{e}") from None
         if quantize and (q := _quantized(source, name)) is not None:
-            if tuple(q.shape) != tuple(value.shape):
+            flipped = tuple(value.shape[:-2]) + (value.shape[-1], value.shape[-2]) if value.dim() >= 2 else None
+            if q.format == "mxfp4" and tuple(q.shape) == flipped and flipped != tuple(value.shape):
+                # experts left in RAM (layers=) in a transposed module's form: MXFP4 stores them (out, in)
+                tensors[name] = from_torch(value.detach().transpose(-1, -2).contiguous())
+            elif tuple(q.shape) != tuple(value.shape):
                 raise ValueError(f"{what}: quantize=True: {name!r} is {tuple(value.shape)} in the model, the "
                                  f"checkpoint quantized it as {tuple(q.shape)} ({q})")
             formats[name] = _format_of(q)
