@@ -257,7 +257,10 @@ void CheckpointCarrier::read_quantized(const Range& g, int64_t within, int64_t n
   const bool fp8 = q.format == QuantizedRange::Format::FP8;
   // Units: rows (FP8) or groups of 32 (MXFP4); each has `per` values and `unit_bytes` quantized bytes.
   const int64_t per = fp8 ? q.cols : 32, unit_bytes = fp8 ? q.cols : 16, units_total = g.slots / per;
-  const int64_t chunk = std::max<int64_t>(1, kQuantChunk / std::max<int64_t>(1, unit_bytes));  // units per chunk
+  // Units per chunk; FP8 chunks are whole block rows, and start at multiples of `chunk`, so no block row (its scales
+  // read once per chunk) is ever cut between two chunks: a tile's promotion reads each scale once.
+  int64_t chunk = std::max<int64_t>(1, kQuantChunk / std::max<int64_t>(1, unit_bytes));
+  if (fp8) chunk = std::max<int64_t>(1, chunk / q.block_rows) * q.block_rows;
   struct Cache {
     uint64_t serial = 0;
     const Range* range = nullptr;
@@ -297,8 +300,8 @@ void CheckpointCarrier::read_quantized(const Range& g, int64_t within, int64_t n
     }
   };
   const int64_t u0 = within / per, u1 = (within + n + per - 1) / per;
-  for (int64_t u = u0; u < u1; u += chunk) {
-    const int64_t units = std::min(chunk, u1 - u);
+  for (int64_t u = u0, units = 0; u < u1; u += units) {
+    units = std::min((u / chunk + 1) * chunk, u1) - u;
     const int64_t e0 = u * per, e1 = (u + units) * per;  // the values these units hold
     const int64_t lo = std::max(e0, within), hi = std::min(e1, within + n);
     if (lo == e0 && hi == e1) {

@@ -1,6 +1,8 @@
 // A checkpoint's quantized tensors (Note [Quantized tensors of a checkpoint] in strideweave/checkpoint/safetensors.hpp)
 // and the ranges of the tiers over them (Note [A quantized checkpoint tier] in strideweave/carriers/checkpoint.hpp).
 #include <cmath>
+#include <cstdio>
+#include <tuple>
 #include <cstring>
 #include <vector>
 
@@ -32,6 +34,12 @@ QuantizedRange::Scale scale_type_of(const std::string& element) {
 }
 
 }  // namespace
+
+std::pair<int64_t, int64_t> fp8_block_by_shape(int64_t rows, int64_t cols, int64_t sr, int64_t sc) {
+  if (sr == ceil_div(rows, 128) && sc == ceil_div(cols, 128)) return {128, 128};
+  if (sr > 0 && sc > 0 && rows % sr == 0 && cols % sc == 0) return {rows / sr, cols / sc};
+  return {0, 0};
+}
 
 std::optional<Quantization> Checkpoint::quantization(const std::string& name, const std::string& scale_name,
                                                      int64_t block_rows, int64_t block_cols) const {
@@ -88,12 +96,19 @@ std::optional<Quantization> Checkpoint::quantization(const std::string& name, co
     if (br < 0 || bc < 0 || (br == 0) != (bc == 0))
       raise<ValueError>("tensor '", data, "': block=(", block_rows, ", ", block_cols, ") is not a block");
     if (br == 0) {
-      br = bc = 128;
-      if (leading && !(sr == ceil_div(R, 128) && sc == ceil_div(C, 128)) && sr > 0 && sc > 0 && R % sr == 0 &&
-          C % sc == 0) {
-        br = R / sr;  // transformers' rule: the block the scale grid divides the matrix into
-        bc = C / sc;
+      // The block the file records (save(quantize=) writes it where the shape rule would not find it), else the
+      // shape rule: 128 x 128, or transformers' rule, the block the scale grid divides the matrix into.
+      auto recorded = metadata_.find(std::string(kFp8BlockKey) + q.scale);
+      long long r = 0, c = 0;
+      if (recorded != metadata_.end()) {
+        if (std::sscanf(recorded->second.c_str(), "[%lld, %lld]", &r, &c) != 2 || r < 1 || c < 1)
+          fail("its metadata records the block '", recorded->second, "' for '", q.scale, "', which is not [rows, cols]");
+        br = r;
+        bc = c;
+      } else if (leading) {
+        std::tie(br, bc) = fp8_block_by_shape(R, C, sr, sc);
       }
+      if (br == 0) br = bc = 128;  // reported as a shape mismatch below
     }
     std::vector<int64_t> want(s.begin(), s.end() - 2);
     want.push_back(ceil_div(R, br));

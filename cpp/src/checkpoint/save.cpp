@@ -235,8 +235,20 @@ void save(const std::string& path, const std::vector<std::pair<std::string, Tens
     }
     quantized[claims.size() - 1] = q;
   }
+  // An FP8 block the reader would not infer from the scales' shape (Note [Quantized tensors of a checkpoint]) is
+  // recorded in the metadata, under "fp8_block_size:<scale name>".
+  std::map<std::string, std::string> meta = metadata;
+  for (size_t k = 0; k < tensors.size(); ++k) {
+    if (!quantized[k] || quantized[k]->how.format != QuantizedRange::Format::FP8) continue;
+    const QuantizedOut& q = *quantized[k];
+    if (fp8_block_by_shape(q.rows, q.cols, (q.rows + q.how.block_rows - 1) / q.how.block_rows,
+                           (q.cols + q.how.block_cols - 1) / q.how.block_cols) !=
+        std::pair<int64_t, int64_t>{q.how.block_rows, q.how.block_cols})
+      meta[std::string(kFp8BlockKey) + quantized_scale_name(tensors[k].first, q.how.format)] =
+          "[" + std::to_string(q.how.block_rows) + ", " + std::to_string(q.how.block_cols) + "]";
+  }
   std::vector<std::pair<uint64_t, uint64_t>> offsets;
-  const std::string header = encode_header(specs, metadata, offsets);  // ValueError for repeated names
+  const std::string header = encode_header(specs, meta, offsets);  // ValueError for repeated names
 
   const std::filesystem::path target(path);
   const std::string dir = target.parent_path().empty() ? "." : target.parent_path().string();

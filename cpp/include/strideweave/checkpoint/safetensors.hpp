@@ -124,10 +124,16 @@ const DType* dtype_of(std::string_view element_type);
 //  * MXFP4 (GPT-OSS): "X_blocks" (U8, shape (..., G, 16): 32 e2m1 values in 16 bytes per group) and "X_scales"
 //    (U8 or F8_E8M0, shape (..., G)), named "X_blocks" or "X" (the parameter's name, which no tensor has); the
 //    values are (..., 32 G).
+// A file's metadata may record a block the shape rule would not find: "fp8_block_size:<scale name>" -> "[br, bc]"
+// (save(quantize=) writes it for such blocks); a block given to tiled() wins over both.
 // Every rule is checked from the headers (no byte read): a scale missing, of the wrong shape or element type,
 // or blocks whose count does not match their scales raise ValueError naming the tensor and its file. A tier over
 // quantized tensors also reads every scale it will use once, when it is made, and refuses NaN (and infinite)
 // scales and the e8m0 NaN code 255 the same way: nothing is made then.
+inline constexpr std::string_view kFp8BlockKey = "fp8_block_size:";
+// The block the shape rule infers for an FP8 matrix (R, C) with a scale grid (sr, sc): (128, 128) where the grid is
+// (ceil(R / 128), ceil(C / 128)), else (R / sr, C / sc) where that divides exactly, else (0, 0) (none).
+std::pair<int64_t, int64_t> fp8_block_by_shape(int64_t rows, int64_t cols, int64_t scale_rows, int64_t scale_cols);
 struct Quantization {
   QuantizedRange::Format format = QuantizedRange::Format::FP8;
   std::string data;         // the quantized elements' tensor ("X.weight", "X_blocks")
