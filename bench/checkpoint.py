@@ -132,18 +132,16 @@ def quantized_cases(tmpdir: str, gen, reps: int, budget: float | None) -> tuple[
         if not np.array_equal(bits("mxfp4"), mxfp4_transformers()[0].T.contiguous().view(torch.int16).numpy().view(np.uint16)):
             raise SystemExit("checkpoint: the mxfp4 expert differs from transformers' convert_moe_packed_tensors")
 
-        # Bytes read per promotion: the tile's stored bytes and its scales (a promotion read in chunks of rows may
-        # read the scales of a block row once per chunk that meets it: at most the scales once more).
+        # Bytes read per promotion: exactly the tile's stored bytes and its scales.
         read = {}
         for k in tiled:
             tiled[k].carrier.evict(one)
             before = ckpts[k].bytes_read
             tiled[k].carrier.promote(one)
             read[k] = ckpts[k].bytes_read - before
-        want = {"bf16": (w.numel() * 2, 0), "fp8": (q8.nbytes + s8.nbytes, s8.nbytes),
-                "mxfp4": (q4.nbytes + s4.nbytes, s4.nbytes)}
-        if any(not want[k][0] <= read[k] <= sum(want[k]) for k in read):
-            raise SystemExit(f"checkpoint: bytes read per promotion {read}, expected {want} (bytes, scales)")
+        want = {"bf16": w.numel() * 2, "fp8": q8.nbytes + s8.nbytes, "mxfp4": q4.nbytes + s4.nbytes}
+        if read != want:
+            raise SystemExit(f"checkpoint: bytes read per promotion {read}, expected {want}")
         note = (f"bytes read per {QROWS}x{QCOLS} expert promotion: bf16 {read['bf16']}, fp8 {read['fp8']} "
                 f"({read['fp8'] / read['bf16']:.3f}x), mxfp4 {read['mxfp4']} ({read['mxfp4'] / read['bf16']:.3f}x)")
 
