@@ -16,8 +16,9 @@
 //    leaves out: one group (16 bytes) at a time, low and high nibbles interleaved (value 2j the low nibble of byte
 //    j), widened to 32-bit indices into the 16-entry e2m1 table (VPERMPS), times 2^(s - 127) built from the
 //    exponent bits (s = 0: the subnormal 2^-127; s = 255: NaN).
-// The portable path computes the same Float32 products from 256-entry tables (and, into BFloat16, uses the same
-// per-block tables and exponent-field additions, one element at a time), so both give the same bits.
+// The portable path computes the same Float32 products from 256-entry tables, and uses the same per-block tables
+// (FP8 into BFloat16) and exponent-field additions (MXFP4, into either type; two BFloat16 values a byte at once),
+// one element at a time: both paths give the same bits.
 //
 // NaN results, Float32 output included, are the canonical quiet NaN (0x7FC00000; BFloat16 0x7FC0): a product of two
 // NaN operands would otherwise keep whichever payload the compiler's operand order picks.
@@ -137,16 +138,40 @@ void fp8_row_portable(const uint8_t* q, int64_t cols, const float* srow, int64_t
   }
 }
 
+// Per byte of MXFP4 blocks: its two values' BFloat16 patterns (low nibble in the low half, as they are stored),
+// and 1 in each half whose value is nonzero.
+constexpr std::array<uint32_t, 256> kE2m1PairBf16 = [] {
+  std::array<uint32_t, 256> t{};
+  for (uint32_t b = 0; b < 256; ++b)
+    t[b] = (std::bit_cast<uint32_t>(kE2m1[b & 15]) >> 16) | (std::bit_cast<uint32_t>(kE2m1[b >> 4]) >> 16 << 16);
+  return t;
+}();
+constexpr std::array<uint32_t, 256> kE2m1PairNonzero = [] {
+  std::array<uint32_t, 256> t{};
+  for (uint32_t b = 0; b < 256; ++b) t[b] = ((b & 7) ? 1u : 0u) | ((b & 0x70) ? 0x10000u : 0u);
+  return t;
+}();
+
 void mxfp4_portable(const uint8_t* blocks, const uint8_t* scales, int64_t groups, void* out, Out out_type) {
   for (int64_t g = 0; g < groups; ++g) {
     const float s = float_of(e8m0_bits(scales[g]));
     const uint8_t* b = blocks + 16 * g;
     if (out_type == Out::BFloat16 && scales[g] >= 2 && scales[g] <= 252) {  // Note [MXFP4 in the exponent field]
-      const uint16_t add = static_cast<uint16_t>((int(scales[g]) - 127) * 128);
-      uint16_t t[16];
-      for (int n = 0; n < 16; ++n)
-        t[n] = static_cast<uint16_t>((bits_of(kE2m1[n]) >> 16) + ((n & 7) ? add : 0));
+      // Both values of a byte at once: the pair of unscaled patterns plus (s - 127) << 7 in each half that holds
+      // a nonzero value. Each half's sum is a pattern (no carry or borrow crosses into the other half).
+      const uint32_t add = static_cast<uint32_t>((int(scales[g]) - 127) * 128);
       uint16_t* o = static_cast<uint16_t*>(out) + 32 * g;
+      for (int j = 0; j < 16; ++j) {
+        const uint32_t pair = kE2m1PairBf16[b[j]] + kE2m1PairNonzero[b[j]] * add;
+        std::memcpy(o + 2 * j, &pair, 4);
+      }
+      continue;
+    }
+    if (out_type == Out::Float32 && scales[g] >= 2 && scales[g] <= 252) {  // the same in Float32's exponent field
+      const uint32_t add = static_cast<uint32_t>(int(scales[g]) - 127) << 23;
+      float t[16];
+      for (int n = 0; n < 16; ++n) t[n] = float_of(bits_of(kE2m1[n]) + ((n & 7) ? add : 0u));
+      float* o = static_cast<float*>(out) + 32 * g;
       for (int j = 0; j < 16; ++j) {
         o[2 * j] = t[b[j] & 0xF];
         o[2 * j + 1] = t[b[j] >> 4];
