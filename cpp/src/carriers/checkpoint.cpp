@@ -276,6 +276,12 @@ void CheckpointCarrier::read_quantized(const Range& g, int64_t within, int64_t n
     std::memcpy(dst, cache.values.data() + (within - cache.e0) * item, static_cast<size_t>(n * item));
     return;
   }
+  // The request's quantized bytes, mapped (below), unmapped on every way out.
+  struct Mapped {
+    std::shared_ptr<AlignedBuffer> buffer;
+    const uint8_t* data = nullptr;
+    int64_t u0 = 0, u1 = 0;
+  } mapped;
   // Units [u, u + units) dequantized into `to`.
   auto dequantize_units = [&](int64_t u, int64_t units, std::byte* to) {
     const int64_t sc = q.scale_cols();
@@ -287,19 +293,45 @@ void CheckpointCarrier::read_quantized(const Range& g, int64_t within, int64_t n
                    static_cast<int64_t>(q.scale_offset + static_cast<uint64_t>(s0) * sitem), q.scale_file->path());
     q.scale_file->count_read(raw_scales.size());
     const int64_t bytes = units * unit_bytes;
-    data.resize(static_cast<size_t>(bytes));
-    io::pread_full(g.file->fd(), data.data(), static_cast<size_t>(bytes), static_cast<int64_t>(g.offset) + u * unit_bytes,
-                   g.file->path());
+    const uint8_t* src = nullptr;
+    if (mapped.buffer && u >= mapped.u0 && u + units <= mapped.u1) {
+      src = mapped.data + (u - mapped.u0) * unit_bytes;
+    } else {
+      data.resize(static_cast<size_t>(bytes));
+      io::pread_full(g.file->fd(), data.data(), static_cast<size_t>(bytes),
+                     static_cast<int64_t>(g.offset) + u * unit_bytes, g.file->path());
+      src = data.data();
+    }
     g.file->count_read(static_cast<uint64_t>(bytes));
     if (fp8) {
       scales.resize(static_cast<size_t>(s1 - s0));
       scales_to_float(raw_scales.data(), q.scale_type, s1 - s0, scales.data());
-      quant::dequantize_fp8(data.data(), units, q.cols, u, scales.data(), sc, q.block_rows, q.block_cols, to, out);
+      quant::dequantize_fp8(src, units, q.cols, u, scales.data(), sc, q.block_rows, q.block_cols, to, out);
     } else {
-      quant::dequantize_mxfp4(data.data(), reinterpret_cast<const uint8_t*>(raw_scales.data()), units, to, out);
+      quant::dequantize_mxfp4(src, reinterpret_cast<const uint8_t*>(raw_scales.data()), units, to, out);
     }
   };
   const int64_t u0 = within / per, u1 = (within + n + per - 1) / per;
+  // A promotion-sized request (at least kQuantChunk quantized bytes) dequantizes from a mapping of its quantized
+  // bytes (AlignedBuffer::map_file: private, aligned so the page cache's large folios map whole, faulted in as the
+  // mapped promotion path does) rather than reading them into a buffer first: the page cache's pages are the
+  // kernel's input, and the copy a read makes (about a third of an FP8 promotion's time: docs/performance.md,
+  // "Quantized checkpoints") is saved. The mapping lives for this call only and is never written. Where the file
+  // no longer holds the range (truncated: checked first, so the mapping never reaches past its end) or the system
+  // refuses the mapping, the bytes are read.
+  if ((u1 - u0) * unit_bytes >= kQuantChunk) {
+    const uint64_t begin = g.offset + static_cast<uint64_t>(u0 * unit_bytes);
+    const uint64_t end = g.offset + static_cast<uint64_t>(u1 * unit_bytes);
+    struct stat st;
+    if (::fstat(g.file->fd(), &st) == 0 && static_cast<uint64_t>(st.st_size) >= end) {
+      if (auto m = AlignedBuffer::map_file(g.file->fd(), begin, end - begin, static_cast<uint64_t>(st.st_size))) {
+        mapped.data = reinterpret_cast<const uint8_t*>(m->data());
+        mapped.buffer = std::move(m);
+        mapped.u0 = u0;
+        mapped.u1 = u1;
+      }
+    }
+  }
   for (int64_t u = u0, units = 0; u < u1; u += units) {
     units = std::min((u / chunk + 1) * chunk, u1) - u;
     const int64_t e0 = u * per, e1 = (u + units) * per;  // the values these units hold
