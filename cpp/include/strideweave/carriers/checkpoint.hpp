@@ -128,11 +128,13 @@ struct PromotionStats {
 // [Quantized element formats] in strideweave/checkpoint/quantized.hpp) rather than in the carrier's dtype. Its
 // slots are then the dequantized values (the carrier's dtype is BFloat16 or Float32), and its bytes are the
 // quantized elements at `offset` plus the scales at `scale_offset` of `scale_file`. Reading slots of such a range
-// reads the quantized bytes and the scales that cover them (in chunks of about 1 MiB, so each chunk is dequantized
-// while it is in cache) and dequantizes them into the destination in the same pass: promoting a tile reads only
-// the quantized bytes and their scales (bytes_read counts exactly those) and writes the tile's memory once, on the
-// promoting thread. A quantized range is never mapped (map_slots returns nullptr: the engine reads it into the
-// primary tile). Its writes go to the overlay in the carrier's dtype like any read-only tier's (a first partial
+// takes the quantized bytes (mapped for a request of 1 MiB or more, else read) and the scales that cover them, in
+// chunks of about 1 MiB of whole block rows (each chunk dequantized while it is in cache; each scale read once),
+// and dequantizes them into the destination in the same pass: promoting a tile reads only the quantized bytes and
+// their scales (bytes_read counts exactly those) and writes the tile's memory once, on the promoting thread. A
+// quantized tile is never promoted by mapping (map_slots returns nullptr: the engine reads it into the primary
+// tile). A read of part of a chunk (a view read element by element) dequantizes the chunk into a per-thread cache
+// that serves the next such reads (CheckpointCarrier::read_quantized). Its writes go to the overlay in the carrier's dtype like any read-only tier's (a first partial
 // write copies the dequantized range there first); a quantized tier cannot write in place (ValueError).
 struct QuantizedRange {
   enum class Format : uint8_t { FP8, MXFP4 };
