@@ -12,6 +12,9 @@ RAM").
 * ``MoEBlock``: a sparse-MoE block over ``strideweave.moe.SparseMoE`` for blocks built by hand (``_block``).
 * ``SGD``, ``Adam``, ``AdamW``: torch optimizers over a whole model, its offloaded experts stepped by
   ``strideweave.optim``; ``clip_grad_norm_`` over torch's and the tiled expert gradients (``_optim``).
+* ``process_group=`` of ``from_pretrained``/``offload_experts``: experts sharded across the ranks of a
+  ``torch.distributed`` group, tokens exchanged by ``all_to_all``; ``all_reduce_gradients(model)`` averages the
+  gradients; ``expert_share(E, rank, N)`` is a rank's share (``_distributed``).
 
 PyTorch is optional: ``import strideweave`` never imports this package, and this package imports torch (and
 transformers) only when one of its functions runs (``MoEBlock`` derives from ``torch.nn.Module``, and the
@@ -23,13 +26,14 @@ from __future__ import annotations
 from typing import Any
 
 from ._bridge import from_torch, to_torch
+from ._distributed import all_reduce_gradients, expert_share
 from ._loading import from_pretrained
 from ._offload import offload_experts, offloaded_experts
 from ._optim import clip_grad_norm_
 from ._saving import save_pretrained
 
-__all__ = ["Adam", "AdamW", "MoEBlock", "SGD", "clip_grad_norm_", "from_pretrained", "from_torch", "offload_experts",
-           "offloaded_experts", "save_pretrained",
+__all__ = ["Adam", "AdamW", "MoEBlock", "SGD", "all_reduce_gradients", "clip_grad_norm_", "expert_share",
+           "from_pretrained", "from_torch", "offload_experts", "offloaded_experts", "save_pretrained",
            "to_torch", "Trainer"]
 
 

@@ -288,6 +288,10 @@ class OffloadedExperts:
         self.prefetch_next: Optional[OffloadedExperts] = None  # the binding whose backward runs after this one's
         self.record_routing = False
         self._last_index: Any = None
+        # Expert parallelism (Note [Experts across ranks] in _distributed.py): the group the experts are sharded
+        # over and this rank's share of them (every expert without a group).
+        self.process_group: Any = None
+        self.experts_range = range(E)
 
     # ---- computing -------------------------------------------------------------------------------------------
 
@@ -311,6 +315,9 @@ class OffloadedExperts:
                             "(nothing converts implicitly)")
         x = hidden_states.reshape(-1, self.spec.hidden)
         k = top_k_index.shape[-1]
+        if self.process_group is not None:
+            from ._distributed import experts_forward as sharded_forward
+            return sharded_forward(self, x, top_k_index, top_k_weights)
         if self.native and top_k_weights.dtype in (torch.float32, self.spec.dtype):
             return _classes()["Native"].apply(x, top_k_weights.reshape(-1, k), self,
                                               top_k_index.reshape(-1, k))
@@ -415,37 +422,67 @@ class OffloadedExperts:
 
     # ---- tests, saving ---------------------------------------------------------------------------------------
 
-    def gather(self, name: str, *, grad: bool = False) -> Any:
+    def gather(self, name: str, *, grad: bool = False, experts: Any = None) -> Any:
         """A torch COPY of transformers' parameter `name` (relative to the module, e.g. ``"gate_up_proj"``) in the
         module's own form and dtype, from the tiles; ``grad=True``: the accumulated gradient in that form (zeros
-        where no backward reached; the gradient tiles' dtype, the weights'). Reads every expert: for tests and small models."""
+        where no backward reached; the gradient tiles' dtype, the weights'). Reads every expert: for tests and small
+        models. ``experts``: only these experts (a range or list of indices; the expert axis then has their count),
+        reading only their tiles; a binding sharded over several ranks takes only experts of its own share
+        (``experts_range``) and requires it."""
         torch = _torch()
         import numpy as np
         if name not in self.spec.shapes:
             raise KeyError(f"{self.name} has no parameter {name!r} (it has {', '.join(self.spec.shapes)})")
+        E = self.spec.experts
+        if experts is None:
+            if len(self.experts_range) != E:
+                raise ValueError(f"{self.name}.gather: this rank owns experts [{self.experts_range.start}, "
+                                 f"{self.experts_range.stop}) of {E}; give experts= (within binding.experts_range): "
+                                 "another rank's experts are never read here")
+            chosen = None
+        else:
+            chosen = [int(e) for e in experts]
+            outside = [e for e in chosen if e not in self.experts_range]
+            if outside:
+                raise ValueError(f"{self.name}.gather: experts {outside} are not in this rank's share "
+                                 f"[{self.experts_range.start}, {self.experts_range.stop}) of {E}")
+        count = E if chosen is None else len(chosen)
 
-        def full(role: str) -> Any:  # (E, rows, cols)
+        def full(role: str) -> Any:  # (count, rows, cols)
             t = self.tiled[role]
             if grad:
                 g = t.grad
-                if g is None:
-                    return torch.zeros((self.spec.experts,) + self.tile_shapes[role], dtype=self.spec.dtype)
+                if g is None or count == 0:
+                    return torch.zeros((count,) + self.tile_shapes[role], dtype=self.spec.dtype)
                 t = g
-            a = np.array(t)  # (rows, cols, E)
+            if count == 0:
+                return torch.zeros((0,) + self.tile_shapes[role], dtype=self.spec.dtype)
+            if chosen is None:
+                a = np.array(t)  # (rows, cols, E)
+            else:
+                sw = _sw()
+                previous = sw.is_grad_enabled()
+                sw.set_grad_enabled(False)
+                try:  # (rows, cols, n): the chosen experts' tiles only
+                    a = np.array(t.carrier.project(t, sw.TileSelection([[0], [0], chosen])).wait())
+                finally:
+                    sw.set_grad_enabled(previous)
             if a.dtype.name == "bfloat16":
                 out = torch.from_numpy(a.view(np.uint16).astype(np.int16)).view(torch.bfloat16)
             else:
                 out = torch.from_numpy(np.ascontiguousarray(a))
             return out.permute(2, 0, 1).contiguous()
 
+        shape = self.spec.shapes[name]
+        shape = (shape[0] * count // E,) + tuple(shape[1:])
         if self.fused:
             value = full("gate_up" if name.startswith("gate_up") else "down")
             if self.tiles_transposed != self.spec.transposed:  # tiles (out, in), the module (in, out)
                 value = value.transpose(1, 2).contiguous()
-            return value.reshape(self.spec.shapes[name])
+            return value.reshape(shape)
         if self.spec.outside == "dbrx":
             role = {"mlp.w1": "gate", "mlp.v1": "up", "mlp.w2": "down"}[name]
-            return full(role).reshape(self.spec.shapes[name])
+            return full(role).reshape(shape)
         if name == "gate_up_proj":
             return torch.cat([full("gate"), full("up")], dim=1)
         return full("down")

@@ -87,7 +87,7 @@ def _without_weights(classes: dict, selected: set, order: list) -> Any:
 
 
 def from_pretrained(path: Any, budget: Any, *, torch_dtype: Any = None, layers: Any = None, prefetch: bool = False,
-                    mutable: bool = False, **kwargs: Any) -> Any:
+                    mutable: bool = False, process_group: Any = None, **kwargs: Any) -> Any:
     """The transformers ``*ForCausalLM`` of the checkpoint folder `path` (``AutoModelForCausalLM`` semantics,
     `kwargs` passed on), with every MoE layer's experts bound to the checkpoint's tensors where they lie and never
     allocated: opening costs the non-expert weights, plus what the budget lets the experts hold, plus a fixed
@@ -97,7 +97,10 @@ def from_pretrained(path: Any, budget: Any, *, torch_dtype: Any = None, layers: 
     gradients draw from it). ``torch_dtype``: the non-expert weights' dtype (default: the checkpoint's); the
     experts are the checkpoint's and must be of it, except quantized ones (FP8, MXFP4), dequantized on promotion
     into the model's BFloat16 or Float32. ``layers``: the layers whose experts are bound (the others are
-    loaded by transformers, in RAM). ``prefetch`` and ``mutable``: as in ``offload_experts``.
+    loaded by transformers, in RAM). ``prefetch`` and ``mutable``: as in ``offload_experts``. ``process_group``: a
+    ``torch.distributed`` process group of which every rank opens the same checkpoint: each rank then owns and
+    computes a contiguous share of every MoE layer's experts (``binding.experts_range``) and never reads the others'
+    (docs/guide.md, "Fine-tuning on several processes or hosts"; Note [Experts across ranks] in ``_distributed``).
 
     Errors: TypeError for a model without an experts module StrideWeave knows (naming its class), arguments of the
     wrong kind and dtype mismatches; ValueError for missing tensors and shape mismatches; IndexError for a layer
@@ -113,6 +116,8 @@ def from_pretrained(path: Any, budget: Any, *, torch_dtype: Any = None, layers: 
         raise TypeError(f"{what}: prefetch must be a bool, got {type(prefetch).__name__}")
     if not isinstance(mutable, bool):
         raise TypeError(f"{what}: mutable must be a bool, got {type(mutable).__name__}")
+    from ._distributed import check_group, refuse_unsupported, shard
+    check_group(process_group, what)
     if "dtype" in kwargs:  # transformers' own name for it
         if torch_dtype is not None:
             raise TypeError(f"{what}: give torch_dtype or dtype, not both")
@@ -131,6 +136,8 @@ def from_pretrained(path: Any, budget: Any, *, torch_dtype: Any = None, layers: 
     with torch.device("meta"):
         probe = transformers.AutoModelForCausalLM.from_config(config)
     selected = select(probe, layers, what)
+    if process_group is not None:
+        refuse_unsupported(selected, what)
     order = [p for p, _, _, _ in experts_modules(probe)]
     classes = {type(m): None for _, m, _, _ in experts_modules(probe)}
     del probe
@@ -155,6 +162,8 @@ def from_pretrained(path: Any, budget: Any, *, torch_dtype: Any = None, layers: 
             raise RuntimeError(f"{what}: {type(model).__name__} built its experts modules in another order than "
                                f"the same config on the meta device ({p}); nothing was bound")
     bindings = bind_all(model, selected, ckpt, budget, prefetch=prefetch, mutable=mutable, what=what)
+    if process_group is not None:
+        shard(model, bindings, process_group)
     used = {n for b in bindings for names in b.checkpoint_names.values() for n in names}
     used |= {f"{b.name}.{p}" for b in bindings for p in b.parameter_names}  # as transformers names them
     for b in bindings:  # the quantized tensors' scales, MXFP4's blocks

@@ -105,7 +105,7 @@ def select(model: Any, layers: Any, what: str) -> list:
 
 
 def offload_experts(model: Any, checkpoint: Any, budget: Any, *, layers: Any = None, prefetch: bool = False,
-                    mutable: bool = False) -> list:
+                    mutable: bool = False, process_group: Any = None) -> list:
     """Binds the experts modules of a transformers model (loaded by transformers) to the checkpoint's tensors,
     opened where they lie, under one residency budget; their weights are freed. Returns the bindings
     (``OffloadedExperts``) in module order.
@@ -115,7 +115,9 @@ def offload_experts(model: Any, checkpoint: Any, budget: Any, *, layers: Any = N
     new one; every bound module's expert weights and their gradients draw from it. ``layers``: the layer indices
     to bind (default: every MoE layer). ``prefetch``: in backward, each layer, once its own backward is done,
     starts promoting the experts the previous layer's backward needs. ``mutable``: evicted dirty tiles are written
-    into the checkpoint's files (default: a scratch overlay; the files are never written).
+    into the checkpoint's files (default: a scratch overlay; the files are never written). ``process_group``: each
+    rank of this ``torch.distributed`` group owns a contiguous share of every module's experts (as in
+    ``from_pretrained``; the weights transformers loaded are dropped on every rank).
 
     Errors change nothing: TypeError for a model without an experts module StrideWeave knows, an argument of the
     wrong kind or a dtype mismatch; ValueError for a missing tensor, a shape mismatch, a budget below one expert
@@ -128,8 +130,13 @@ def offload_experts(model: Any, checkpoint: Any, budget: Any, *, layers: Any = N
     if not isinstance(prefetch, bool):
         raise TypeError(f"{what}: prefetch must be a bool, got {type(prefetch).__name__}")
     _budget_of(budget, what)
+    from ._distributed import check_group, refuse_unsupported, shard
+    if check_group(process_group, what) is not None:
+        refuse_unsupported(selected, what)
     ckpt = _checkpoint_of(checkpoint, what)
     bindings = bind_all(model, selected, ckpt, budget, prefetch=prefetch, mutable=mutable, what=what)
+    if process_group is not None:
+        shard(model, bindings, process_group)
     gc.collect()  # the dropped expert weights go now, not at the next collection
     return bindings
 

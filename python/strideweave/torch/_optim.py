@@ -506,7 +506,8 @@ def _classes() -> dict:
 
 
 def clip_grad_norm_(model_or_parameters: Any, max_norm: float, norm_type: float = 2.0,
-                    error_if_nonfinite: bool = False, foreach: Optional[bool] = None) -> Any:
+                    error_if_nonfinite: bool = False, foreach: Optional[bool] = None, *,
+                    process_group: Any = None) -> Any:
     """``torch.nn.utils.clip_grad_norm_`` over torch's gradients and the tiled expert gradients together.
 
     ``model_or_parameters``: a model (its parameters and every bound experts module's tiled tensors) or an
@@ -516,17 +517,29 @@ def clip_grad_norm_(model_or_parameters: Any, max_norm: float, norm_type: float 
     budget); it is returned as a torch tensor. When ``max_norm / (total + 1e-6) < 1`` every gradient is scaled by
     it (torch's in place, the tiled ones by ``strideweave.optim.scale_grads``). ``error_if_nonfinite``: a
     non-finite total raises RuntimeError and nothing is scaled.
+
+    Across ranks (a model opened with a process group, or ``process_group`` given; Note [Experts across ranks] in
+    ``_distributed``) the norm is the global one, the same on every rank: torch's gradients are taken as replicated
+    (``all_reduce_gradients`` made them equal) and counted once, the tiled ones (each rank's own experts) summed
+    over the ranks; the call is then collective.
     """
     torch = _torch()
     sw = _sw()
     what = "strideweave.torch.clip_grad_norm_"
+    from ._distributed import check_group, global_tiled_norm, group_of, sharded_group
+    from ._experts import owner_of
+    pg = check_group(process_group, what)
     if isinstance(model_or_parameters, torch.nn.Module):
         plain: list = [p for p in model_or_parameters.parameters()]
         from ._offload import offloaded_experts
         tiled = [t for b in offloaded_experts(model_or_parameters).values() for t in b.tiled.values()]
+        if pg is None:
+            pg = group_of(model_or_parameters)
     else:
         plain, tiled = _split_params(model_or_parameters, what, "parameters")
         plain = [x[1] if isinstance(x, tuple) else x for x in plain]
+        if pg is None:
+            pg = sharded_group(owner_of(t) for t in tiled)
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) and not \
             (isinstance(max_norm, torch.Tensor) and max_norm.numel() == 1):
         raise TypeError(f"{what}: max_norm must be a number, got {_describe(max_norm)}")
@@ -541,7 +554,7 @@ def clip_grad_norm_(model_or_parameters: Any, max_norm: float, norm_type: float 
     from torch.utils._foreach_utils import _device_has_foreach_support, _has_foreach_support
     grads = [p.grad for p in plain if p.grad is not None]
     tiled_with_grad = [t for t in tiled if t.grad is not None]
-    if not grads and not tiled_with_grad:
+    if not grads and not tiled_with_grad and pg is None:
         return torch.tensor(0.0)
     with torch.no_grad():
         # torch's get_total_norm: per-tensor norms by (device, dtype), foreach where supported.
@@ -561,7 +574,10 @@ def clip_grad_norm_(model_or_parameters: Any, max_norm: float, norm_type: float 
         first = grads[0] if grads else None
         dtype = first.dtype if first is not None else torch.float32
         device = first.device if first is not None else torch.device("cpu")
-        if tiled_with_grad:  # one norm over every tiled gradient, one pass over the tiles
+        if pg is not None:  # every rank's tiled gradients (each expert on one rank): collective
+            local = sw.optim.grad_norm(tiled_with_grad, norm_type) if tiled_with_grad else 0.0
+            norms.append(torch.tensor(global_tiled_norm(local, norm_type, pg), dtype=dtype, device=device))
+        elif tiled_with_grad:  # one norm over every tiled gradient, one pass over the tiles
             norms.append(torch.tensor(sw.optim.grad_norm(tiled_with_grad, norm_type), dtype=dtype, device=device))
         total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), norm_type)
         if error_if_nonfinite and bool(torch.logical_or(total.isnan(), total.isinf())):

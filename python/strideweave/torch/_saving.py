@@ -334,6 +334,12 @@ def save_pretrained(model: Any, folder: Any, *, max_shard_size: Any = "5GB", qua
         raise TypeError(f"{what}: folder must be a path, got {type(folder).__name__}")
     if not isinstance(quantize, bool):
         raise TypeError(f"{what}: quantize must be a bool, got {type(quantize).__name__}")
+    from ._distributed import group_of, world_size_of
+    ranks = world_size_of(group_of(model))
+    if ranks > 1:
+        raise RuntimeError(f"{what}: the model was opened with a process group of {ranks} ranks, and this rank holds "
+                           "only its share of the experts; saving one checkpoint across ranks is not supported yet "
+                           "(nothing was written)")
     limit = shard_size(max_shard_size, what)
     target = os.path.realpath(os.fspath(folder))
     if os.path.lexists(target) and not os.path.isdir(target):
