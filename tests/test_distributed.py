@@ -2,7 +2,9 @@
 processes or hosts"; Note [Experts across ranks] in python/strideweave/torch/_distributed.py).
 
 The runs: a tiny Mixtral (6 experts per MoE layer, 2 MoE layers) and a tiny DeepSeek-V3 (4 routed experts, 2
-groups with one chosen per token, a shared expert, 2 MoE layers after a dense one), each saved with
+groups with one chosen per token, a shared expert, 2 MoE layers after a dense one), both computed by the SparseMoE
+node, and a tiny GPT-OSS (4 experts, fused transposed interleaved gate/up with expert biases, computed by the
+per-expert math; its biases are replicated parameters whose gradient only the owner computes), each saved with
 ``save_pretrained`` from seeded random weights, are fine-tuned for ``STEPS`` steps (backward of each rank's mean
 loss, ``all_reduce_gradients``, ``clip_grad_norm_`` below the total, AdamW with weight decay) on one global batch
 per step by 1, 2 and 4 processes (this file run as a script: gloo on loopback, a ``file://`` rendezvous, a timeout
@@ -18,9 +20,9 @@ uneven (1, 2, 1, 2).
   AdamW (``propagate_adamw`` of tests/test_torch_optim.py, from the measured gradient differences); the N-process
   weights are within the 1-process run's by the sum of the two bounds (triangle inequality).
 * ``test_a_rank_reads_only_its_experts``: opened again with a budget that holds everything, one step reads from
-  the checkpoint exactly the bytes of the rank's own experts, once each (``ckpt.bytes_read``), and no other expert's
-  tile is ever resident; in the small-budget run too, no other expert's tile is resident at the end and evictions
-  happened.
+  the checkpoint exactly the bytes of the rank's own experts, once each (``ckpt.bytes_read``: a tile of another
+  expert resident at any time would have added its bytes), and none of another expert's tiles is resident at the
+  end; in the small-budget run too, no other expert's tile is resident at the end, and evictions happened.
 * ``test_replicated_parameters_are_identical_on_every_rank``: bit for bit, after the steps.
 * the refusals, in a worker of 2 ranks: ``save_pretrained`` (nothing written), ``gather`` without ``experts=``;
   and in this process: the argument checks.
@@ -45,7 +47,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 BASE_SEED = 3600
 # family -> config overrides: E = 6 (not a multiple of 4) and E = 4; DeepSeek-V3 with two MoE layers.
 FAMILIES = {"mixtral": dict(num_local_experts=6),
-            "deepseek_v3": dict(n_routed_experts=4, n_group=2, topk_group=1, num_hidden_layers=3)}
+            "deepseek_v3": dict(n_routed_experts=4, n_group=2, topk_group=1, num_hidden_layers=3),
+            "gpt_oss": dict(num_local_experts=4)}
 WORLDS = (1, 2, 4)
 GLOBAL = (4, 16)  # global batch: 4 sequences of 16 tokens (every rank of 4 gets one)
 STEPS = 3
@@ -142,6 +145,7 @@ def _train(family: str, folder: str, budget: int, rank: int, world: int) -> dict
     out = {"steps": steps, "routing": routing,
            "weights": {**_replicated(model, False), **_owned_weights(bindings, False)},
            "shares": {p: (b.experts_range.start, b.experts_range.stop) for p, b in bindings.items()},
+           "expert_names": sorted(f"{p}.{pn}" for p, b in bindings.items() for pn in b.parameter_names),
            "experts": {p: b.spec.experts for p, b in bindings.items()},
            "expert_bytes": {p: b.expert_bytes for p, b in bindings.items()},
            "others_resident": {p: _tile_valid(b, [e for e in range(b.spec.experts) if e not in b.experts_range])
@@ -356,11 +360,10 @@ def runs(tmp_path_factory):
 
 def _assemble(ranks: list, key, family_result) -> dict:
     """name -> the whole tensor from every rank's values of `key` (experts: the shares concatenated in rank
-    order along the experts axis; replicated parameters: rank 0's)."""
+    order along the experts axis; replicated parameters, expert biases included: rank 0's)."""
     first = family_result(ranks[0])
     out = dict(key(first))
-    expert_names = {n for n in out if any(n.startswith(p + ".") for p in first["shares"])}
-    for n in expert_names:
+    for n in first["expert_names"]:
         out[n] = torch.cat([key(family_result(r))[n] for r in ranks], dim=0)
     return out
 
@@ -500,8 +503,8 @@ def test_replicated_parameters_are_identical_on_every_rank(runs):
     for world in WORLDS[1:]:
         for family in FAMILIES:
             weights = [r[family]["train"]["weights"] for r in runs["results"][world]]
-            shares = weights[0].keys() - {n for n in weights[0] if ".experts." in n}
-            for n in shares:
+            replicated = weights[0].keys() - set(runs["results"][world][0][family]["train"]["expert_names"])
+            for n in replicated:
                 for rank, w in enumerate(weights[1:], 1):
                     assert torch.equal(w[n], weights[0][n]), f"{family} N={world}: {n} differs on rank {rank}"
 
