@@ -540,6 +540,38 @@ def test_argument_checks(runs):
     assert all(torch.equal(p.grad, before[n]) for n, p in model.named_parameters() if p.grad is not None)
 
 
+@pytest.fixture
+def one_rank(tmp_path):
+    """A process group of one rank (gloo) in this process, destroyed after the test."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method="file://" + str(tmp_path / "rendezvous"), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def test_refusals_with_a_group(one_rank, runs, tmp_path):
+    """Llama4's experts cannot be sharded yet: TypeError, raised before transformers builds the model; an optimizer
+    stepping in backward: all_reduce_gradients raises ValueError and no gradient changed; clip_grad_norm_ takes a
+    ProcessGroup or None (TypeError)."""
+    llama = os.path.join(str(tmp_path), "llama4")
+    zoo.build("llama4", seed_of("llama4")).save_pretrained(llama)
+    with pytest.raises(TypeError, match="Llama4's experts cannot be sharded across ranks yet"):
+        swt.from_pretrained(llama, 1 << 20, process_group=one_rank)
+    model = swt.from_pretrained(runs["folders"]["mixtral"], 1 << 20, process_group=one_rank)
+    opt = swt.AdamW(model, lr=LR, step_in_backward=True)
+    ids = global_batch("mixtral", 0)[:1]
+    model(input_ids=ids, labels=ids).loss.backward()
+    before = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    with pytest.raises(ValueError, match="step_in_backward=True"):
+        swt.all_reduce_gradients(model)
+    assert all(torch.equal(p.grad, before[n]) for n, p in model.named_parameters() if p.grad is not None)
+    with pytest.raises(TypeError, match="process_group must be a torch.distributed.ProcessGroup"):
+        swt.clip_grad_norm_(model, 1.0, process_group="world")
+    del opt
+
+
 if __name__ == "__main__":
     sys.path.insert(0, HERE)
     worker(sys.argv[1])
