@@ -35,7 +35,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results")
-NOT_BENCHMARKS = {"harness.py", "run_all.py", "interleave.py", "bigger_than_ram.py", "gather_paths.py", "after_torch.py"}  # measurements, no target
+NOT_BENCHMARKS = {"harness.py", "run_all.py", "interleave.py", "bigger_than_ram.py", "gather_paths.py", "after_torch.py",
+                  "distributed.py"}  # measurements, no target
 FULL_ONLY = {"peers"}  # run only with --full (DeepSpeed: requirements-peers.txt, installed by make bench FULL=1)
 
 
