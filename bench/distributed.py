@@ -189,7 +189,7 @@ def worker(config_path: str) -> None:
         rss_opened = vm_kib("VmRSS") * 1024
         per = cfg["batch"] // world
         rows = slice(rank * per, (rank + 1) * per)
-        walls, a2a, ar, disk, losses = [], [], [], [], []
+        walls, a2a, ar, disk, losses, read = [], [], [], [], [], []
         for step in range(cfg["steps"]):
             timed = step > 0
             ids = global_batch(cfg, step)[rows]
@@ -208,6 +208,7 @@ def worker(config_path: str) -> None:
             wall = time.perf_counter() - t0
             losses.append(float(loss))
             disk.append(scratch_on_disk())
+            read.append(ckpt.bytes_read)
             if timed:
                 walls.append(wall)
                 a2a.append(meter.a2a_s - a2a0)
@@ -217,7 +218,7 @@ def worker(config_path: str) -> None:
             "rank": rank, "world": world, "threads": cfg["threads"], "budget": budget,
             "owned": [[b.experts_range.start, b.experts_range.stop] for b in bindings],
             "share_bytes": sum(len(b.experts_range) * b.expert_bytes for b in bindings),
-            "bytes_read": ckpt.bytes_read,
+            "bytes_read": ckpt.bytes_read, "bytes_read_after_step": read,
             "scratch_allocated": max(d[0] for d in disk), "scratch_apparent": max(d[1] for d in disk),
             "scratch_files": max(d[2] for d in disk),
             "budget_peak": bindings[0].budget.stats()["peak_bytes"],
