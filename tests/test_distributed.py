@@ -572,6 +572,26 @@ def test_refusals_with_a_group(one_rank, runs, tmp_path):
     del opt
 
 
+def test_offload_experts_takes_a_group(one_rank, runs):
+    """offload_experts(..., process_group=) shards as from_pretrained does: with one rank it owns every expert, and
+    the logits through the exchange path are transformers' within the Float32 parity bound of
+    tests/test_hf_families.py (1e-5 of the largest magnitude: the only difference is the order of the experts'
+    Float32 sums)."""
+    import transformers
+    folder = runs["folders"]["mixtral"]
+    reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    bindings = swt.offload_experts(model, folder, 1 << 20, process_group=one_rank)
+    assert [b.experts_range for b in bindings] == [range(6), range(6)]
+    assert all(b.process_group is one_rank for b in bindings)
+    ids = global_batch("mixtral", 0)
+    with torch.no_grad():
+        want = reference(input_ids=ids).logits
+        got = model(input_ids=ids).logits
+    err, tol = float((got - want).abs().max()), 1e-5 * float(want.abs().max())
+    assert err <= tol, f"logits off by {err:.3e} > {tol:.3e}"
+
+
 if __name__ == "__main__":
     sys.path.insert(0, HERE)
     worker(sys.argv[1])
