@@ -17,6 +17,29 @@ The tiled state (momenta, per-tile step counts) is never gathered into RAM: ``sa
 ``tiled_state.<group>.safetensors`` in that folder. ``state_dict()`` / ``load_state_dict()`` do the same when
 ``state_folder`` is set (the dict then names the files); without it, an optimizer with tiled parameters refuses
 ``state_dict()`` rather than return a dict that silently leaves the experts' state out.
+
+Note [Optimizer state across ranks]
+With the experts sharded over the N > 1 ranks of a process group (Note [Experts across ranks] in ``_distributed``),
+``save_state(folder)`` is collective: each rank's engines hold state only for the rank's own experts' tiles (the
+others are implicit zeros, ``state_tiles`` 0 in the file), and each rank writes its engine files as
+``tiled_state.<group>.rank<r>-of-<N>.safetensors`` into the one `folder` (shared by the ranks); once every rank has
+written (their errors exchanged by ``all_gather_object``: any error raises on every rank), rank 0 writes
+``optimizer.pt`` last: torch's state dict of the replicated parameters (the same on every rank) with the
+``"strideweave"`` entry naming every rank's files (``"ranks"``). An ``optimizer.pt`` thus only ever names complete
+files; rank 0 removes the previous one first, so a failed save leaves none.
+
+``load_state(folder)`` reads torch's state from ``optimizer.pt`` on every rank and, per group, the tiled state:
+  * saved by as many ranks as now (the same shares, ``expert_share``): each rank loads its own rank's file, so the
+    next steps are exactly those of the uninterrupted run;
+  * saved by another number of ranks (one process included, whose single file holds every expert): the experts are
+    re-sharded on load (``_resharding.reshard``): the rank builds, in a temporary sparse file, an engine state file
+    holding only the tiles of the experts it owns now, each copied byte for byte (values, per-tile step count)
+    from the one saved file whose ``state_tiles`` marks it, and loads that. A rank reads only its own experts'
+    state. The moments and step counts are the saved ones exactly; the runs then differ only as runs on different
+    numbers of ranks do (the reduction orders of the all-reduce and of the token split).
+The weights are reopened from the checkpoint ``save_pretrained`` wrote (``from_pretrained(..., process_group=)``):
+a resume is ``save_pretrained(model, CKPT)`` and ``opt.save_state(STATE)`` on every rank, then ``from_pretrained(
+CKPT, budget, process_group=group)``, the same optimizer built over it and ``opt.load_state(STATE)``.
 """
 
 from __future__ import annotations
@@ -36,6 +59,10 @@ _FORMAT = 1
 
 def _tiled_file(i: int) -> str:
     return f"tiled_state.{i}.safetensors"
+
+
+def _tiled_file_of_rank(i: int, rank: int, world: int) -> str:
+    return f"tiled_state.{i}.rank{rank}-of-{world}.safetensors"
 
 
 def _describe(x: Any) -> str:
@@ -343,35 +370,114 @@ class _Bridge:
         entry = self._check_tiled_entry(sd, where)
         if entry is not None:
             base = folder if folder is not None else entry.get("folder")
+            # every rank's files (one rank when saved by one process), Note [Optimizer state across ranks]
+            saved = entry.get("ranks") or [entry["files"]]
+            from ._distributed import world_size_of
+            group = self._group()
+            world = world_size_of(group)
+            rank = _torch().distributed.get_rank(group) if group is not None else 0
             paths = []
-            for i, (tg, name) in enumerate(zip(self._tiled_groups, entry["files"])):
+            for i, tg in enumerate(self._tiled_groups):
                 if tg.engine is None:
                     continue
-                if base is None or name is None:
-                    raise ValueError(f"{self._what}.load_state_dict(): {where} names no file for group {i}")
-                path = os.path.join(base, name)
-                if not os.path.isfile(path):
-                    raise FileNotFoundError(f"{self._what}.load_state_dict(): {path} (the tiled state of group "
-                                            f"{i}) does not exist")
-                paths.append((tg, path))
+                sources = []
+                for files in saved:
+                    name = files[i] if i < len(files) else None
+                    if base is None or name is None:
+                        raise ValueError(f"{self._what}.load_state_dict(): {where} names no file for group {i}")
+                    path = os.path.join(base, name)
+                    if not os.path.isfile(path):
+                        raise FileNotFoundError(f"{self._what}.load_state_dict(): {path} (the tiled state of group "
+                                                f"{i}) does not exist")
+                    sources.append(path)
+                # the same number of ranks: each rank's own file (the same shares); else re-sharded on load
+                paths.append((tg, sources[rank] if len(sources) == world else sources))
         torch_sd = {k: v for k, v in sd.items() if k != "strideweave"}
         self._torch_cls.load_state_dict(self, torch_sd)
         if entry is not None:
-            for tg, path in paths:
-                tg.engine.load_state(path)
+            for tg, source in paths:
+                if isinstance(source, str):
+                    tg.engine.load_state(source)
+                    continue
+                from ._experts import owner_of
+                from ._resharding import reshard
+                owned = [owner_of(t).experts_range for t in tg.tensors]
+                reshard(source, owned, lambda path: tg.engine.load_state(path), self._what)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's load_state_dict, and the tiled state from the files the dict names (``state_dict()``)."""
         self._load(state_dict, None, "the state dict")
 
+    def _group(self) -> Any:
+        """The process group the tiled tensors' experts are sharded over (None: one process, or no tiled tensor)."""
+        from ._distributed import sharded_group
+        from ._experts import owner_of
+        return sharded_group(owner_of(t) for tg in self._tiled_groups for t in tg.tensors)
+
     def save_state(self, folder: Any) -> None:
         """Writes everything into `folder` (created): torch's state dict and the groups' options
-        (``optimizer.pt``) and each group's tiled state streamed to ``tiled_state.<group>.safetensors``."""
+        (``optimizer.pt``) and each group's tiled state streamed to ``tiled_state.<group>.safetensors``.
+
+        For experts sharded over the ranks of a process group (Note [Optimizer state across ranks]) it is collective:
+        every rank writes its own experts' state (``tiled_state.<group>.rank<r>-of-<N>.safetensors``) into the one
+        `folder` (shared by the ranks), then rank 0 writes ``optimizer.pt`` naming every rank's files; an error on
+        any rank raises on every rank, and ``optimizer.pt`` is then not written."""
         torch = _torch()
         folder = os.fspath(folder)
+        group = self._group()
+        from ._distributed import world_size_of
+        if world_size_of(group) > 1:
+            self._save_across_ranks(folder, group)
+            return
         os.makedirs(folder, exist_ok=True)
         sd = self._with_tiled(folder, self._torch_cls.state_dict(self), relative=True)
         torch.save(sd, os.path.join(folder, STATE_FILE))
+
+    def _save_across_ranks(self, folder: str, group: Any) -> None:
+        torch = _torch()
+        dist = torch.distributed
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+
+        def agree(error: Any, value: Any = None) -> list:
+            out: list = [None] * world
+            dist.all_gather_object(out, (None if error is None else f"{type(error).__name__}: {error}", value),
+                                   group=group)
+            failed = [(r, message) for r, (message, _) in enumerate(out) if message is not None]
+            if failed:
+                if error is not None:
+                    raise error
+                raise RuntimeError(f"{self._what}.save_state(): " + "; ".join(
+                    f"rank {r} failed ({message})" for r, message in failed) + f" ({STATE_FILE} was not written)")
+            return [value for _, value in out]
+
+        error: Any = None
+        files: list = []
+        try:
+            os.makedirs(folder, exist_ok=True)
+            if rank == 0 and os.path.lexists(os.path.join(folder, STATE_FILE)):
+                os.remove(os.path.join(folder, STATE_FILE))  # written again last, once every rank's files are
+            for i, tg in enumerate(self._tiled_groups):
+                if tg.engine is None:
+                    files.append(None)
+                    continue
+                name = _tiled_file_of_rank(i, rank, world)
+                tg.engine.save_state(os.path.join(folder, name))
+                files.append(name)
+        except Exception as e:  # noqa: BLE001 (raised on every rank by agree)
+            error = e
+        ranks = agree(error, files)
+        try:
+            if rank == 0:
+                sd = self._torch_cls.state_dict(self)
+                sd["strideweave"] = {"format": _FORMAT, "folder": None,
+                                     "tiled": [len(tg.tensors) for tg in self._tiled_groups], "files": ranks[0],
+                                     "ranks": ranks}
+                part = os.path.join(folder, STATE_FILE + f".part-{os.getpid()}")
+                torch.save(sd, part)
+                os.replace(part, os.path.join(folder, STATE_FILE))
+        except Exception as e:  # noqa: BLE001
+            error = e
+        agree(error)
 
     def load_state(self, folder: Any) -> None:
         """Restores what ``save_state(folder)`` wrote (the optimizer must hold the same groups)."""

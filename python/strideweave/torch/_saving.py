@@ -52,6 +52,26 @@ folders this call created) and leaves the target as it was; a process killed par
 which the next save to the same target removes (its process is gone). Saving into the folder the model was opened
 from works: the open checkpoint keeps reading its files, which stay alive (open or mapped) after the old folder is
 removed.
+
+Note [Saving across ranks]
+A model opened with a process group of N > 1 ranks (Note [Experts across ranks] in ``_distributed``) is saved by
+every rank calling ``save_pretrained(model, folder)`` (collective) into ONE checkpoint, laid out as above, with no
+tensor ever gathered or sent over the network: each rank plans the tensors it holds (``collect(rank=)``): rank 0 the
+non-expert tensors (replicated: every rank holds the same) and its own experts, rank r > 0 its own experts (the
+share ``experts_range``), each read from its tiles as in one process, and packs them into shards by the same greedy
+rule. The ranks then agree by ``torch.distributed.all_gather_object`` (which is also the barrier) in three phases:
+  1. each rank's shard count (the files are numbered rank after rank, ``model-0000i-of-0000n`` with n the total),
+     and the temporary folder rank 0 made beside the target (the folder must be on a file system every rank sees);
+  2. each rank writes its shards into that folder, and sends {stored tensor name: (file, bytes)};
+  3. rank 0 checks that no tensor was written twice, writes config.json, generation_config.json and the one index
+     (``weight_map`` the union of the ranks' lists, ``total_size`` their sum, ``total_parameters`` the model's count
+     as in one process) and installs the folder by the same rename as in one process.
+Every phase ends with each rank's error (or None) exchanged: when any rank failed, rank 0 removes the temporary
+folder (and the parents it made), the rank that failed raises its own error and every other rank RuntimeError
+naming the failed ranks and their errors, so nothing appears under the target name and every rank raises. A
+checkpoint that stores all of a layer's experts in one tensor per projection (fused forms such as GPT-OSS's,
+DBRX's split form) cannot be written in parts by separate writers: it is refused (TypeError on every rank, before
+anything is written). ``quantize=True`` works per rank as in one process (each tensor quantized by its writer).
 """
 
 from __future__ import annotations
@@ -107,12 +127,23 @@ def _strides(layout: Any) -> list:
     return [layout([1 if j == k else 0 for j in range(rank)]) - origin for k in range(rank)]
 
 
-def expert_tensors(binding: Any, *, requantize: bool = False) -> dict:
+def in_one_tensor(binding: Any) -> bool:
+    """Whether the checkpoint stores all of a binding's experts of a projection in one tensor (fused forms, DBRX's
+    split form) rather than one matrix per expert."""
+    return binding.fused or (len(next(iter(binding.checkpoint_names.values()))) == 1 and binding.spec.experts > 1)
+
+
+def expert_tensors(binding: Any, *, requantize: bool = False, experts: Any = None) -> dict:
     """{checkpoint name: StrideWeave tensor} of one binding's experts, in the checkpoint's own shape and row-major
     order, each a view of the tiles' carrier (no value read, nothing copied). Quantized experts (Note [Quantized
     checkpoints when saving]) are given under their logical names in the module's own form, or, `requantize`, in the
-    form the checkpoint quantized them."""
+    form the checkpoint quantized them. `experts` (a range; default all): only those experts' matrices, for a
+    checkpoint storing one matrix per expert (ValueError for a form holding every expert in one tensor)."""
     sw = _sw()
+    share = experts
+    if share is not None and in_one_tensor(binding) and list(share) != list(range(binding.spec.experts)):
+        raise ValueError(f"{binding.name}: the checkpoint stores all its experts in one tensor per projection; a "
+                         "share of them cannot be written alone")
     out = {}
     for role, names in binding.checkpoint_names.items():
         t = binding.tiled[role]
@@ -135,7 +166,8 @@ def expert_tensors(binding: Any, *, requantize: bool = False) -> dict:
                 raise ValueError(f"{binding.name}: {len(names)} checkpoint names for {experts} {role} tiles")
             layout = sw.Layout(sw.Shape(rows, cols), sw.Stride(s_rows, s_cols))
             for e, name in enumerate(names):
-                out[name] = sw.Tensor(t.carrier, t.offset + e * s_tile, layout)
+                if share is None or e in share:
+                    out[name] = sw.Tensor(t.carrier, t.offset + e * s_tile, layout)
     return out
 
 
@@ -193,6 +225,15 @@ def plan(model: Any, max_shard_size: int, what: str, quantize: bool = False) -> 
     """(shards: [[(name, StrideWeave tensor)]], total bytes, total parameters, {name: quantize= entry}); checks
     everything, writes nothing. `quantize`: every tensor the source checkpoint stores quantized is written in its
     format (Note [Quantized checkpoints when saving])."""
+    tensors, params, formats = collect(model, what, quantize)
+    shards, total = pack(tensors, formats, max_shard_size)
+    return shards, total, params, formats
+
+
+def collect(model: Any, what: str, quantize: bool = False, *, rank: Any = None) -> tuple:
+    """({name: StrideWeave tensor}, total parameters, {name: quantize= entry}) of what `model` saves; with `rank`
+    (a model sharded over ranks, Note [Saving across ranks]), what that rank writes: the non-expert tensors on rank
+    0 only, and the rank's own experts (``experts_range``)."""
     from ._experts import _quantized
     from ._offload import offloaded_experts
     bindings = offloaded_experts(model)
@@ -210,7 +251,7 @@ def plan(model: Any, max_shard_size: int, what: str, quantize: bool = False) -> 
     tensors: dict = {}
     # transformers' count for the untouched model: its parameters (tied ones once) plus the bound experts'
     params = model.num_parameters() if hasattr(model, "num_parameters") else 0
-    for name, value in non_expert_tensors(model).items():
+    for name, value in (non_expert_tensors(model) if not rank else {}).items():
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{what}: the state dict entry {name!r} is a {type(value).__name__}, not a tensor")
         try:
@@ -228,13 +269,24 @@ def plan(model: Any, max_shard_size: int, what: str, quantize: bool = False) -> 
                                  f"checkpoint quantized it as {tuple(q.shape)} ({q})")
             formats[name] = _format_of(q)
     for b in bindings.values():
-        for name, t in expert_tensors(b, requantize=quantize).items():
+        if rank is not None and in_one_tensor(b):
+            raise TypeError(f"{what}: {b.name}: the checkpoint stores all its experts in one tensor per projection "
+                            f"({', '.join(ns[0] for ns in b.checkpoint_names.values())}), which the ranks cannot "
+                            "write in parts; saving across ranks supports checkpoints storing one matrix per expert "
+                            "(nothing was written)")
+        share = b.experts_range if rank is not None else None
+        for name, t in expert_tensors(b, requantize=quantize, experts=share).items():
             if name in tensors:
                 raise ValueError(f"{what}: {name!r} is both a weight of the model and an expert tensor of {b.name}")
             tensors[name] = t
             if quantize and name in b.quantized:
                 formats[name] = _format_of(b.quantized[name])
         params += sum(_prod(shape) for shape in b.spec.shapes.values())
+    return tensors, params, formats
+
+
+def pack(tensors: dict, formats: dict, max_shard_size: int) -> tuple:
+    """(shards: [[(name, tensor)]], total bytes): huggingface_hub's greedy rule in transformers' order."""
     shards: list = []
     current: list = []
     size = total = 0
@@ -252,7 +304,7 @@ def plan(model: Any, max_shard_size: int, what: str, quantize: bool = False) -> 
         size += n
     if current:
         shards.append(current)
-    return shards, total, params, formats
+    return shards, total
 
 
 def _prod(shape: tuple) -> int:
@@ -270,8 +322,8 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
-def _write_into(model: Any, tmp: str, shards: list, total: int, params: int, formats: dict) -> None:
-    """Writes the whole checkpoint into the (new, empty) folder `tmp` (`formats`: the tensors written quantized)."""
+def _write_config(model: Any, tmp: str, formats: dict) -> list:
+    """config.json (and generation_config.json, remote code) into `tmp`; the names of the files to sync."""
     config = copy.deepcopy(model.config)  # transformers sets these on the model's config; we leave it unchanged
     config.dtype = str(model.dtype).split(".")[1]
     config.architectures = [type(model).__name__.removeprefix("FSDP")]
@@ -287,22 +339,88 @@ def _write_into(model: Any, tmp: str, shards: list, total: int, params: int, for
     if getattr(model, "can_generate", lambda: False)() and getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(tmp)
         written.append("generation_config.json")
-    weight_map = {}
-    count = len(shards)
+    return written
+
+
+def _write_shards(tmp: str, shards: list, formats: dict, first: int, count: int) -> dict:
+    """Writes `shards` as files ``first + 1``, ... of `count` into `tmp`; {stored tensor name: (file, bytes)}."""
+    written = {}
     for i, shard in enumerate(shards):
-        filename = WEIGHTS_PATTERN.format(index=i + 1, count=count)
+        filename = WEIGHTS_PATTERN.format(index=first + i + 1, count=count)
         quantize = {name: formats[name] for name, _ in shard if name in formats}
         _write_shard(os.path.join(tmp, filename), dict(shard), {"format": "pt"}, *([quantize] if quantize else []))
-        weight_map.update({stored: filename for name, t in shard for stored, _ in _stored(name, t, formats.get(name))})
+        written.update({stored: (filename, n) for name, t in shard for stored, n in _stored(name, t, formats.get(name))})
+    return written
+
+
+def _write_index(tmp: str, weight_map: dict, total: int, params: int, synced: list) -> None:
     index = {"metadata": {"total_parameters": params, "total_size": total}, "weight_map": weight_map}
     with open(os.path.join(tmp, INDEX_NAME), "w", encoding="utf-8") as f:
         f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
         f.flush()
         os.fsync(f.fileno())
-    for name in written:
+    for name in synced:
         path = os.path.join(tmp, name)
         if os.path.isfile(path):
             _fsync(path)
+
+
+def _write_into(model: Any, tmp: str, shards: list, total: int, params: int, formats: dict) -> None:
+    """Writes the whole checkpoint into the (new, empty) folder `tmp` (`formats`: the tensors written quantized)."""
+    written = _write_config(model, tmp, formats)
+    stored = _write_shards(tmp, shards, formats, 0, len(shards))
+    _write_index(tmp, {name: f for name, (f, _) in stored.items()}, total, params, written)
+
+
+class _Folder:
+    """The target folder of a save and its temporary folder beside it (Note [Saving a model whose experts are
+    tiles], atomicity): `open()` makes the missing parents and the temporary folder, `install()` moves it into
+    place, `discard()` removes what this save made."""
+
+    def __init__(self, folder: Any, what: str) -> None:
+        self.target = os.path.realpath(os.fspath(folder))
+        if os.path.lexists(self.target) and not os.path.isdir(self.target):
+            raise NotADirectoryError(errno.ENOTDIR, f"{what}: exists and is not a folder (nothing was written)",
+                                     self.target)
+        self.parent, self.name = os.path.split(self.target)
+        self.created: list = []  # parent folders made by this save, removed again on error
+        self.tmp: Any = None
+        self.what = what
+
+    def open(self) -> str:
+        probe = self.parent
+        while probe and not os.path.isdir(probe):
+            if os.path.lexists(probe):
+                raise NotADirectoryError(errno.ENOTDIR, f"{self.what}: not a folder (nothing was written)", probe)
+            self.created.append(probe)
+            probe = os.path.dirname(probe)
+        for path in reversed(self.created):
+            os.mkdir(path)
+        _sw()._core._remove_stale_folders(self.target)
+        while self.tmp is None:
+            candidate = os.path.join(self.parent, f".{self.name}.tmp-{os.getpid()}-{next(_COUNTER)}")
+            try:
+                os.mkdir(candidate)
+                self.tmp = candidate
+            except FileExistsError:
+                continue
+        return self.tmp
+
+    def install(self) -> None:
+        _sw()._core._install_folder(self.tmp, self.target)
+        self.tmp = None
+        self.created = []
+
+    def discard(self) -> None:
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            self.tmp = None
+        for path in self.created:  # innermost first
+            try:
+                os.rmdir(path)
+            except OSError:
+                break
+        self.created = []
 
 
 def save_pretrained(model: Any, folder: Any, *, max_shard_size: Any = "5GB", quantize: bool = False) -> None:
@@ -321,6 +439,11 @@ def save_pretrained(model: Any, folder: Any, *, max_shard_size: Any = "5GB", qua
     replaced whole (Note [Saving a model whose experts are tiles]). Memory: the non-expert weights are written from
     the model's own tensors, the experts through an 8 MiB buffer; nothing is gathered.
 
+    A model opened with a process group of several ranks is saved by every rank calling this (collective): each
+    rank writes its own experts' shards, rank 0 the other tensors, the config and the one index, into one folder
+    that appears whole at the end; an error on any rank raises on every rank and writes nothing (Note [Saving
+    across ranks]). `folder` must then be on a file system every rank sees.
+
     Errors leave `folder` as it was and nothing beside it: TypeError for a model without bound experts (pointing to
     ``offload_experts``/``from_pretrained``), a `folder` that is not a path or a ``max_shard_size`` that is neither
     an int nor a size string; ValueError for a ``max_shard_size`` <= 0 or not a size; an OSError
@@ -335,46 +458,90 @@ def save_pretrained(model: Any, folder: Any, *, max_shard_size: Any = "5GB", qua
     if not isinstance(quantize, bool):
         raise TypeError(f"{what}: quantize must be a bool, got {type(quantize).__name__}")
     from ._distributed import group_of, world_size_of
-    ranks = world_size_of(group_of(model))
-    if ranks > 1:
-        raise RuntimeError(f"{what}: the model was opened with a process group of {ranks} ranks, and this rank holds "
-                           "only its share of the experts; saving one checkpoint across ranks is not supported yet "
-                           "(nothing was written)")
+    group = group_of(model)
     limit = shard_size(max_shard_size, what)
-    target = os.path.realpath(os.fspath(folder))
-    if os.path.lexists(target) and not os.path.isdir(target):
-        raise NotADirectoryError(errno.ENOTDIR, f"{what}: exists and is not a folder (nothing was written)", target)
+    if world_size_of(group) > 1:
+        _save_across_ranks(model, folder, limit, quantize, group, what)
+        return
+    target = _Folder(folder, what)
     shards, total, params, formats = plan(model, limit, what, quantize)
-    sw = _sw()
-    parent, name = os.path.split(target)
-    created = []  # parent folders made by this call, removed again on error
-    probe = parent
-    while probe and not os.path.isdir(probe):
-        if os.path.lexists(probe):
-            raise NotADirectoryError(errno.ENOTDIR, f"{what}: not a folder (nothing was written)", probe)
-        created.append(probe)
-        probe = os.path.dirname(probe)
-    tmp = None
     try:
-        for path in reversed(created):
-            os.mkdir(path)
-        sw._core._remove_stale_folders(target)
-        while tmp is None:
-            candidate = os.path.join(parent, f".{name}.tmp-{os.getpid()}-{next(_COUNTER)}")
-            try:
-                os.mkdir(candidate)
-                tmp = candidate
-            except FileExistsError:
-                continue
+        tmp = target.open()
         _write_into(model, tmp, shards, total, params, formats)
-        sw._core._install_folder(tmp, target)
-        tmp = None
+        target.install()
     except BaseException:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        for path in created:  # innermost first
-            try:
-                os.rmdir(path)
-            except OSError:
-                break
+        target.discard()
         raise
+
+
+def _describe_error(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def _agree(group: Any, error: Any, value: Any = None) -> list:
+    """Every rank's (error description or None, `value`) (``all_gather_object``: collective, and a barrier)."""
+    dist = _torch().distributed
+    out: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, (None if error is None else _describe_error(error), value), group=group)
+    return out
+
+
+def _check_agreed(agreed: list, error: Any, folder: Any, what: str) -> None:
+    """Raises on every rank when any rank failed: this rank's own error where it failed, else RuntimeError naming
+    the failed ranks and their errors; the temporary folder is then already removed (by rank 0)."""
+    failed = [(r, message) for r, (message, _) in enumerate(agreed) if message is not None]
+    if not failed:
+        return
+    if folder is not None:
+        folder.discard()
+    if error is not None:
+        raise error
+    raise RuntimeError(f"{what}: " + "; ".join(f"rank {r} failed ({message})" for r, message in failed)
+                       + " (nothing was written)")
+
+
+def _save_across_ranks(model: Any, folder: Any, limit: int, quantize: bool, group: Any, what: str) -> None:
+    """save_pretrained of a model sharded over the ranks of `group` (Note [Saving across ranks]); collective."""
+    dist = _torch().distributed
+    rank = dist.get_rank(group)
+    target = None
+    error: Any = None
+    shards: list = []
+    formats: dict = {}
+    params = 0
+    try:  # 1. each rank plans its own tensors; rank 0 makes the temporary folder
+        tensors, params, formats = collect(model, what, quantize, rank=rank)
+        shards, _ = pack(tensors, formats, limit)
+        if rank == 0:
+            target = _Folder(folder, what)
+            target.open()
+    except Exception as e:  # noqa: BLE001 (propagated to every rank below)
+        error = e
+    agreed = _agree(group, error, (len(shards), target.tmp if target is not None else None))
+    _check_agreed(agreed, error, target, what)
+    counts = [n for _, (n, _) in agreed]
+    tmp = agreed[0][1][1]
+    stored: dict = {}
+    try:  # 2. each rank writes its shards into the one temporary folder
+        stored = _write_shards(tmp, shards, formats, sum(counts[:rank]), sum(counts))
+    except Exception as e:  # noqa: BLE001
+        error = e
+    agreed = _agree(group, error, stored)
+    _check_agreed(agreed, error, target, what)
+    try:  # 3. rank 0 writes the config and the index, and installs the folder
+        if rank == 0:
+            weight_map: dict = {}
+            total = 0
+            for r, (_, written) in enumerate(agreed):
+                for name, (filename, n) in written.items():
+                    if name in weight_map:
+                        raise ValueError(f"{what}: {name!r} was written by two ranks (the ranks disagree on the "
+                                         "experts' shares)")
+                    weight_map[name] = filename
+                    total += n
+            synced = _write_config(model, tmp, formats)
+            _write_index(tmp, weight_map, total, params, synced)
+            target.install()
+    except Exception as e:  # noqa: BLE001
+        error = e
+    _check_agreed(_agree(group, error), error, target, what)

@@ -1,0 +1,385 @@
+"""Saving and resuming a model whose experts are sharded over ranks (docs/guide.md, "Fine-tuning on several
+processes or hosts"; Note [Saving across ranks] in python/strideweave/torch/_saving.py, Note [Optimizer state
+across ranks] in python/strideweave/torch/_optim.py).
+
+The runs (the tiny Mixtral of tests/test_distributed.py: 6 experts per MoE layer, 2 MoE layers, stored one matrix
+per expert; its seeds, global batches, budget per rank and AdamW with clipping, imported from there):
+
+* job "train", 2 processes (gloo on loopback, spawned as tests/test_distributed.py spawns them): ``TOTAL`` steps;
+  after ``SAVED`` steps ``save_pretrained`` (collective) writes one checkpoint and the optimizer's ``save_state``
+  its state, and the run goes on uninterrupted; then a save with the shard writer raising on rank 1;
+* in this process, one process without a group: the first ``SAVED`` steps over the whole global batch, then
+  ``save_pretrained``;
+* job "resume", 2 processes: the saved checkpoint reopened with ``from_pretrained(process_group=)``, the state
+  loaded, the remaining steps;
+* in this process, the saved checkpoint and the 2 ranks' state resumed by one process (the experts re-sharded on
+  load), the remaining steps.
+
+Seeds: those of tests/test_distributed.py (the model from ``seed_of("mixtral")``, step s's batch from that + 100 + s);
+printed by the fixture.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from test_distributed import (BETAS, BUDGET_EXPERTS, COLLECTIVE_TIMEOUT, EPS, FAMILIES, LR, MAX_NORM, WD,  # noqa: E402
+                              _owned_weights, _replicated, expert_bytes, global_batch, rows_of, seed_of)
+
+FAMILY = "mixtral"
+SAVED, TOTAL = 2, 4  # steps before the save; steps in all
+TIMEOUT = 180  # seconds for one job's processes
+
+
+# ============================================================================================ the worker (a rank)
+
+
+def _weights(model, bindings) -> dict:
+    return {**_replicated(model, False), **_owned_weights(bindings, False)}
+
+
+def _step(model, bindings, opt, ids, group) -> dict:
+    """One step (backward of the mean loss over `ids`, the gradients averaged over the ranks when `group`, clipped,
+    AdamW's step); the clipped gradients (this rank's share of the experts')."""
+    import strideweave.torch as swt
+    opt.zero_grad(set_to_none=True)
+    model(input_ids=ids, labels=ids).loss.backward()
+    if group is not None:
+        swt.all_reduce_gradients(model)
+    swt.clip_grad_norm_(model, MAX_NORM)
+    post = {**_replicated(model, True), **_owned_weights(bindings, True)}
+    opt.step()
+    return post
+
+
+def _run(folder: str, steps: range, rank: int, world: int, group, save: dict = None, state: str = None) -> dict:
+    """Opens `folder` (sharded over `group`, or whole), optionally loads the optimizer state `state`, runs `steps`;
+    with `save` ({"at": step, "checkpoint": folder, "state": folder}) saves before step `at`."""
+    import strideweave.torch as swt
+    model = swt.from_pretrained(folder, BUDGET_EXPERTS * expert_bytes(FAMILY), process_group=group)
+    bindings = swt.offloaded_experts(model)
+    opt = swt.AdamW(model, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    if state is not None:
+        opt.load_state(state)
+    out = {"post": {}, "w_old": {}, "w_new": {}}
+    for s in steps:
+        if save is not None and s == save["at"]:
+            out["saved"] = _weights(model, bindings)
+            swt.save_pretrained(model, save["checkpoint"], max_shard_size=200_000)
+            opt.save_state(save["state"])
+        ids = global_batch(FAMILY, s)[rows_of(rank, world)]
+        out["w_old"][s] = _weights(model, bindings)
+        out["post"][s] = _step(model, bindings, opt, ids, group)
+        out["w_new"][s] = _weights(model, bindings)
+    out["weights"] = _weights(model, bindings)
+    out["shares"] = {p: (b.experts_range.start, b.experts_range.stop) for p, b in bindings.items()}
+    out["expert_names"] = sorted(f"{p}.{pn}" for p, b in bindings.items() for pn in b.parameter_names)
+    out["model"], out["bindings"] = model, bindings
+    return out
+
+
+def _failing_save(model, target: str, rank: int) -> dict:
+    """save_pretrained with the shard writer raising on rank 1: what each rank raised and what is left."""
+    import strideweave.torch._saving as saving
+    parent = os.path.dirname(target)
+    before = sorted(os.listdir(parent))
+    if rank == 1:
+        def broken(path, tensors, metadata, quantize=None):
+            raise OSError(f"injected failure writing {os.path.basename(path)}")
+        saving._write_shard = broken
+    try:
+        import strideweave.torch as swt
+        swt.save_pretrained(model, target, max_shard_size=200_000)
+        raised = None
+    except Exception as e:  # noqa: BLE001 (recorded for the test)
+        raised = (type(e).__name__, str(e))
+    return {"raised": raised, "exists": os.path.lexists(target), "before": before,
+            "after": sorted(os.listdir(parent))}
+
+
+def _fused_refusal(source: str, target: str, group) -> dict:
+    """save_pretrained of a GPT-OSS (its experts stored fused, one tensor for all of them) sharded over the ranks."""
+    import strideweave.torch as swt
+    model = swt.from_pretrained(source, 1 << 20, process_group=group)
+    try:
+        swt.save_pretrained(model, target)
+        raised = None
+    except Exception as e:  # noqa: BLE001 (recorded for the test)
+        raised = (type(e).__name__, str(e))
+    return {"raised": raised, "exists": os.path.lexists(target),
+            "beside": sorted(n for n in os.listdir(os.path.dirname(target)) if os.path.basename(target) in n)}
+
+
+def worker(config_path: str) -> None:
+    import datetime
+    import torch
+    import torch.distributed as dist
+    with open(config_path) as f:
+        cfg = json.load(f)
+    rank, world = cfg["rank"], cfg["world"]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=cfg["init"], rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT))
+    try:
+        group = dist.group.WORLD
+        if cfg["job"] == "train":
+            out = _run(cfg["source"], range(TOTAL), rank, world, group,
+                       save={"at": SAVED, "checkpoint": cfg["checkpoint"], "state": cfg["state"]})
+            out["failed_save"] = _failing_save(out["model"], cfg["failed_target"], rank)
+            out["fused"] = _fused_refusal(cfg["fused_source"], cfg["fused_target"], group)
+        else:
+            out = _run(cfg["checkpoint"], range(SAVED, TOTAL), rank, world, group, state=cfg["state"])
+        del out["model"], out["bindings"]
+        torch.save(out, cfg["out"] + ".part")
+        os.replace(cfg["out"] + ".part", cfg["out"])
+    finally:
+        dist.destroy_process_group()
+
+
+# ============================================================================================ the tests
+
+import torch  # noqa: E402
+
+import hf_families as zoo  # noqa: E402
+from test_torch_optim import U, propagate_adamw  # noqa: E402
+
+
+def _spawn(root: str, job: str, world: int, **paths) -> "list[subprocess.Popen]":
+    procs = []
+    init = "file://" + os.path.join(root, f"rendezvous-{job}")
+    for rank in range(world):
+        cfg = {"rank": rank, "world": world, "init": init, "job": job,
+               "out": os.path.join(root, f"out-{job}-{rank}.pt"), **paths}
+        path = os.path.join(root, f"cfg-{job}-{rank}.json")
+        with open(path, "w") as fh:
+            json.dump(cfg, fh)
+        log = open(os.path.join(root, f"log-{job}-{rank}.txt"), "w")
+        env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+        procs.append((cfg, log, subprocess.Popen([sys.executable, os.path.abspath(__file__), path], stdout=log,
+                                                 stderr=subprocess.STDOUT, env=env)))
+    return procs
+
+
+def _collect(procs) -> list:
+    deadline = time.monotonic() + TIMEOUT
+    failed = []
+    try:
+        for cfg, log, p in procs:
+            try:
+                p.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                failed.append(f"{cfg['job']} rank {cfg['rank']}: still running after {TIMEOUT} s")
+                continue
+            if p.returncode != 0:
+                failed.append(f"{cfg['job']} rank {cfg['rank']}: exit status {p.returncode}")
+    finally:
+        for cfg, log, p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+            log.close()
+    if failed:
+        logs = []
+        for cfg, log, p in procs:
+            with open(log.name) as fh:
+                logs.append(f"--- {cfg['job']} rank {cfg['rank']}\n" + fh.read()[-3000:])
+        raise AssertionError("; ".join(failed) + "\n" + "\n".join(logs))
+    return [torch.load(cfg["out"], weights_only=False) for cfg, _, _ in procs]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("distributed-save"))
+    print(f"family={FAMILY} model seed={seed_of(FAMILY)} batch seeds={seed_of(FAMILY) + 100}+step; "
+          f"gpt_oss model seed={seed_of('gpt_oss')}")
+    source = os.path.join(root, "source")
+    zoo.build(FAMILY, seed_of(FAMILY), **FAMILIES[FAMILY]).save_pretrained(source)
+    fused = os.path.join(root, "gpt_oss")
+    zoo.build("gpt_oss", seed_of("gpt_oss"), **FAMILIES["gpt_oss"]).save_pretrained(fused)
+    paths = {"source": source, "checkpoint": os.path.join(root, "saved-2"), "state": os.path.join(root, "state-2"),
+             "failed_target": os.path.join(root, "failed", "target"), "fused_source": fused,
+             "fused_target": os.path.join(root, "gpt_oss-saved")}
+    os.makedirs(os.path.join(root, "failed"))
+    train = _spawn(root, "train", 2, **paths)
+    one = _run(source, range(SAVED), 0, 1, None)  # the one-process run, meanwhile
+    import strideweave.torch as swt
+    one_checkpoint = os.path.join(root, "saved-1")
+    swt.save_pretrained(one["model"], one_checkpoint)
+    del one["model"], one["bindings"]
+    trained = _collect(train)
+    resume = _spawn(root, "resume", 2, **paths)
+    resumed_one = _run(paths["checkpoint"], range(SAVED, TOTAL), 0, 1, None, state=paths["state"])
+    del resumed_one["model"], resumed_one["bindings"]
+    resumed = _collect(resume)
+    return {"trained": trained, "one": one, "one_checkpoint": one_checkpoint, "resumed": resumed,
+            "resumed_one": resumed_one, **paths}
+
+
+def _assemble(ranks: list, key) -> dict:
+    """name -> the whole tensor from every rank's `key(result)`: the experts' shares concatenated in rank order along
+    the experts axis, the replicated parameters rank 0's."""
+    out = dict(key(ranks[0]))
+    for n in ranks[0]["expert_names"]:
+        out[n] = torch.cat([key(r)[n] for r in ranks], dim=0)
+    return out
+
+
+def _loaded(folder: str) -> dict:
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    return {n: p.detach().double() for n, p in model.named_parameters()}
+
+
+def _adamw_bound(reference: dict, other: dict, steps: range, history: range) -> dict:
+    """name -> the bound on |w' - w| after `steps`, propagated through AdamW (``propagate_adamw`` of
+    tests/test_torch_optim.py, the bound of tests/test_distributed.py) from the measured differences of the two runs'
+    clipped gradients at each step, the runs equal before the first of `steps`. The reference's AdamW state is
+    recomputed in Float64 from its clipped gradients over `history` (m = b1 m + (1 - b1) g, v = b2 v + (1 - b2)
+    g^2): the Float32 state the run holds differs from it by a few roundings of relative size u per step, which the
+    bound's own rounding terms (2u |m|, 2u sqrt(v) per step) cover."""
+    b1, b2 = BETAS
+    moments: dict = {}
+    bound: dict = {}
+    for s in history:
+        for n, g in reference["post"][s].items():
+            m, v = moments.get(n, (torch.zeros_like(g), torch.zeros_like(g)))
+            moments[n] = (b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g)
+        if s not in steps:
+            continue
+        for n, g in reference["post"][s].items():
+            state = {"exp_avg": moments[n][0], "exp_avg_sq": moments[n][1], "step": s + 1}
+            delta = (other["post"][s][n] - g).abs()
+            propagate_adamw(bound, n, delta, state, LR, BETAS, EPS, reference["w_new"][s][n], reference["w_old"][s][n])
+    return bound
+
+
+def _whole(ranks: list) -> dict:
+    """A 2-rank run's record with every tensor assembled from the ranks."""
+    steps = ranks[0]["post"].keys()
+    return {"post": {s: _assemble(ranks, lambda r: r["post"][s]) for s in steps},
+            "w_old": {s: _assemble(ranks, lambda r: r["w_old"][s]) for s in steps},
+            "w_new": {s: _assemble(ranks, lambda r: r["w_new"][s]) for s in steps},
+            "weights": _assemble(ranks, lambda r: r["weights"])}
+
+
+def test_saved_by_two_ranks_is_what_they_hold(runs):
+    """The checkpoint 2 ranks saved, loaded by transformers, holds bit for bit the weights the ranks held at the
+    save (copying, no arithmetic): each expert from its owner's tiles (rank 1's experts included: they are only on
+    rank 1), the replicated weights from rank 0; one index naming every tensor's shard once, every shard listed
+    in the index written, and no file beside them but the config files."""
+    trained = runs["trained"]
+    assert [r["shares"] for r in trained] == [{p: (0, 3) for p in trained[0]["shares"]},
+                                              {p: (3, 6) for p in trained[0]["shares"]}]
+    saved = _assemble(trained, lambda r: r["saved"])
+    loaded = _loaded(runs["checkpoint"])
+    assert set(loaded) == set(saved)
+    for n, w in saved.items():
+        assert torch.equal(loaded[n], w), f"{n} differs from what the ranks held"
+    with open(os.path.join(runs["checkpoint"], "model.safetensors.index.json")) as f:
+        index = json.load(f)
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2, "the small max_shard_size gives several shards, on both ranks"
+    assert sorted(os.listdir(runs["checkpoint"])) == sorted(shards + ["config.json", "generation_config.json",
+                                                                      "model.safetensors.index.json"])
+    assert all(s.endswith(f"-of-{len(shards):05d}.safetensors") for s in shards)
+    from safetensors import safe_open
+    in_files = {}
+    size = 0
+    for s in shards:
+        with safe_open(os.path.join(runs["checkpoint"], s), "pt") as f:
+            for k in f.keys():
+                assert k not in in_files, f"{k} in {s} and {in_files[k]}"
+                in_files[k] = s
+                t = f.get_tensor(k)
+                size += t.numel() * t.element_size()
+    assert in_files == index["weight_map"]
+    assert index["metadata"]["total_size"] == size
+    assert sorted(n for n in os.listdir(os.path.dirname(runs["checkpoint"])) if ".saved-2" in n) == []
+
+
+def test_saved_by_two_ranks_matches_one_process(runs):
+    """The 2-rank checkpoint against the one-process run's after the same steps, both loaded by transformers:
+    within the bound propagated through AdamW from the two runs' measured clipped-gradient differences
+    (``_adamw_bound``; the runs start from the same checkpoint), as tests/test_distributed.py bounds them."""
+    two = _loaded(runs["checkpoint"])
+    one = _loaded(runs["one_checkpoint"])
+    reference = runs["one"]
+    assert all(torch.equal(one[n], w) for n, w in reference["weights"].items())
+    other = _whole(runs["trained"])
+    bound = _adamw_bound(reference, other, range(SAVED), range(SAVED))
+    worst = 0.0
+    for n, w in one.items():
+        excess = float(((two[n] - w).abs() - bound[n]["Dw"]).max())
+        assert excess <= 0, f"{n}: the 2-rank checkpoint exceeds the bound by {excess:.3e}"
+        worst = max(worst, float(((two[n] - w).abs() / (bound[n]["Dw"] + 1e-300)).max()))
+    print(f"worst error / bound: {worst:.3f}")
+
+
+def test_resume_on_two_ranks_continues_exactly(runs):
+    """2 ranks resumed from the checkpoint and the state 2 ranks saved: the clipped gradients of every remaining
+    step and the final weights are bit for bit the uninterrupted run's."""
+    trained, resumed = _whole(runs["trained"]), _whole(runs["resumed"])
+    for s in range(SAVED, TOTAL):
+        for n, g in trained["post"][s].items():
+            assert torch.equal(resumed["post"][s][n], g), f"step {s}: {n}'s gradient differs"
+    for n, w in trained["weights"].items():
+        assert torch.equal(resumed["weights"][n], w), f"{n} differs after resuming"
+    moved = [n for n, w in trained["weights"].items() if not torch.equal(w, trained["w_old"][SAVED][n])]
+    assert len(moved) == len(trained["weights"]), "every weight moved after the resume"
+
+
+def test_resume_on_one_process_from_two_ranks(runs):
+    """One process resumed from the 2 ranks' checkpoint and state (each expert's moments and step counts read from
+    its saving rank's file): at the resume the weights are exactly the saved ones, and after the remaining steps
+    every weight is within the bound propagated through AdamW from the measured clipped-gradient differences
+    (the runs equal at the resume, moments included: a lost moment or step count moves the step by about lr)."""
+    trained = _whole(runs["trained"])
+    resumed = runs["resumed_one"]
+    for n, w in resumed["w_old"][SAVED].items():
+        assert torch.equal(w, trained["w_old"][SAVED][n]), f"{n} differs at the resume"
+    bound = _adamw_bound(trained, resumed, range(SAVED, TOTAL), range(TOTAL))
+    worst = 0.0
+    for n, w in trained["weights"].items():
+        excess = float(((resumed["weights"][n] - w).abs() - bound[n]["Dw"]).max())
+        assert excess <= 0, f"{n}: the resumed weights exceed the bound by {excess:.3e}"
+        worst = max(worst, float(((resumed["weights"][n] - w).abs() / (bound[n]["Dw"] + 1e-300)).max()))
+    print(f"worst error / bound: {worst:.3f}")
+
+
+def test_failed_save_on_one_rank_leaves_nothing(runs):
+    """The shard writer raising on rank 1: every rank raises (rank 1 its own OSError, rank 0 RuntimeError naming
+    rank 1 and its error), nothing appears under the target name and nothing is left beside it."""
+    failed = [r["failed_save"] for r in runs["trained"]]
+    assert failed[1]["raised"][0] == "OSError" and "injected failure" in failed[1]["raised"][1]
+    kind, message = failed[0]["raised"]
+    assert kind == "RuntimeError" and "rank 1 failed (OSError: injected failure" in message
+    assert "nothing was written" in message
+    for rank, f in enumerate(failed):
+        assert not f["exists"], f"rank {rank}: the target exists"
+    assert failed[0]["before"] == failed[0]["after"] == [], failed[0]["after"]
+    assert os.listdir(os.path.dirname(runs["failed_target"])) == []
+
+
+def test_fused_experts_refused_across_ranks(runs):
+    """A checkpoint storing all of a layer's experts in one tensor (GPT-OSS) cannot be written in parts by the
+    ranks: TypeError on every rank (each plans the same refusal before anything is written), nothing under the
+    target name or beside it."""
+    for rank, r in enumerate(runs["trained"]):
+        kind, message = r["fused"]["raised"]
+        assert kind == "TypeError", (rank, kind, message)
+        assert "stores all its experts in one tensor" in message and "nothing was written" in message
+        assert not r["fused"]["exists"] and r["fused"]["beside"] == []
+    assert not os.path.lexists(runs["fused_target"])
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1])
