@@ -8,10 +8,10 @@ per expert; its seeds, global batches, budget per rank and AdamW with clipping, 
 * job "train", 2 processes (gloo on loopback, spawned as tests/test_distributed.py spawns them): ``TOTAL`` steps;
   after ``SAVED`` steps ``save_pretrained`` (collective) writes one checkpoint and the optimizer's ``save_state``
   its state, and the run goes on uninterrupted; then a save with the shard writer raising on rank 1;
-* in this process, one process without a group: the first ``SAVED`` steps over the whole global batch, then
-  ``save_pretrained``;
-* job "resume", 2 processes: the saved checkpoint reopened with ``from_pretrained(process_group=)``, the state
-  loaded, the remaining steps;
+* in this process, one process without a group: the same ``TOTAL`` steps over the whole global batch, saving
+  the checkpoint and the optimizer's state after ``SAVED`` steps likewise;
+* job "resume", 2 processes: the 2 ranks' checkpoint reopened with ``from_pretrained(process_group=)``, their
+  state loaded, the remaining steps; job "split", 2 processes: the same from the one-process checkpoint and state;
 * in this process, the saved checkpoint and the 2 ranks' state resumed by one process (the experts re-sharded on
   load), the remaining steps.
 
@@ -136,8 +136,10 @@ def worker(config_path: str) -> None:
                        save={"at": SAVED, "checkpoint": cfg["checkpoint"], "state": cfg["state"]})
             out["failed_save"] = _failing_save(out["model"], cfg["failed_target"], rank)
             out["fused"] = _fused_refusal(cfg["fused_source"], cfg["fused_target"], group)
-        else:
+        elif cfg["job"] == "resume":
             out = _run(cfg["checkpoint"], range(SAVED, TOTAL), rank, world, group, state=cfg["state"])
+        else:  # from the one-process run's checkpoint and state
+            out = _run(cfg["one_checkpoint"], range(SAVED, TOTAL), rank, world, group, state=cfg["one_state"])
         del out["model"], out["bindings"]
         torch.save(out, cfg["out"] + ".part")
         os.replace(cfg["out"] + ".part", cfg["out"])
@@ -207,20 +209,19 @@ def runs(tmp_path_factory):
     zoo.build("gpt_oss", seed_of("gpt_oss"), **FAMILIES["gpt_oss"]).save_pretrained(fused)
     paths = {"source": source, "checkpoint": os.path.join(root, "saved-2"), "state": os.path.join(root, "state-2"),
              "failed_target": os.path.join(root, "failed", "target"), "fused_source": fused,
-             "fused_target": os.path.join(root, "gpt_oss-saved")}
+             "fused_target": os.path.join(root, "gpt_oss-saved"), "one_checkpoint": os.path.join(root, "saved-1"),
+             "one_state": os.path.join(root, "state-1")}
     os.makedirs(os.path.join(root, "failed"))
     train = _spawn(root, "train", 2, **paths)
-    one = _run(source, range(SAVED), 0, 1, None)  # the one-process run, meanwhile
-    import strideweave.torch as swt
-    one_checkpoint = os.path.join(root, "saved-1")
-    swt.save_pretrained(one["model"], one_checkpoint)
+    one = _run(source, range(TOTAL), 0, 1, None,  # the one-process run, meanwhile
+               save={"at": SAVED, "checkpoint": paths["one_checkpoint"], "state": paths["one_state"]})
     del one["model"], one["bindings"]
     trained = _collect(train)
-    resume = _spawn(root, "resume", 2, **paths)
+    resume = _spawn(root, "resume", 2, **paths) + _spawn(root, "split", 2, **paths)
     resumed_one = _run(paths["checkpoint"], range(SAVED, TOTAL), 0, 1, None, state=paths["state"])
     del resumed_one["model"], resumed_one["bindings"]
     resumed = _collect(resume)
-    return {"trained": trained, "one": one, "one_checkpoint": one_checkpoint, "resumed": resumed,
+    return {"trained": trained, "one": one, "resumed": resumed[:2], "split": resumed[2:],
             "resumed_one": resumed_one, **paths}
 
 
@@ -313,7 +314,7 @@ def test_saved_by_two_ranks_matches_one_process(runs):
     two = _loaded(runs["checkpoint"])
     one = _loaded(runs["one_checkpoint"])
     reference = runs["one"]
-    assert all(torch.equal(one[n], w) for n, w in reference["weights"].items())
+    assert all(torch.equal(one[n], w) for n, w in reference["saved"].items())
     other = _whole(runs["trained"])
     bound = _adamw_bound(reference, other, range(SAVED), range(SAVED))
     worst = 0.0
@@ -352,6 +353,24 @@ def test_resume_on_one_process_from_two_ranks(runs):
         excess = float(((resumed["weights"][n] - w).abs() - bound[n]["Dw"]).max())
         assert excess <= 0, f"{n}: the resumed weights exceed the bound by {excess:.3e}"
         worst = max(worst, float(((resumed["weights"][n] - w).abs() / (bound[n]["Dw"] + 1e-300)).max()))
+    print(f"worst error / bound: {worst:.3f}")
+
+
+def test_resume_on_two_ranks_from_one_process(runs):
+    """2 ranks resumed from the one-process run's checkpoint and state (its one file holds every expert's state:
+    each rank takes its own experts' tiles): at the resume the weights are exactly the saved ones, and after the
+    remaining steps every weight is within the bound propagated through AdamW from the measured clipped-gradient
+    differences against the one-process run that went on uninterrupted."""
+    one = runs["one"]
+    split = _whole(runs["split"])
+    for n, w in split["w_old"][SAVED].items():
+        assert torch.equal(w, one["w_old"][SAVED][n]), f"{n} differs at the resume"
+    bound = _adamw_bound(one, split, range(SAVED, TOTAL), range(TOTAL))
+    worst = 0.0
+    for n, w in one["weights"].items():
+        excess = float(((split["weights"][n] - w).abs() - bound[n]["Dw"]).max())
+        assert excess <= 0, f"{n}: the resumed weights exceed the bound by {excess:.3e}"
+        worst = max(worst, float(((split["weights"][n] - w).abs() / (bound[n]["Dw"] + 1e-300)).max()))
     print(f"worst error / bound: {worst:.3f}")
 
 
