@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 import sys
 import time
@@ -250,16 +251,23 @@ def _spawn_all(root, folders: dict) -> dict:
                                            stderr=subprocess.STDOUT, env=env)))
     deadline = time.monotonic() + TIMEOUT
     failed = []
+    # Woken by whichever process ends first (a pidfd is readable once its process has exited): the first failure
+    # ends the wait at once, instead of its peers waiting out their collective timeout.
+    fds = {os.pidfd_open(p.pid): (world, rank, p) for world, rank, cfg, log, p in procs}
     try:
-        for world, rank, cfg, log, p in procs:
-            try:
-                p.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                failed.append(f"world {world} rank {rank}: still running after {TIMEOUT} s")
-                continue
-            if p.returncode != 0:
-                failed.append(f"world {world} rank {rank}: exit status {p.returncode}")
+        while fds and not failed:
+            ready, _, _ = select.select(list(fds), [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                failed += [f"world {w} rank {r}: still running after {TIMEOUT} s" for w, r, _ in fds.values()]
+                break
+            for fd in ready:
+                world, rank, p = fds.pop(fd)
+                os.close(fd)
+                if p.wait() != 0:
+                    failed.append(f"world {world} rank {rank}: exit status {p.returncode}")
     finally:
+        for fd in fds:
+            os.close(fd)
         for world, rank, cfg, log, p in procs:
             if p.poll() is None:
                 p.kill()
