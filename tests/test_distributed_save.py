@@ -7,7 +7,8 @@ per expert; its seeds, global batches, budget per rank and AdamW with clipping, 
 
 * job "train", 2 processes (gloo on loopback, spawned as tests/test_distributed.py spawns them): ``TOTAL`` steps;
   after ``SAVED`` steps ``save_pretrained`` (collective) writes one checkpoint and the optimizer's ``save_state``
-  its state, and the run goes on uninterrupted; then a save with the shard writer raising on rank 1;
+  its state, and the run goes on uninterrupted; then a save with the shard writer raising on rank 1, a tiny GPT-OSS
+  saved (refused: its experts are one tensor), and a tiny FP8 DeepSeek-V3 saved with ``quantize=True``;
 * in this process, one process without a group: the same ``TOTAL`` steps over the whole global batch, saving
   the checkpoint and the optimizer's state after ``SAVED`` steps likewise;
 * job "resume", 2 processes: the 2 ranks' checkpoint reopened with ``from_pretrained(process_group=)``, their
@@ -92,6 +93,7 @@ def _failing_save(model, target: str, rank: int) -> dict:
     import strideweave.torch._saving as saving
     parent = os.path.dirname(target)
     before = sorted(os.listdir(parent))
+    writer = saving._write_shard
     if rank == 1:
         def broken(path, tensors, metadata, quantize=None):
             raise OSError(f"injected failure writing {os.path.basename(path)}")
@@ -102,8 +104,15 @@ def _failing_save(model, target: str, rank: int) -> dict:
         raised = None
     except Exception as e:  # noqa: BLE001 (recorded for the test)
         raised = (type(e).__name__, str(e))
+    finally:
+        saving._write_shard = writer
     return {"raised": raised, "exists": os.path.lexists(target), "before": before,
             "after": sorted(os.listdir(parent))}
+
+
+def swt_module():
+    import strideweave.torch as swt
+    return swt
 
 
 def _fused_refusal(source: str, target: str, group) -> dict:
@@ -136,6 +145,8 @@ def worker(config_path: str) -> None:
                        save={"at": SAVED, "checkpoint": cfg["checkpoint"], "state": cfg["state"]})
             out["failed_save"] = _failing_save(out["model"], cfg["failed_target"], rank)
             out["fused"] = _fused_refusal(cfg["fused_source"], cfg["fused_target"], group)
+            swt_module().save_pretrained(swt_module().from_pretrained(cfg["fp8_source"], 1 << 22, process_group=group),
+                                         cfg["fp8_target"], quantize=True, max_shard_size=100_000)
         elif cfg["job"] == "resume":
             out = _run(cfg["checkpoint"], range(SAVED, TOTAL), rank, world, group, state=cfg["state"])
         else:  # from the one-process run's checkpoint and state
@@ -210,12 +221,19 @@ def runs(tmp_path_factory):
     paths = {"source": source, "checkpoint": os.path.join(root, "saved-2"), "state": os.path.join(root, "state-2"),
              "failed_target": os.path.join(root, "failed", "target"), "fused_source": fused,
              "fused_target": os.path.join(root, "gpt_oss-saved"), "one_checkpoint": os.path.join(root, "saved-1"),
-             "one_state": os.path.join(root, "state-1")}
+             "one_state": os.path.join(root, "state-1"), "fp8_source": os.path.join(root, "fp8"),
+             "fp8_target": os.path.join(root, "fp8-saved-2")}
+    from test_quantized_models import seed_of as fp8_seed, write_quantized
+    print(f"FP8 deepseek_v3 seed={fp8_seed('deepseek_v3')}")
+    write_quantized("deepseek_v3", paths["fp8_source"], fp8_seed("deepseek_v3"))
     os.makedirs(os.path.join(root, "failed"))
     train = _spawn(root, "train", 2, **paths)
     one = _run(source, range(TOTAL), 0, 1, None,  # the one-process run, meanwhile
                save={"at": SAVED, "checkpoint": paths["one_checkpoint"], "state": paths["one_state"]})
     del one["model"], one["bindings"]
+    paths["fp8_one"] = os.path.join(root, "fp8-saved-1")
+    swt_module().save_pretrained(swt_module().from_pretrained(paths["fp8_source"], 1 << 22), paths["fp8_one"],
+                                 quantize=True)
     trained = _collect(train)
     resume = _spawn(root, "resume", 2, **paths) + _spawn(root, "split", 2, **paths)
     resumed_one = _run(paths["checkpoint"], range(SAVED, TOTAL), 0, 1, None, state=paths["state"])
@@ -386,6 +404,37 @@ def test_failed_save_on_one_rank_leaves_nothing(runs):
         assert not f["exists"], f"rank {rank}: the target exists"
     assert failed[0]["before"] == failed[0]["after"] == [], failed[0]["after"]
     assert os.listdir(os.path.dirname(runs["failed_target"])) == []
+
+
+def test_quantized_save_by_two_ranks(runs):
+    """quantize=True on 2 ranks (a tiny FP8 DeepSeek-V3 of tests/test_quantized_models.py, stored one matrix per
+    expert, opened and saved untouched): every tensor, e4m3 values and Float32 scales, is bit for bit what one
+    process writes (each tensor is quantized from the same values by the same arithmetic, whichever rank writes
+    it), config.json carries the same quantization_config, and transformers loads it."""
+    from safetensors import safe_open
+    import transformers
+
+    def tensors(folder):
+        with open(os.path.join(folder, "model.safetensors.index.json")) as f:
+            index = json.load(f)
+        out = {}
+        for name, filename in index["weight_map"].items():
+            with safe_open(os.path.join(folder, filename), "pt") as f:
+                out[name] = f.get_tensor(name)
+        return index, out
+
+    index2, two = tensors(runs["fp8_target"])
+    index1, one = tensors(runs["fp8_one"])
+    assert len(set(index2["weight_map"].values())) > 2
+    assert index2["metadata"] == index1["metadata"]
+    assert set(two) == set(one)
+    assert any(t.dtype == torch.float8_e4m3fn for t in two.values())
+    for n, t in one.items():
+        assert two[n].dtype == t.dtype and torch.equal(two[n].view(torch.uint8), t.view(torch.uint8)), n
+    configs = [json.load(open(os.path.join(f, "config.json"))) for f in (runs["fp8_target"], runs["fp8_one"])]
+    assert configs[0]["quantization_config"] == configs[1]["quantization_config"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(runs["fp8_target"])
+    assert sum(p.numel() for p in model.parameters()) > 0
 
 
 def test_fused_experts_refused_across_ranks(runs):
