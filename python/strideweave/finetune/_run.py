@@ -36,6 +36,7 @@ import time
 from typing import Any
 
 from ._data import CommandError, Packing, format_bytes, parse_size, read_records, tokenize
+from ._dist import Ranks, Stopped, is_collective_failure, test_kill, world_size_from_environment
 
 PROG = "python -m strideweave.finetune"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -94,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the non-expert weights' dtype (the experts are the checkpoint's)")
     p.add_argument("--seed", type=int, default=42, help="data order and torch's random generator")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (a summary line only)")
+    p.add_argument("--dist-timeout", type=float, default=1800.0, metavar="SECONDS",
+                   help="under torchrun: how long a collective waits for the other ranks before failing (a rank "
+                   "killed is noticed at once; this bounds a rank that hangs)")
     return p
 
 
@@ -102,23 +106,51 @@ def main(argv: Any = None) -> int:
     run = _Run(args)
     try:
         run.run()
-    except CommandError as e:
-        run.cleanup()
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        run.cleanup()
-        where = f" ({e.filename})" if e.filename else ""
-        print(f"{PROG}: error: writing the output failed: {e.strerror or e}{where}{run.kept()}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        run.cleanup()
-        print(f"{PROG}: interrupted at step {run.step}{run.kept()}", file=sys.stderr)
-        return 130
-    except BaseException:
-        run.cleanup()
-        raise
+    except BaseException as e:  # noqa: BLE001 (each kind reported by _failed; anything else re-raised there)
+        failure = e
+        while True:
+            try:
+                return _failed(run, failure)
+            except Stopped:  # SIGTERM before the report began (Note [A lost rank]): report the first failure
+                continue
+    if run.ranks is not None:
+        run.ranks.close()
     return 0
+
+
+def _failed(run: Any, e: BaseException) -> int:
+    """Reports the failure `e` of `run` (one line on stderr) after the clean-up, and returns the exit status; a
+    failure that is not the command's to report is re-raised."""
+    if run.ranks is not None:
+        run.ranks.probing = True  # a SIGTERM from here on is ignored (Note [A lost rank])
+    if isinstance(e, CommandError):  # the same on every rank (agreed before anything is written): rank 0 says it
+        run.cleanup()
+        if run.rank == 0:
+            print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    if isinstance(e, OSError):
+        where = f" ({e.filename})" if e.filename else ""
+        message = f"writing the output failed: {e.strerror or e}{where}"
+        run.record_failure(message)
+        run.cleanup()
+        print(f"{PROG}: error: {run.on_rank()}{message}{run.kept()}", file=sys.stderr)
+        return 2
+    if isinstance(e, KeyboardInterrupt):
+        run.cleanup()
+        print(f"{PROG}: {run.on_rank()}interrupted at step {run.step}{run.kept()}", file=sys.stderr)
+        return 130
+    if run.ranks is not None and (isinstance(e, Stopped) or is_collective_failure(e)):
+        # torchrun's agent stopping the group, or a collective failing: which rank was lost (Note [A lost rank])
+        cause = "SIGTERM" if isinstance(e, Stopped) else "a collective failed"
+        message = run.ranks.describe_loss(run.where, cause)
+        run.cleanup()
+        detail = "" if isinstance(e, Stopped) else \
+            f"\n  (the collective's error: {str(e).splitlines()[0] if str(e) else type(e).__name__})"
+        print(f"{PROG}: error: {message}{run.kept()}{detail}", file=sys.stderr)
+        return 1
+    run.record_failure(f"{type(e).__name__}: {e}")
+    run.cleanup()
+    raise e
 
 
 def _check_args(args: Any) -> None:
@@ -172,17 +204,28 @@ class _Run:
         self.out = os.path.abspath(args.output)
         self.created = False
         self.step = 0
+        self.where = "before the first step"  # what the run is doing, for a lost rank's error
+        self.ranks: Any = None  # a _dist.Ranks under torchrun (Note [The command under torchrun])
+
+    @property
+    def rank(self) -> int:
+        return 0 if self.ranks is None else self.ranks.rank
+
+    def on_rank(self) -> str:
+        return "" if self.ranks is None else f"rank {self.ranks.rank} of {self.ranks.world}: "
+
+    def record_failure(self, message: str) -> None:
+        if self.ranks is not None:
+            self.ranks.record_failure(message)
 
     # ---- failure -----------------------------------------------------------------------------------------------
 
     def cleanup(self) -> None:
         """Removes OUT_DIR when this run created it and it holds no complete checkpoint (Note [No partial output
-        folder]); a checkpoint's temporary folder is removed either way."""
-        if not os.path.isdir(self.out):
+        folder]); a checkpoint's temporary folder is removed either way. On several ranks, rank 0 does it."""
+        if self.rank != 0 or not os.path.isdir(self.out):
             return
-        for name in os.listdir(self.out):
-            if name.startswith(".") and ".tmp-" in name:
-                shutil.rmtree(os.path.join(self.out, name), ignore_errors=True)
+        self._remove_temporaries()
         if self.created and not complete_checkpoints(self.out):
             shutil.rmtree(self.out, ignore_errors=True)
 
@@ -199,6 +242,122 @@ class _Run:
     def run(self) -> None:
         args = self.args
         _check_args(args)
+        world = world_size_from_environment()
+        if world > 1:
+            if args.step_in_backward:
+                raise CommandError("--step-in-backward cannot run on several ranks: each expert would be stepped in "
+                                   "backward, before all_reduce_gradients averages the gradients over the ranks")
+            if not args.dist_timeout > 0:
+                raise CommandError(f"--dist-timeout must be > 0, got {args.dist_timeout}")
+            self.ranks = Ranks(args.dist_timeout)
+        ranks = self.ranks
+        try:
+            prepared = self._prepare()
+            error = None
+        except CommandError as e:
+            if ranks is None:
+                raise
+            prepared, error = None, str(e)
+        if ranks is not None:
+            ranks.agree(error)  # every rank's checks passed, or every rank stops with the same error
+        model, tokenizer, optimizer, scheduler, packing, budget, budget_bytes, total, resume_from, state = prepared
+
+        import torch
+
+        import strideweave.torch as swt
+        history: list = []
+        tokens = 0
+        start = 0
+        if state is not None:
+            start, tokens, history = state["step"], state["tokens"], [tuple(r) for r in state["history"]]
+            _load_optimizer(optimizer, resume_from)
+            extra = torch.load(os.path.join(resume_from, STATE_PT), weights_only=False)
+            scheduler.load_state_dict(extra["scheduler"])
+            torch.set_rng_state(extra["torch_rng"])
+            random.setstate(extra["python_rng"])
+            if self.rank == 0:
+                for step, folder in complete_checkpoints(self.out):
+                    if step > start:
+                        shutil.rmtree(folder)
+                self._remove_temporaries()
+        elif self.rank == 0:
+            os.makedirs(self.out, exist_ok=True)
+            self.created = not self.out_existed
+        self.step = start
+        if self.rank == 0:
+            self._write_csv(history)
+        if ranks is not None:
+            ranks.barrier()  # rank 0 has written loss.csv: every rank must see it (one shared OUT_DIR)
+            ranks.agree(None if os.path.isfile(os.path.join(self.out, "loss.csv")) else
+                        f"{self.out} is not on a filesystem every rank shares (rank {ranks.rank} does not see the "
+                        "loss.csv rank 0 wrote there): checkpoints are written by every rank into one folder")
+
+        rows = packing.rows_per_batch
+        share = slice(rows * ranks.rank // ranks.world, rows * (ranks.rank + 1) // ranks.world) if ranks else \
+            slice(0, rows)
+        progress = self._progress(total, start) if self.rank == 0 else None
+        began, trained = time.perf_counter(), 0
+        for step in range(start, total):
+            self.where = f"at step {step + 1}"
+            loss_sum = 0.0
+            micro = list(packing.step(step))
+            for m, batch in enumerate(micro):
+                ids = torch.from_numpy(batch[share])
+                out = model(input_ids=ids, labels=ids, use_cache=False)
+                if m == 0:
+                    test_kill(ranks, step + 1, "forward")
+                # With --step-in-backward the last micro-batch's backward steps the experts; the others accumulate.
+                with optimizer.no_step() if m + 1 < len(micro) else contextlib.nullcontext():
+                    (out.loss / args.grad_accum).backward()
+                loss_sum += float(out.loss.detach())
+                del out
+            if ranks is not None:
+                # Each rank's loss is the mean over its own tokens, as many on every rank (Note [The command under
+                # torchrun]): the average of the ranks' gradients and losses is the one-process run's.
+                swt.all_reduce_gradients(model)
+                loss_sum = ranks.mean(loss_sum)
+            loss = loss_sum / args.grad_accum
+            if args.max_grad_norm > 0:
+                swt.clip_grad_norm_(model, args.max_grad_norm)
+            lr = float(scheduler.get_last_lr()[0])
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            tokens += packing.step_tokens
+            trained += packing.step_tokens
+            self.step = step + 1
+            history.append((self.step, loss, lr, tokens))
+            if self.rank == 0:
+                self._append_csv(history[-1])
+            stats = budget.stats()
+            rate = trained / max(time.perf_counter() - began, 1e-9)
+            if progress is not None:
+                progress.set_postfix_str(f"loss {loss:.4f}, lr {lr:.2e}, {rate:,.0f} tok/s, resident "
+                                         f"{format_bytes(stats['resident_bytes'])} of {format_bytes(budget_bytes)}",
+                                         refresh=False)
+                progress.update(1)
+            if args.save_every and self.step % args.save_every == 0:
+                self._save_checkpoint(model, optimizer, scheduler, history, tokens)
+        if progress is not None:
+            progress.close()
+        if self.rank == 0:
+            self._plot(history)
+        self._save_final(model, tokenizer)
+        stats = budget.stats()
+        elapsed = time.perf_counter() - began
+        first = f"{history[0][1]:.4f} -> " if history else ""
+        if self.rank == 0:
+            where = f" on {ranks.world} ranks (budget per rank)" if ranks else ""
+            print(f"{PROG}: {total - start} steps, {trained} tokens in {elapsed:.1f} s "
+                  f"({trained / max(elapsed, 1e-9):,.0f} tok/s){where}; loss {first}{history[-1][1]:.4f}; budget peak "
+                  f"{format_bytes(stats['peak_bytes'])} of {format_bytes(budget_bytes)}; wrote "
+                  f"{self.out}{self.plot_note}", file=sys.stderr)
+
+    def _prepare(self) -> tuple:
+        """Everything checked and opened before OUT_DIR is written (Note [No partial output folder]): (model,
+        tokenizer, optimizer, scheduler, packing, budget, budget bytes, total steps, checkpoint to resume from,
+        its state)."""
+        args = self.args
         budget_bytes = parse_size(args.budget)
         model_dir = os.path.abspath(args.model_dir)
         if not os.path.isdir(model_dir):
@@ -230,7 +389,12 @@ class _Run:
         if args.batch_tokens % seq_len:
             raise CommandError(f"--batch-tokens {args.batch_tokens} is not a multiple of the row length {seq_len} "
                                "(--seq-len)")
-        packing = Packing(sequences, seq_len, args.batch_tokens // seq_len, args.grad_accum, args.seed)
+        rows = args.batch_tokens // seq_len
+        if self.ranks is not None and rows % self.ranks.world:
+            raise CommandError(f"a micro-batch of {rows} rows (--batch-tokens {args.batch_tokens} / --seq-len "
+                               f"{seq_len}) cannot be split evenly over {self.ranks.world} ranks: give a multiple of "
+                               f"{self.ranks.world} rows")
+        packing = Packing(sequences, seq_len, rows, args.grad_accum, args.seed)
         if packing.steps_per_epoch < 1:
             raise CommandError(f"the data holds {packing.total_tokens} tokens, fewer than one optimizer step takes "
                                f"({packing.step_tokens}: --batch-tokens x --grad-accum)")
@@ -251,7 +415,8 @@ class _Run:
         bar = transformers.utils.logging.is_progress_bar_enabled()
         transformers.utils.logging.disable_progress_bar()  # "Loading weights" is not this command's progress
         try:
-            model = swt.from_pretrained(source, budget, torch_dtype=dtype)
+            model = swt.from_pretrained(source, budget, torch_dtype=dtype,
+                                        process_group=self.ranks.group if self.ranks is not None else None)
         except (TypeError, ValueError) as e:
             raise CommandError(f"model folder {args.model_dir!r}: {e}") from None
         finally:
@@ -269,69 +434,7 @@ class _Run:
         optimizer = swt.AdamW(param_groups(model, args.weight_decay), lr=args.lr,
                               state_dtype=_state_dtype(args.state_dtype), step_in_backward=args.step_in_backward)
         scheduler = transformers.get_linear_schedule_with_warmup(optimizer, args.warmup, total)
-        history: list = []
-        tokens = 0
-        start = 0
-        if state is not None:
-            start, tokens, history = state["step"], state["tokens"], [tuple(r) for r in state["history"]]
-            _load_optimizer(optimizer, resume_from)
-            extra = torch.load(os.path.join(resume_from, STATE_PT), weights_only=False)
-            scheduler.load_state_dict(extra["scheduler"])
-            torch.set_rng_state(extra["torch_rng"])
-            random.setstate(extra["python_rng"])
-            for step, folder in complete_checkpoints(self.out):
-                if step > start:
-                    shutil.rmtree(folder)
-        else:
-            os.makedirs(self.out, exist_ok=True)
-            self.created = not self.out_existed
-        self.step = start
-        self._write_csv(history)
-
-        progress = self._progress(total, start)
-        began, trained = time.perf_counter(), 0
-        for step in range(start, total):
-            loss_sum = 0.0
-            micro = list(packing.step(step))
-            for m, rows in enumerate(micro):
-                ids = torch.from_numpy(rows)
-                out = model(input_ids=ids, labels=ids, use_cache=False)
-                # With --step-in-backward the last micro-batch's backward steps the experts; the others accumulate.
-                with optimizer.no_step() if m + 1 < len(micro) else contextlib.nullcontext():
-                    (out.loss / args.grad_accum).backward()
-                loss_sum += float(out.loss.detach())
-                del out
-            loss = loss_sum / args.grad_accum
-            if args.max_grad_norm > 0:
-                swt.clip_grad_norm_(model, args.max_grad_norm)
-            lr = float(scheduler.get_last_lr()[0])
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
-            tokens += packing.step_tokens
-            trained += packing.step_tokens
-            self.step = step + 1
-            history.append((self.step, loss, lr, tokens))
-            self._append_csv(history[-1])
-            stats = budget.stats()
-            rate = trained / max(time.perf_counter() - began, 1e-9)
-            if progress is not None:
-                progress.set_postfix_str(f"loss {loss:.4f}, lr {lr:.2e}, {rate:,.0f} tok/s, resident "
-                                         f"{format_bytes(stats['resident_bytes'])} of {format_bytes(budget_bytes)}",
-                                         refresh=False)
-                progress.update(1)
-            if args.save_every and self.step % args.save_every == 0:
-                self._save_checkpoint(model, optimizer, scheduler, history, tokens)
-        if progress is not None:
-            progress.close()
-        self._plot(history)
-        self._save_final(model, tokenizer)
-        stats = budget.stats()
-        elapsed = time.perf_counter() - began
-        first = f"{history[0][1]:.4f} -> " if history else ""
-        print(f"{PROG}: {total - start} steps, {trained} tokens in {elapsed:.1f} s ({trained / max(elapsed, 1e-9):,.0f}"
-              f" tok/s); loss {first}{history[-1][1]:.4f}; budget peak {format_bytes(stats['peak_bytes'])} of "
-              f"{format_bytes(budget_bytes)}; wrote {self.out}{self.plot_note}", file=sys.stderr)
+        return model, tokenizer, optimizer, scheduler, packing, budget, budget_bytes, total, resume_from, state
 
     # ---- output folder and checkpoints -------------------------------------------------------------------------
 
@@ -391,32 +494,59 @@ class _Run:
 
         import strideweave.torch as swt
         final = os.path.join(self.out, f"checkpoint-{self.step}")
-        tmp = os.path.join(self.out, f".checkpoint-{self.step}.tmp-{os.getpid()}")
+        self.where = f"while writing checkpoint-{self.step}"
+        tmp = os.path.join(self.out, f".checkpoint-{self.step}.tmp-{self._tag()}")
+        # On several ranks every rank writes its part into the same hidden folder, and rank 0 renames it once all
+        # of them are done (Note [The command under torchrun]).
         swt.save_pretrained(model, tmp)
         _save_optimizer(optimizer, tmp)
-        buf = io.BytesIO()
-        torch.save({"scheduler": scheduler.state_dict(), "torch_rng": torch.get_rng_state(),
-                    "python_rng": random.getstate()}, buf)
-        _write_file(os.path.join(tmp, STATE_PT), buf.getvalue())
-        state = {"step": self.step, "tokens": tokens, "options": self.fingerprint, "history": history}
-        _write_file(os.path.join(tmp, STATE_JSON), json.dumps(state, indent=1).encode())
-        _fsync_dir(tmp)
-        if os.path.exists(final):  # left by an earlier attempt at this step
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _fsync_dir(self.out)
+        test_kill(self.ranks, self.step, "save")
+        if self.rank == 0:
+            buf = io.BytesIO()
+            torch.save({"scheduler": scheduler.state_dict(), "torch_rng": torch.get_rng_state(),
+                        "python_rng": random.getstate()}, buf)
+            _write_file(os.path.join(tmp, STATE_PT), buf.getvalue())
+            state = {"step": self.step, "tokens": tokens, "options": self.fingerprint, "history": history,
+                     "ranks": 1 if self.ranks is None else self.ranks.world}
+            _write_file(os.path.join(tmp, STATE_JSON), json.dumps(state, indent=1).encode())
+            _fsync_dir(tmp)
+        if self.ranks is not None:
+            self.ranks.barrier()  # every rank's part is written
+        if self.rank == 0:
+            if os.path.exists(final):  # left by an earlier attempt at this step
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            _fsync_dir(self.out)
+        if self.ranks is not None:
+            self.ranks.barrier()
+
+    def _tag(self) -> int:
+        """The temporary folders' suffix: this process's id, or rank 0's on several ranks (the same folder)."""
+        return os.getpid() if self.ranks is None else self.ranks.run_id
+
+    def _remove_temporaries(self) -> None:
+        """Hidden temporary folders a run stopped while writing left in OUT_DIR (never a checkpoint-N)."""
+        for name in os.listdir(self.out):
+            if name.startswith(".") and ".tmp-" in name:
+                shutil.rmtree(os.path.join(self.out, name), ignore_errors=True)
 
     def _save_final(self, model: Any, tokenizer: Any) -> None:
         """The model (save_pretrained) and the tokenizer, written into a temporary folder and moved into OUT_DIR
         file by file (OUT_DIR keeps its checkpoints and loss files)."""
         import strideweave.torch as swt
-        tmp = os.path.join(self.out, f".model.tmp-{os.getpid()}")
-        swt.save_pretrained(model, tmp)
-        tokenizer.save_pretrained(tmp)
-        for name in sorted(os.listdir(tmp)):
-            os.replace(os.path.join(tmp, name), os.path.join(self.out, name))
-        os.rmdir(tmp)
-        _fsync_dir(self.out)
+        tmp = os.path.join(self.out, f".model.tmp-{self._tag()}")
+        self.where = "while writing the final model"
+        swt.save_pretrained(model, tmp)  # collective on several ranks
+        if self.ranks is not None:
+            self.ranks.barrier()
+        if self.rank == 0:
+            tokenizer.save_pretrained(tmp)
+            for name in sorted(os.listdir(tmp)):
+                os.replace(os.path.join(tmp, name), os.path.join(self.out, name))
+            os.rmdir(tmp)
+            _fsync_dir(self.out)
+        if self.ranks is not None:
+            self.ranks.barrier()
 
     def _plot(self, history: list) -> None:
         from ._plot import plot_loss
