@@ -77,6 +77,8 @@ def _run(folder: str, steps: range, rank: int, world: int, group, save: dict = N
             out["saved"] = _weights(model, bindings)
             swt.save_pretrained(model, save["checkpoint"], max_shard_size=200_000)
             opt.save_state(save["state"])
+            if save.get("state_dict") is not None:
+                out["state_dict"] = _state_dict_round_trip(model, opt, save["state_dict"], rank)
         ids = global_batch(FAMILY, s)[rows_of(rank, world)]
         out["w_old"][s] = _weights(model, bindings)
         out["post"][s] = _step(model, bindings, opt, ids, group)
@@ -86,6 +88,34 @@ def _run(folder: str, steps: range, rank: int, world: int, group, save: dict = N
     out["expert_names"] = sorted(f"{p}.{pn}" for p, b in bindings.items() for pn in b.parameter_names)
     out["model"], out["bindings"] = model, bindings
     return out
+
+
+def _state_dict_round_trip(model, opt, folder: str, rank: int) -> dict:
+    """state_dict() with a state_folder shared by the ranks, load_state_dict() of it into a new optimizer: the files
+    each rank's dict names, and whether the new optimizer's state (written by save_state of its engines) equals the
+    old one's, tile for tile, metadata included."""
+    import strideweave.torch as swt
+    from safetensors.numpy import load_file
+    from safetensors import safe_open
+    opt.state_folder = folder
+    sd = opt.state_dict()
+    fresh = swt.AdamW(model, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    fresh.load_state_dict(sd)
+    equal = True
+    for i, (a, b) in enumerate(zip(opt._tiled_groups, fresh._tiled_groups)):
+        paths = [os.path.join(folder, f"compare-{rank}-{i}-{k}.safetensors") for k in range(2)]
+        a.engine.save_state(paths[0])
+        b.engine.save_state(paths[1])
+        tensors = [load_file(p) for p in paths]
+        metas = []
+        for p in paths:
+            with safe_open(p, "np") as f:
+                metas.append(f.metadata())
+        equal = equal and metas[0] == metas[1] and tensors[0].keys() == tensors[1].keys() and \
+            all((tensors[0][k].view("u1") == tensors[1][k].view("u1")).all() for k in tensors[0])
+    torch_equal = str(opt._torch_cls.state_dict(opt)) == str(fresh._torch_cls.state_dict(fresh))
+    opt.state_folder = None
+    return {"files": sd["strideweave"]["files"], "equal": bool(equal), "torch_equal": torch_equal}
 
 
 def _failing_save(model, target: str, rank: int) -> dict:
@@ -142,7 +172,8 @@ def worker(config_path: str) -> None:
         group = dist.group.WORLD
         if cfg["job"] == "train":
             out = _run(cfg["source"], range(TOTAL), rank, world, group,
-                       save={"at": SAVED, "checkpoint": cfg["checkpoint"], "state": cfg["state"]})
+                       save={"at": SAVED, "checkpoint": cfg["checkpoint"], "state": cfg["state"],
+                             "state_dict": cfg["state_dict"]})
             out["failed_save"] = _failing_save(out["model"], cfg["failed_target"], rank)
             out["fused"] = _fused_refusal(cfg["fused_source"], cfg["fused_target"], group)
             swt_module().save_pretrained(swt_module().from_pretrained(cfg["fp8_source"], 1 << 22, process_group=group),
@@ -222,7 +253,7 @@ def runs(tmp_path_factory):
              "failed_target": os.path.join(root, "failed", "target"), "fused_source": fused,
              "fused_target": os.path.join(root, "gpt_oss-saved"), "one_checkpoint": os.path.join(root, "saved-1"),
              "one_state": os.path.join(root, "state-1"), "fp8_source": os.path.join(root, "fp8"),
-             "fp8_target": os.path.join(root, "fp8-saved-2")}
+             "fp8_target": os.path.join(root, "fp8-saved-2"), "state_dict": os.path.join(root, "state-dict")}
     from test_quantized_models import seed_of as fp8_seed, write_quantized
     print(f"FP8 deepseek_v3 seed={fp8_seed('deepseek_v3')}")
     write_quantized("deepseek_v3", paths["fp8_source"], fp8_seed("deepseek_v3"))
@@ -390,6 +421,17 @@ def test_resume_on_two_ranks_from_one_process(runs):
         assert excess <= 0, f"{n}: the resumed weights exceed the bound by {excess:.3e}"
         worst = max(worst, float(((split["weights"][n] - w).abs() / (bound[n]["Dw"] + 1e-300)).max()))
     print(f"worst error / bound: {worst:.3f}")
+
+
+def test_state_dict_across_ranks(runs):
+    """state_dict() with one state_folder shared by the 2 ranks: each rank's dict names files of its own (nothing
+    overwritten), and load_state_dict() of it into a new optimizer restores the same state, every tile's moments,
+    step counts and the hyperparameters, and torch's state."""
+    rounds = [r["state_dict"] for r in runs["trained"]]
+    assert [r["files"] for r in rounds] == [["tiled_state.0.rank0-of-2.safetensors"],
+                                            ["tiled_state.0.rank1-of-2.safetensors"]]
+    for rank, r in enumerate(rounds):
+        assert r["equal"] and r["torch_equal"], f"rank {rank}: the state after load_state_dict differs"
 
 
 def test_failed_save_on_one_rank_leaves_nothing(runs):

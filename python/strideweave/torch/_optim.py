@@ -325,11 +325,16 @@ class _Bridge:
 
     def _with_tiled(self, folder: str, sd: dict, relative: bool) -> dict:
         files = []
+        from ._distributed import world_size_of
+        group = self._group()
+        world = world_size_of(group)
+        rank = _torch().distributed.get_rank(group) if world > 1 else 0
         for i, tg in enumerate(self._tiled_groups):
             if tg.engine is None:
                 files.append(None)
                 continue
-            name = _tiled_file(i)
+            # experts sharded over ranks: a file of each rank's own, should the ranks share a state_folder
+            name = _tiled_file_of_rank(i, rank, world) if world > 1 else _tiled_file(i)
             tg.engine.save_state(os.path.join(folder, name))
             files.append(name)
         sd["strideweave"] = {"format": _FORMAT, "folder": None if relative else os.path.abspath(folder),
@@ -339,7 +344,10 @@ class _Bridge:
     def state_dict(self) -> dict:
         """torch's state dict of the torch parameters; the tiled state is streamed to files in ``state_folder``
         (``tiled_state.<group>.safetensors``, overwritten by the next call) that the dict names. Without
-        ``state_folder``, an optimizer with tiled parameters raises RuntimeError (use ``save_state(folder)``)."""
+        ``state_folder``, an optimizer with tiled parameters raises RuntimeError (use ``save_state(folder)``).
+        With experts sharded over ranks, each rank's dict names its own files (``tiled_state.<group>.rank<r>-of-
+        <N>.safetensors``, holding its own experts' state; not collective), which ``load_state_dict`` on a rank
+        with the same share reads back (Note [Optimizer state across ranks])."""
         sd = self._torch_cls.state_dict(self)
         if not any(tg.engine is not None for tg in self._tiled_groups):
             return sd
