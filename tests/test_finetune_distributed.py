@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -125,6 +126,13 @@ def runs(folders):
     assert code == 0
     run_two_hosts(folders, two)
     return {"one": one, "two": two}
+
+
+@pytest.fixture(scope="module")
+def reference(folders):
+    """The replay in RAM with the bounds for 1 and 2 ranks (``replay``)."""
+    print(f"model seed 0, data seed {SEED}")
+    return replay(folders, (1, 2))
 
 
 # ------------------------------------------------------------------------------------------------ the replay
@@ -244,7 +252,7 @@ def losses_of(folder) -> list:
 # ------------------------------------------------------------------------------------------------------ tests
 
 
-def test_two_processes_match_one(folders, runs):
+def test_two_processes_match_one(folders, runs, reference):
     """The command on 2 ranks (two torchrun agents, as two hosts) and in one process: both final checkpoints (as
     transformers loads them) within their bounds of the in-RAM replay (docstring of ``replay``), and so of each
     other by the sum of the two bounds; the same steps, tokens and learning rates in loss.csv, the losses within
@@ -253,8 +261,7 @@ def test_two_processes_match_one(folders, runs):
     10 times the forward's Float32 parity bound (1e-5, tests/test_hf_families.py), which with the weights' distance
     (a fraction of that here) bounds how far the runs' logits are apart, so both runs route every token alike (the
     data seed is one for which this holds: with seed 3 a token's gap is 8e-6)."""
-    print(f"model seed 0, data seed {SEED}")
-    ref = replay(folders, (1, 2))
+    ref = reference
     assert ref["gap"] > 1e-4, f"a token's routing is near a tie (relative gap {ref['gap']:.2e})"
     got = {1: torch_names(runs["one"]), 2: torch_names(runs["two"])}
     for N, weights in got.items():
@@ -317,12 +324,15 @@ KILLED = re.compile(r"test hook: rank 1 SIGKILL at step (\d+) \((\w+)\) at ([0-9
 
 
 @pytest.mark.parametrize("step,where", [(3, "forward"), (4, "save")])
-def test_a_rank_killed_stops_the_other_and_resume_continues(folders, runs, tmp_path, step, where):
+def test_a_rank_killed_stops_the_other_and_resume_continues(folders, runs, reference, tmp_path, step, where):
     """Rank 1 sends itself SIGKILL (the command's test hook) at step 3 after its first micro-batch's forward, or at
     step 4 after writing its part of checkpoint-4: rank 0 exits with status 1 within STOP_BOUND seconds of the
     kill, naming rank 1 as lost; OUT_DIR holds checkpoint-2 only, bit for bit the uninterrupted 2-rank run's, and
     no hidden temporary folder; ``--resume`` on 2 ranks then finishes with the uninterrupted run's loss.csv and
-    final weights, bit for bit."""
+    final weights, bit for bit. After the kill mid-step, a copy of OUT_DIR resumed in one process (the experts
+    and their moments re-sharded from 2 ranks to 1 on load) finishes within the 2-rank bound of the replay (steps 1
+    and 2 on 2 ranks, 3 and 4 on one: each step's gradient bound for 2 ranks covers one rank's), its loss.csv
+    starting with the 2-rank run's two rows."""
     out = tmp_path / "out"
     env = environment(STRIDEWEAVE_FINETUNE_TEST_KILL=f"1:{step}:{where}")
     code, text, ended = run_one_host(folders, out, env=env)
@@ -345,6 +355,20 @@ def test_a_rank_killed_stops_the_other_and_resume_continues(folders, runs, tmp_p
         assert sorted(a) == sorted(b) and a, sub
         for n in a:
             assert torch.equal(a[n], b[n]), f"checkpoint-2/{sub}: {n}"
+
+    if where == "forward":
+        other = tmp_path / "other"
+        shutil.copytree(out, other)
+        code = ft.main([folders["model"], "--data", folders["data"], "--output", str(other), *OPTIONS, "--resume"])
+        assert code == 0
+        got = torch_names(other)
+        for n, w in reference["weights"].items():
+            excess = float(((got[n] - w).abs() - reference["bounds"][2][n]).max())
+            assert excess <= 0, f"resumed on 1 rank: {n} exceeds its bound by {excess:.3e}"
+        rows, two = losses_of(other), losses_of(runs["two"])
+        assert rows[:2] == two[:2] and [r[2:] for r in rows] == [r[2:] for r in two]
+        for s, row in enumerate(rows[2:], 2):
+            assert abs(float(row[1]) - reference["losses"][s]) <= reference["loss_bounds"][2][s], row
 
     code, text, _ = run_one_host(folders, out, "--resume")
     assert code == 0, text[-4000:]
