@@ -86,7 +86,10 @@ def _run(folder: str, steps: range, rank: int, world: int, group, save: dict = N
     out["weights"] = _weights(model, bindings)
     out["shares"] = {p: (b.experts_range.start, b.experts_range.stop) for p, b in bindings.items()}
     out["expert_names"] = sorted(f"{p}.{pn}" for p, b in bindings.items() for pn in b.parameter_names)
-    out["model"], out["bindings"] = model, bindings
+    out["model"], out["bindings"], out["opt"] = model, bindings, opt
+    if save is not None and save.get("state_dict") is not None:  # a good save of the state, to fail over later
+        opt.save_state(save["failed_state"])
+        out["good_state_files"] = sorted(os.listdir(save["failed_state"]))
     return out
 
 
@@ -119,25 +122,55 @@ def _state_dict_round_trip(model, opt, folder: str, rank: int) -> dict:
 
 
 def _failing_save(model, target: str, rank: int) -> dict:
-    """save_pretrained with the shard writer raising on rank 1: what each rank raised and what is left."""
+    """save_pretrained with the shard writer raising on rank 1, into a new target and into an existing one (the
+    folder of the earlier good save, its files and their bytes recorded before and after): what each rank raised
+    and what is left."""
+    import strideweave.torch as swt
     import strideweave.torch._saving as saving
     parent = os.path.dirname(target)
+    existing = os.path.join(parent, "existing")
+    if rank == 0:
+        os.makedirs(existing)
+        with open(os.path.join(existing, "kept.txt"), "w") as f:
+            f.write("the old folder")
     before = sorted(os.listdir(parent))
     writer = saving._write_shard
     if rank == 1:
         def broken(path, tensors, metadata, quantize=None):
             raise OSError(f"injected failure writing {os.path.basename(path)}")
         saving._write_shard = broken
+    out = {"raised": [], "before": before}
     try:
-        import strideweave.torch as swt
-        swt.save_pretrained(model, target, max_shard_size=200_000)
+        for where in (target, existing):
+            try:
+                swt.save_pretrained(model, where, max_shard_size=200_000)
+                out["raised"].append(None)
+            except Exception as e:  # noqa: BLE001 (recorded for the test)
+                out["raised"].append((type(e).__name__, str(e)))
+    finally:
+        saving._write_shard = writer
+    out["exists"] = os.path.lexists(target)
+    out["after"] = sorted(os.listdir(parent))
+    out["existing"] = {n: open(os.path.join(existing, n)).read() for n in sorted(os.listdir(existing))}
+    return out
+
+
+def _failing_state_save(opt, folder: str, rank: int) -> dict:
+    """The optimizer's save_state into the folder of an earlier good save, the engine raising on rank 1: what each
+    rank raised and the files left."""
+    tg = next(tg for tg in opt._tiled_groups if tg.engine is not None)
+    if rank == 1:
+        def broken(path):
+            raise OSError("injected failure writing the optimizer state")
+        tg.engine.save_state = broken
+    try:
+        opt.save_state(folder)
         raised = None
     except Exception as e:  # noqa: BLE001 (recorded for the test)
         raised = (type(e).__name__, str(e))
     finally:
-        saving._write_shard = writer
-    return {"raised": raised, "exists": os.path.lexists(target), "before": before,
-            "after": sorted(os.listdir(parent))}
+        tg.engine.__dict__.pop("save_state", None)
+    return {"raised": raised, "files": sorted(os.listdir(folder))}
 
 
 def swt_module():
@@ -173,8 +206,9 @@ def worker(config_path: str) -> None:
         if cfg["job"] == "train":
             out = _run(cfg["source"], range(TOTAL), rank, world, group,
                        save={"at": SAVED, "checkpoint": cfg["checkpoint"], "state": cfg["state"],
-                             "state_dict": cfg["state_dict"]})
+                             "state_dict": cfg["state_dict"], "failed_state": cfg["failed_state"]})
             out["failed_save"] = _failing_save(out["model"], cfg["failed_target"], rank)
+            out["failed_state"] = _failing_state_save(out["opt"], cfg["failed_state"], rank)
             out["fused"] = _fused_refusal(cfg["fused_source"], cfg["fused_target"], group)
             swt_module().save_pretrained(swt_module().from_pretrained(cfg["fp8_source"], 1 << 22, process_group=group),
                                          cfg["fp8_target"], quantize=True, max_shard_size=100_000)
@@ -182,7 +216,7 @@ def worker(config_path: str) -> None:
             out = _run(cfg["checkpoint"], range(SAVED, TOTAL), rank, world, group, state=cfg["state"])
         else:  # from the one-process run's checkpoint and state
             out = _run(cfg["one_checkpoint"], range(SAVED, TOTAL), rank, world, group, state=cfg["one_state"])
-        del out["model"], out["bindings"]
+        del out["model"], out["bindings"], out["opt"]
         torch.save(out, cfg["out"] + ".part")
         os.replace(cfg["out"] + ".part", cfg["out"])
     finally:
@@ -253,7 +287,8 @@ def runs(tmp_path_factory):
              "failed_target": os.path.join(root, "failed", "target"), "fused_source": fused,
              "fused_target": os.path.join(root, "gpt_oss-saved"), "one_checkpoint": os.path.join(root, "saved-1"),
              "one_state": os.path.join(root, "state-1"), "fp8_source": os.path.join(root, "fp8"),
-             "fp8_target": os.path.join(root, "fp8-saved-2"), "state_dict": os.path.join(root, "state-dict")}
+             "fp8_target": os.path.join(root, "fp8-saved-2"), "state_dict": os.path.join(root, "state-dict"),
+             "failed_state": os.path.join(root, "failed-state")}
     from test_quantized_models import seed_of as fp8_seed, write_quantized
     print(f"FP8 deepseek_v3 seed={fp8_seed('deepseek_v3')}")
     write_quantized("deepseek_v3", paths["fp8_source"], fp8_seed("deepseek_v3"))
@@ -261,14 +296,14 @@ def runs(tmp_path_factory):
     train = _spawn(root, "train", 2, **paths)
     one = _run(source, range(TOTAL), 0, 1, None,  # the one-process run, meanwhile
                save={"at": SAVED, "checkpoint": paths["one_checkpoint"], "state": paths["one_state"]})
-    del one["model"], one["bindings"]
+    del one["model"], one["bindings"], one["opt"]
     paths["fp8_one"] = os.path.join(root, "fp8-saved-1")
     swt_module().save_pretrained(swt_module().from_pretrained(paths["fp8_source"], 1 << 22), paths["fp8_one"],
                                  quantize=True)
     trained = _collect(train)
     resume = _spawn(root, "resume", 2, **paths) + _spawn(root, "split", 2, **paths)
     resumed_one = _run(paths["checkpoint"], range(SAVED, TOTAL), 0, 1, None, state=paths["state"])
-    del resumed_one["model"], resumed_one["bindings"]
+    del resumed_one["model"], resumed_one["bindings"], resumed_one["opt"]
     resumed = _collect(resume)
     return {"trained": trained, "one": one, "resumed": resumed[:2], "split": resumed[2:],
             "resumed_one": resumed_one, **paths}
@@ -435,17 +470,35 @@ def test_state_dict_across_ranks(runs):
 
 
 def test_failed_save_on_one_rank_leaves_nothing(runs):
-    """The shard writer raising on rank 1: every rank raises (rank 1 its own OSError, rank 0 RuntimeError naming
-    rank 1 and its error), nothing appears under the target name and nothing is left beside it."""
+    """The shard writer raising on rank 1, into a new target and into an existing folder: every rank raises (rank 1
+    its own OSError, rank 0 RuntimeError naming rank 1 and its error), nothing appears under the new target's
+    name, the existing folder keeps exactly its old file, and nothing is left beside them."""
     failed = [r["failed_save"] for r in runs["trained"]]
+    for attempt in range(2):
+        kind, message = failed[1]["raised"][attempt]
+        assert kind == "OSError" and "injected failure" in message
+        kind, message = failed[0]["raised"][attempt]
+        assert kind == "RuntimeError" and "rank 1 failed (OSError: injected failure" in message
+        assert "nothing was written" in message
+    for rank, f in enumerate(failed):
+        assert not f["exists"], f"rank {rank}: the target exists"
+        assert f["existing"] == {"kept.txt": "the old folder"}, f"rank {rank}: {f['existing']}"
+    assert failed[0]["before"] == failed[0]["after"] == ["existing"], failed[0]["after"]
+    assert os.listdir(os.path.dirname(runs["failed_target"])) == ["existing"]
+
+
+def test_failed_state_save_on_one_rank(runs):
+    """The optimizer's save_state raising on rank 1 (into the folder of an earlier good save): every rank raises
+    (rank 1 its own OSError, rank 0 RuntimeError naming rank 1), and no optimizer.pt is left, so load_state cannot
+    take the folder for a complete state."""
+    good = runs["trained"][0]["good_state_files"]
+    assert good == ["optimizer.pt", "tiled_state.0.rank0-of-2.safetensors", "tiled_state.0.rank1-of-2.safetensors"]
+    failed = [r["failed_state"] for r in runs["trained"]]
     assert failed[1]["raised"][0] == "OSError" and "injected failure" in failed[1]["raised"][1]
     kind, message = failed[0]["raised"]
     assert kind == "RuntimeError" and "rank 1 failed (OSError: injected failure" in message
-    assert "nothing was written" in message
-    for rank, f in enumerate(failed):
-        assert not f["exists"], f"rank {rank}: the target exists"
-    assert failed[0]["before"] == failed[0]["after"] == [], failed[0]["after"]
-    assert os.listdir(os.path.dirname(runs["failed_target"])) == []
+    assert "optimizer.pt was not written" in message
+    assert "optimizer.pt" not in os.listdir(runs["failed_state"])
 
 
 def test_quantized_save_by_two_ranks(runs):
