@@ -16,6 +16,10 @@ the experts (one ``strideweave.ResidencyBudget``; the rest lives in the checkpoi
 in the page cache). Outside it, in RAM as in any PyTorch run: the non-expert weights, their gradients and moments,
 the activations of a micro-batch, and the fixed cost of torch and transformers.
 
+Under ``torchrun`` (``WORLD_SIZE`` > 1) the same command runs on every rank: the experts sharded across the ranks,
+each micro-batch's rows split over them, the one-process run's steps (``_dist``, Note [The command under torchrun]);
+a rank lost mid-run stops the others with an error naming it (Note [A lost rank]).
+
 Importing this package imports neither torch nor transformers; ``main`` imports them when it runs.
 """
 

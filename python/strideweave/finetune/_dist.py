@@ -200,7 +200,7 @@ class Ranks:
                 f"host unreachable){quoted}")
 
 
-def test_kill(ranks: Optional[Ranks], step: int, where: str) -> None:
+def kill_hook(ranks: Optional[Ranks], step: int, where: str) -> None:
     """The test hook of Note [A lost rank]: SIGKILL this process at (rank, step, where) when the environment asks."""
     spec = os.environ.get(KILL_HOOK)
     if not spec or ranks is None:

@@ -36,7 +36,7 @@ import time
 from typing import Any
 
 from ._data import CommandError, Packing, format_bytes, parse_size, read_records, tokenize
-from ._dist import Ranks, Stopped, is_collective_failure, test_kill, world_size_from_environment
+from ._dist import Ranks, Stopped, is_collective_failure, kill_hook, world_size_from_environment
 
 PROG = "python -m strideweave.finetune"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -305,7 +305,7 @@ class _Run:
                 ids = torch.from_numpy(batch[share])
                 out = model(input_ids=ids, labels=ids, use_cache=False)
                 if m == 0:
-                    test_kill(ranks, step + 1, "forward")
+                    kill_hook(ranks, step + 1, "forward")
                 # With --step-in-backward the last micro-batch's backward steps the experts; the others accumulate.
                 with optimizer.no_step() if m + 1 < len(micro) else contextlib.nullcontext():
                     (out.loss / args.grad_accum).backward()
@@ -500,7 +500,7 @@ class _Run:
         # of them are done (Note [The command under torchrun]).
         swt.save_pretrained(model, tmp)
         _save_optimizer(optimizer, tmp)
-        test_kill(self.ranks, self.step, "save")
+        kill_hook(self.ranks, self.step, "save")
         if self.rank == 0:
             buf = io.BytesIO()
             torch.save({"scheduler": scheduler.state_dict(), "torch_rng": torch.get_rng_state(),
