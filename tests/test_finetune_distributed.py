@@ -11,7 +11,9 @@ steps):
   --master-addr 127.0.0.1 --master-port P``, the multi-host arguments on loopback), each rank owning 4 experts of
   each layer and one row of each micro-batch;
 * two processes under one agent (``--nproc-per-node 2``) with rank 1 killed by the command's test hook
-  (``STRIDEWEAVE_FINETUNE_TEST_KILL``), mid-step or mid-checkpoint, then resumed with ``--resume``.
+  (``STRIDEWEAVE_FINETUNE_TEST_KILL``), mid-step or mid-checkpoint, then resumed with ``--resume`` on 2 ranks and
+  on 1; and rank 0 killed mid-step, named by rank 1;
+* a micro-batch that does not split over the ranks, refused by every rank.
 
 Every subprocess has a timeout; the collectives' timeout (``--dist-timeout``) is COLLECTIVE_TIMEOUT.
 """
@@ -377,3 +379,19 @@ def test_a_rank_killed_stops_the_other_and_resume_continues(folders, runs, refer
     assert sorted(a) == sorted(b) and a
     for n in a:
         assert torch.equal(a[n], b[n]), n
+
+
+def test_rank_0_killed_is_named_by_rank_1(folders, tmp_path):
+    """Rank 0 (which writes loss.csv and renames checkpoints) killed at step 3 mid-step: rank 1 names it, within
+    STOP_BOUND seconds (torchrun's agent hosts the rendezvous store, so rank 1 can still ask it), and OUT_DIR keeps
+    the complete checkpoint-2 and no other checkpoint-N."""
+    out = tmp_path / "out"
+    code, text, ended = run_one_host(folders, out, env=environment(STRIDEWEAVE_FINETUNE_TEST_KILL="0:3:forward"))
+    killed = re.search(r"test hook: rank 0 SIGKILL at step 3 \(forward\) at ([0-9.]+)", text)
+    assert killed and code != 0, text[-4000:]
+    survivor = [ln for ln in text.splitlines() if ln.startswith("python -m strideweave.finetune: error:")]
+    assert len(survivor) == 1 and "rank 0 of 2 was lost at step 3" in survivor[0], text[-4000:]
+    assert "rerun with --resume to continue from step 2" in survivor[0], survivor[0]
+    assert ended - float(killed.group(1)) < STOP_BOUND
+    assert [n for n in sorted(os.listdir(out)) if n.startswith("checkpoint-")] == ["checkpoint-2"]
+    assert (out / "checkpoint-2" / "trainer_state.json").is_file()
