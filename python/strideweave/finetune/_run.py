@@ -8,7 +8,9 @@ expert), the data file (every line) and that OUT_DIR's parent is a folder. OUT_D
 or be empty; with ``--resume`` it must hold a checkpoint). A checkpoint is written into a hidden temporary folder and
 renamed to ``checkpoint-N`` once complete (its ``trainer_state.json`` written last), so a ``checkpoint-N`` is always
 whole. When the run fails later (a full disk, an interruption), the OUT_DIR this run created is removed unless it
-holds a complete checkpoint, which is kept so that ``--resume`` continues from it (the error says so).
+holds a complete checkpoint, which is kept so that ``--resume`` continues from it (the error says so). Under
+torchrun the ranks agree on these checks before rank 0 creates OUT_DIR, and a checkpoint's hidden folder is renamed
+only once every rank has written its part (Note [The command under torchrun] in ``_dist``).
 
 Note [Resuming exactly]
 A checkpoint holds everything the rest of the run depends on: the weights (``save_pretrained``: the experts from
