@@ -8,7 +8,8 @@ per expert; its seeds, global batches, budget per rank and AdamW with clipping, 
 * job "train", 2 processes (gloo on loopback, spawned as tests/test_distributed.py spawns them): ``TOTAL`` steps;
   after ``SAVED`` steps ``save_pretrained`` (collective) writes one checkpoint and the optimizer's ``save_state``
   its state, and the run goes on uninterrupted; then a save with the shard writer raising on rank 1, a tiny GPT-OSS
-  saved (refused: its experts are one tensor), and a tiny FP8 DeepSeek-V3 saved with ``quantize=True``;
+  saved (its experts are one tensor per projection: each rank writes its rows of it), an MXFP4 GPT-OSS saved with
+  ``quantize=True`` (refused), and a tiny FP8 DeepSeek-V3 saved with ``quantize=True``;
 * in this process, one process without a group: the same ``TOTAL`` steps over the whole global batch, saving
   the checkpoint and the optimizer's state after ``SAVED`` steps likewise;
 * job "resume", 2 processes: the 2 ranks' checkpoint reopened with ``from_pretrained(process_group=)``, their
@@ -178,17 +179,21 @@ def swt_module():
     return swt
 
 
-def _fused_refusal(source: str, target: str, group) -> dict:
-    """save_pretrained of a GPT-OSS (its experts stored fused, one tensor for all of them) sharded over the ranks."""
+def _fused(source: str, target: str, mxfp4_source: str, mxfp4_target: str, group) -> dict:
+    """save_pretrained of a GPT-OSS (its experts stored fused, one tensor for all of them) sharded over the ranks,
+    untouched; and of an MXFP4 GPT-OSS with quantize=True (refused)."""
     import strideweave.torch as swt
     model = swt.from_pretrained(source, 1 << 20, process_group=group)
+    swt.save_pretrained(model, target, max_shard_size=20_000)
+    model = swt.from_pretrained(mxfp4_source, 1 << 20, process_group=group)
     try:
-        swt.save_pretrained(model, target)
+        swt.save_pretrained(model, mxfp4_target, quantize=True)
         raised = None
     except Exception as e:  # noqa: BLE001 (recorded for the test)
         raised = (type(e).__name__, str(e))
-    return {"raised": raised, "exists": os.path.lexists(target),
-            "beside": sorted(n for n in os.listdir(os.path.dirname(target)) if os.path.basename(target) in n)}
+    return {"raised": raised, "exists": os.path.lexists(mxfp4_target),
+            "beside": sorted(n for n in os.listdir(os.path.dirname(mxfp4_target))
+                             if os.path.basename(mxfp4_target) in n)}
 
 
 def worker(config_path: str) -> None:
@@ -209,7 +214,8 @@ def worker(config_path: str) -> None:
                              "state_dict": cfg["state_dict"], "failed_state": cfg["failed_state"]})
             out["failed_save"] = _failing_save(out["model"], cfg["failed_target"], rank)
             out["failed_state"] = _failing_state_save(out["opt"], cfg["failed_state"], rank)
-            out["fused"] = _fused_refusal(cfg["fused_source"], cfg["fused_target"], group)
+            out["fused"] = _fused(cfg["fused_source"], cfg["fused_target"], cfg["mxfp4_source"],
+                                  cfg["mxfp4_target"], group)
             swt_module().save_pretrained(swt_module().from_pretrained(cfg["fp8_source"], 1 << 22, process_group=group),
                                          cfg["fp8_target"], quantize=True, max_shard_size=100_000)
         elif cfg["job"] == "resume":
@@ -292,6 +298,10 @@ def runs(tmp_path_factory):
     from test_quantized_models import seed_of as fp8_seed, write_quantized
     print(f"FP8 deepseek_v3 seed={fp8_seed('deepseek_v3')}")
     write_quantized("deepseek_v3", paths["fp8_source"], fp8_seed("deepseek_v3"))
+    paths["mxfp4_source"], paths["mxfp4_target"] = os.path.join(root, "mxfp4"), os.path.join(root, "mxfp4-saved")
+    write_quantized("gpt_oss", paths["mxfp4_source"], fp8_seed("gpt_oss"))
+    paths["fused_one"] = os.path.join(root, "gpt_oss-saved-1")
+    swt_module().save_pretrained(swt_module().from_pretrained(fused, 1 << 20), paths["fused_one"])
     os.makedirs(os.path.join(root, "failed"))
     train = _spawn(root, "train", 2, **paths)
     one = _run(source, range(TOTAL), 0, 1, None,  # the one-process run, meanwhile
@@ -532,17 +542,44 @@ def test_quantized_save_by_two_ranks(runs):
     assert sum(p.numel() for p in model.parameters()) > 0
 
 
-def test_fused_experts_refused_across_ranks(runs):
-    """A checkpoint storing all of a layer's experts in one tensor (GPT-OSS) cannot be written in parts by the
-    ranks: TypeError on every rank (each plans the same refusal before anything is written), nothing under the
-    target name or beside it."""
+def test_fused_experts_saved_by_two_ranks(runs):
+    """A checkpoint storing all of a layer's experts in one tensor per projection (GPT-OSS: (E, H, 2I) and
+    (E, I, H), Float32), opened by 2 ranks and saved untouched: each rank writes its experts' rows of those tensors
+    into the one shard that holds them; every tensor is bit for bit what one process writes, transformers loads the
+    result with the source's weights bit for bit, and each tensor is in one shard only."""
+    from safetensors import safe_open
+
+    def tensors(folder):
+        with open(os.path.join(folder, "model.safetensors.index.json")) as f:
+            index = json.load(f)
+        out = {}
+        for name, filename in index["weight_map"].items():
+            with safe_open(os.path.join(folder, filename), "pt") as f:
+                out[name] = f.get_tensor(name)
+        return index, out
+
+    index2, two = tensors(runs["fused_target"])
+    index1, one = tensors(runs["fused_one"])
+    assert index2["metadata"] == index1["metadata"] and set(two) == set(one)
+    fused = [n for n in two if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert len(fused) == 4 and len(set(index2["weight_map"].values())) > 2
+    for n, t in one.items():
+        assert torch.equal(two[n], t), n
+    saved, source = _loaded(runs["fused_target"]), _loaded(runs["fused_source"])
+    assert saved.keys() == source.keys()
+    for n, w in source.items():
+        assert torch.equal(saved[n], w), n
+
+
+def test_fused_quantized_refused_across_ranks(runs):
+    """quantize=True across ranks of a checkpoint storing its experts fused (an MXFP4 GPT-OSS): TypeError on every
+    rank (each plans the same refusal before anything is written), nothing under the target name or beside it."""
     for rank, r in enumerate(runs["trained"]):
         kind, message = r["fused"]["raised"]
         assert kind == "TypeError", (rank, kind, message)
         assert "stores all its experts in one tensor" in message and "nothing was written" in message
         assert not r["fused"]["exists"] and r["fused"]["beside"] == []
-    assert not os.path.lexists(runs["fused_target"])
-
+    assert not os.path.lexists(runs["mxfp4_target"])
 
 if __name__ == "__main__":
     worker(sys.argv[1])

@@ -62,16 +62,24 @@ share ``experts_range``), each read from its tiles as in one process, and packs 
 rule. The ranks then agree by ``torch.distributed.all_gather_object`` (which is also the barrier) in three phases:
   1. each rank's shard count (the files are numbered rank after rank, ``model-0000i-of-0000n`` with n the total),
      and the temporary folder rank 0 made beside the target (the folder must be on a file system every rank sees);
-  2. each rank writes its shards into that folder, and sends {stored tensor name: (file, bytes)};
+     a checkpoint storing all of a layer's experts in one tensor per projection (fused forms such as GPT-OSS's
+     (E, H, 2I), DBRX's split (E * rows, cols)) has tensors no rank holds whole: these "joint" tensors get shards
+     of their own, numbered after the ranks' (the same plan on every rank: every rank binds the whole tensors), and
+     rank 0 creates each joint shard's file, its header and its full size (a sparse file), before phase 2;
+  2. each rank writes its shards into that folder, and its slice of each joint tensor (its experts' rows,
+     contiguous in the tensor's expert-major row-major order): streamed from its tiles by the shard writer into a
+     file of its own beside them, whose data bytes it copies into place in the joint shard (``pwrite`` at the
+     slice's offset; each rank writes disjoint bytes) and syncs; each rank sends {stored tensor name: (file,
+     bytes)};
   3. rank 0 checks that no tensor was written twice, writes config.json, generation_config.json and the one index
      (``weight_map`` the union of the ranks' lists, ``total_size`` their sum, ``total_parameters`` the model's count
      as in one process) and installs the folder by the same rename as in one process.
 Every phase ends with each rank's error (or None) exchanged: when any rank failed, rank 0 removes the temporary
 folder (and the parents it made), the rank that failed raises its own error and every other rank RuntimeError
-naming the failed ranks and their errors, so nothing appears under the target name and every rank raises. A
-checkpoint that stores all of a layer's experts in one tensor per projection (fused forms such as GPT-OSS's,
-DBRX's split form) cannot be written in parts by separate writers: it is refused (TypeError on every rank, before
-anything is written). ``quantize=True`` works per rank as in one process (each tensor quantized by its writer).
+naming the failed ranks and their errors, so nothing appears under the target name and every rank raises.
+``quantize=True`` works per rank as in one process (each tensor quantized by its writer) for checkpoints storing
+one matrix per expert; for joint tensors it is refused (TypeError on every rank, before anything is written: a
+quantized tensor's blocks and scales are not laid out as one slice per rank).
 """
 
 from __future__ import annotations
@@ -133,17 +141,16 @@ def in_one_tensor(binding: Any) -> bool:
     return binding.fused or (len(next(iter(binding.checkpoint_names.values()))) == 1 and binding.spec.experts > 1)
 
 
-def expert_tensors(binding: Any, *, requantize: bool = False, experts: Any = None) -> dict:
+def expert_tensors(binding: Any, *, requantize: bool = False, experts: Any = None, joint: Any = None) -> dict:
     """{checkpoint name: StrideWeave tensor} of one binding's experts, in the checkpoint's own shape and row-major
     order, each a view of the tiles' carrier (no value read, nothing copied). Quantized experts (Note [Quantized
     checkpoints when saving]) are given under their logical names in the module's own form, or, `requantize`, in the
-    form the checkpoint quantized them. `experts` (a range; default all): only those experts' matrices, for a
-    checkpoint storing one matrix per expert (ValueError for a form holding every expert in one tensor)."""
+    form the checkpoint quantized them. `experts` (a contiguous range; default all): only those experts' matrices;
+    a tensor holding every expert (fused forms, DBRX's split form) is then given as the slice of those experts (its
+    rows, expert-major), and `joint` (a dict) receives {name: (the whole tensor's shape, the slice's first element
+    in the whole tensor's row-major order)} for each such tensor."""
     sw = _sw()
     share = experts
-    if share is not None and in_one_tensor(binding) and list(share) != list(range(binding.spec.experts)):
-        raise ValueError(f"{binding.name}: the checkpoint stores all its experts in one tensor per projection; a "
-                         "share of them cannot be written alone")
     out = {}
     for role, names in binding.checkpoint_names.items():
         t = binding.tiled[role]
@@ -151,16 +158,27 @@ def expert_tensors(binding: Any, *, requantize: bool = False, experts: Any = Non
             raise TypeError(f"{binding.name}: the {role} tiles have layout {t.layout}; (rows, cols, experts) expected")
         rows, cols, experts = (int(x) for x in t.shape.extents)
         s_rows, s_cols, s_tile = _strides(t.layout)
+        lo, n = (share.start, len(share)) if share is not None else (0, experts)
+        if n == 0 and in_one_tensor(binding):
+            if joint is not None:
+                shape = [experts * rows, cols] if not binding.fused else \
+                    [experts, cols, rows] if binding.tiles_transposed != binding.spec.transposed and not requantize \
+                    else [experts, rows, cols]
+                joint[names[0]] = (shape, 0, t.dtype())
+            continue
         if binding.fused and not requantize and binding.tiles_transposed != binding.spec.transposed:
             # (E, cols, rows): the module's form of (out, in) tiles, a transposed view (the writer reads any layout)
-            layout = sw.Layout(sw.Shape(experts, cols, rows), sw.Stride(s_tile, s_cols, s_rows))
-            out[names[0]] = sw.Tensor(t.carrier, t.offset, layout)
+            layout = sw.Layout(sw.Shape(n, cols, rows), sw.Stride(s_tile, s_cols, s_rows))
+            out[names[0]] = sw.Tensor(t.carrier, t.offset + lo * s_tile, layout)
+            whole = [experts, cols, rows]
         elif binding.fused:  # (E, rows, cols)
-            layout = sw.Layout(sw.Shape(experts, rows, cols), sw.Stride(s_tile, s_rows, s_cols))
-            out[names[0]] = sw.Tensor(t.carrier, t.offset, layout)
+            layout = sw.Layout(sw.Shape(n, rows, cols), sw.Stride(s_tile, s_rows, s_cols))
+            out[names[0]] = sw.Tensor(t.carrier, t.offset + lo * s_tile, layout)
+            whole = [experts, rows, cols]
         elif len(names) == 1 and experts > 1:  # DBRX's split form: (E * rows, cols), expert e the rows [e*rows, ..)
-            layout = sw.Layout(sw.Shape([rows, experts], cols), sw.Stride([s_rows, s_tile], s_cols))
-            out[names[0]] = sw.Tensor(t.carrier, t.offset, layout)
+            layout = sw.Layout(sw.Shape([rows, n], cols), sw.Stride([s_rows, s_tile], s_cols))
+            out[names[0]] = sw.Tensor(t.carrier, t.offset + lo * s_tile, layout)
+            whole = [experts * rows, cols]
         else:  # one (rows, cols) matrix per expert
             if len(names) != experts:
                 raise ValueError(f"{binding.name}: {len(names)} checkpoint names for {experts} {role} tiles")
@@ -168,6 +186,9 @@ def expert_tensors(binding: Any, *, requantize: bool = False, experts: Any = Non
             for e, name in enumerate(names):
                 if share is None or e in share:
                     out[name] = sw.Tensor(t.carrier, t.offset + e * s_tile, layout)
+            continue
+        if joint is not None:
+            joint[names[0]] = (whole, lo * rows * cols, t.dtype())
     return out
 
 
@@ -225,15 +246,17 @@ def plan(model: Any, max_shard_size: int, what: str, quantize: bool = False) -> 
     """(shards: [[(name, StrideWeave tensor)]], total bytes, total parameters, {name: quantize= entry}); checks
     everything, writes nothing. `quantize`: every tensor the source checkpoint stores quantized is written in its
     format (Note [Quantized checkpoints when saving])."""
-    tensors, params, formats = collect(model, what, quantize)
+    tensors, params, formats, _ = collect(model, what, quantize)
     shards, total = pack(tensors, formats, max_shard_size)
     return shards, total, params, formats
 
 
 def collect(model: Any, what: str, quantize: bool = False, *, rank: Any = None) -> tuple:
-    """({name: StrideWeave tensor}, total parameters, {name: quantize= entry}) of what `model` saves; with `rank`
-    (a model sharded over ranks, Note [Saving across ranks]), what that rank writes: the non-expert tensors on rank
-    0 only, and the rank's own experts (``experts_range``)."""
+    """({name: StrideWeave tensor}, total parameters, {name: quantize= entry}, joint) of what `model` saves; with
+    `rank` (a model sharded over ranks, Note [Saving across ranks]), what that rank writes: the non-expert tensors
+    on rank 0 only, and the rank's own experts (``experts_range``); a tensor holding every expert of a layer is then
+    in `joint` ({name: (whole shape, the rank's slice's first element, dtype, the slice or None)}) rather than in
+    the tensors."""
     from ._experts import _quantized
     from ._offload import offloaded_experts
     bindings = offloaded_experts(model)
@@ -249,6 +272,7 @@ def collect(model: Any, what: str, quantize: bool = False, *, rank: Any = None) 
                              f"from a quantized checkpoint (FP8 or MXFP4); {type(model).__name__} was not")
         source = next(iter(bindings.values())).checkpoint
     tensors: dict = {}
+    joint: dict = {}
     # transformers' count for the untouched model: its parameters (tied ones once) plus the bound experts'
     params = model.num_parameters() if hasattr(model, "num_parameters") else 0
     for name, value in (non_expert_tensors(model) if not rank else {}).items():
@@ -269,20 +293,25 @@ def collect(model: Any, what: str, quantize: bool = False, *, rank: Any = None) 
                                  f"checkpoint quantized it as {tuple(q.shape)} ({q})")
             formats[name] = _format_of(q)
     for b in bindings.values():
-        if rank is not None and in_one_tensor(b):
-            raise TypeError(f"{what}: {b.name}: the checkpoint stores all its experts in one tensor per projection "
-                            f"({', '.join(ns[0] for ns in b.checkpoint_names.values())}), which the ranks cannot "
-                            "write in parts; saving across ranks supports checkpoints storing one matrix per expert "
-                            "(nothing was written)")
+        if rank is not None and in_one_tensor(b) and quantize:
+            raise TypeError(f"{what}: {b.name}: quantize=True across ranks re-quantizes checkpoints storing one "
+                            "matrix per expert; this one stores all its experts in one tensor per projection "
+                            f"({', '.join(ns[0] for ns in b.checkpoint_names.values())}) (nothing was written)")
         share = b.experts_range if rank is not None else None
-        for name, t in expert_tensors(b, requantize=quantize, experts=share).items():
+        info: dict = {}
+        for name, t in expert_tensors(b, requantize=quantize, experts=share,
+                                      joint=info if rank is not None else None).items():
+            if name in info:
+                joint[name] = info.pop(name) + (t,)
+                continue
             if name in tensors:
                 raise ValueError(f"{what}: {name!r} is both a weight of the model and an expert tensor of {b.name}")
             tensors[name] = t
             if quantize and name in b.quantized:
                 formats[name] = _format_of(b.quantized[name])
+        joint.update({name: v + (None,) for name, v in info.items()})  # an empty share: nothing of it here
         params += sum(_prod(shape) for shape in b.spec.shapes.values())
-    return tensors, params, formats
+    return tensors, params, formats, joint
 
 
 def pack(tensors: dict, formats: dict, max_shard_size: int) -> tuple:
@@ -500,6 +529,86 @@ def _check_agreed(agreed: list, error: Any, folder: Any, what: str) -> None:
                        + " (nothing was written)")
 
 
+_SAFETENSORS_DTYPES = {"Float32": "F32", "BFloat16": "BF16", "Float16": "F16", "Float64": "F64"}
+
+
+def _joint_shards(joint: dict, limit: int) -> list:
+    """The shards of the tensors every rank writes a slice of: [[(name, whole shape, dtype name, bytes)]], packed by
+    the greedy rule in transformers' order (the same on every rank: every rank binds the whole tensors)."""
+    entries = []
+    for name in sorted(joint, key=_natural_key):
+        shape, _, dtype, _ = joint[name]
+        kind = str(dtype).split(".")[-1]
+        if kind not in _SAFETENSORS_DTYPES:
+            raise TypeError(f"{name}: cannot write a {kind} tensor in parts")
+        entries.append((name, shape, _SAFETENSORS_DTYPES[kind], _prod(shape) * (dtype.bits // 8)))
+    shards: list = []
+    current: list = []
+    size = 0
+    for e in entries:
+        if current and size + e[3] > limit:
+            shards.append(current)
+            current, size = [], 0
+        current.append(e)
+        size += e[3]
+    if current:
+        shards.append(current)
+    return shards
+
+
+def _joint_header(shard: list) -> tuple:
+    """(header bytes with its length prefix, {name: first byte of its data in the file}) of a joint shard."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    begins = {}
+    offset = 0
+    for name, shape, dtype, nbytes in shard:
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        begins[name] = offset
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    prefix = len(text).to_bytes(8, "little") + text
+    return prefix, {name: len(prefix) + b for name, b in begins.items()}, len(prefix) + offset
+
+
+def _write_slices(tmp: str, joint: dict, joint_shards: list, first: int, count: int) -> None:
+    """Writes this rank's slice of every joint tensor into its shard (created by rank 0): each slice is streamed
+    from the tiles into a file of its own (the shard writer), whose data bytes are then copied into place."""
+    import tempfile
+    for j, shard in enumerate(joint_shards):
+        path = os.path.join(tmp, WEIGHTS_PATTERN.format(index=first + j + 1, count=count))
+        _, begins, _ = _joint_header(shard)
+        mine = [(name, begins[name]) for name, *_ in shard if joint[name][3] is not None]
+        if not mine:
+            continue
+        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            for name, begin in mine:
+                _, first_element, dtype, t = joint[name]
+                handle, part = tempfile.mkstemp(prefix=".strideweave-slice-", suffix=".safetensors", dir=tmp)
+                os.close(handle)
+                try:
+                    _write_shard(part, {name: t}, {})
+                    with open(part, "rb") as f:
+                        n = int.from_bytes(f.read(8), "little")
+                        lo, hi = json.loads(f.read(n))[name]["data_offsets"]
+                        f.seek(8 + n + lo)
+                        at = begin + first_element * (dtype.bits // 8)
+                        left = hi - lo
+                        while left:
+                            chunk = f.read(min(left, 8 << 20))
+                            if not chunk:
+                                raise OSError(f"{part}: cut short")
+                            os.pwrite(fd, chunk, at)
+                            at += len(chunk)
+                            left -= len(chunk)
+                finally:
+                    os.remove(part)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 def _save_across_ranks(model: Any, folder: Any, limit: int, quantize: bool, group: Any, what: str) -> None:
     """save_pretrained of a model sharded over the ranks of `group` (Note [Saving across ranks]); collective."""
     dist = _torch().distributed
@@ -508,10 +617,13 @@ def _save_across_ranks(model: Any, folder: Any, limit: int, quantize: bool, grou
     error: Any = None
     shards: list = []
     formats: dict = {}
+    joint: dict = {}
+    joint_shards: list = []
     params = 0
     try:  # 1. each rank plans its own tensors; rank 0 makes the temporary folder
-        tensors, params, formats = collect(model, what, quantize, rank=rank)
+        tensors, params, formats, joint = collect(model, what, quantize, rank=rank)
         shards, _ = pack(tensors, formats, limit)
+        joint_shards = _joint_shards(joint, limit)
         if rank == 0:
             target = _Folder(folder, what)
             target.open()
@@ -521,25 +633,42 @@ def _save_across_ranks(model: Any, folder: Any, limit: int, quantize: bool, grou
     _check_agreed(agreed, error, target, what)
     counts = [n for _, (n, _) in agreed]
     tmp = agreed[0][1][1]
+    own = sum(counts)
+    count = own + len(joint_shards)
+    if joint_shards:  # rank 0 lays out the shards of the tensors every rank writes a slice of
+        try:
+            if rank == 0:
+                for j, shard in enumerate(joint_shards):
+                    prefix, _, size = _joint_header(shard)
+                    with open(os.path.join(tmp, WEIGHTS_PATTERN.format(index=own + j + 1, count=count)), "wb") as f:
+                        f.write(prefix)
+                        f.truncate(size)
+        except Exception as e:  # noqa: BLE001
+            error = e
+        _check_agreed(_agree(group, error), error, target, what)
     stored: dict = {}
-    try:  # 2. each rank writes its shards into the one temporary folder
-        stored = _write_shards(tmp, shards, formats, sum(counts[:rank]), sum(counts))
+    try:  # 2. each rank writes its shards and its slices into the one temporary folder
+        stored = _write_shards(tmp, shards, formats, sum(counts[:rank]), count)
+        _write_slices(tmp, joint, joint_shards, own, count)
     except Exception as e:  # noqa: BLE001
         error = e
     agreed = _agree(group, error, stored)
     _check_agreed(agreed, error, target, what)
     try:  # 3. rank 0 writes the config and the index, and installs the folder
         if rank == 0:
+            written = [w for _, w in agreed]
+            written.append({name: (WEIGHTS_PATTERN.format(index=own + j + 1, count=count), nbytes)
+                            for j, shard in enumerate(joint_shards) for name, _, _, nbytes in shard})
             weight_map: dict = {}
             total = 0
-            for r, (_, written) in enumerate(agreed):
-                for name, (filename, n) in written.items():
+            for part in written:
+                for name, (filename, n) in part.items():
                     if name in weight_map:
                         raise ValueError(f"{what}: {name!r} was written by two ranks (the ranks disagree on the "
                                          "experts' shares)")
                     weight_map[name] = filename
                     total += n
-            synced = _write_config(model, tmp, formats)
+            synced = _write_config(model, tmp, formats) + sorted(set(written[-1][n][0] for n in written[-1]))
             _write_index(tmp, weight_map, total, params, synced)
             target.install()
     except Exception as e:  # noqa: BLE001
