@@ -563,6 +563,8 @@ def test_fused_experts_saved_by_two_ranks(runs):
     assert index2["metadata"] == index1["metadata"] and set(two) == set(one)
     fused = [n for n in two if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]
     assert len(fused) == 4 and len(set(index2["weight_map"].values())) > 2
+    assert sorted(os.listdir(runs["fused_target"])) == sorted(set(index2["weight_map"].values()) | {
+        "config.json", "generation_config.json", "model.safetensors.index.json"}), "no slice file left behind"
     for n, t in one.items():
         assert torch.equal(two[n], t), n
     saved, source = _loaded(runs["fused_target"]), _loaded(runs["fused_source"])
