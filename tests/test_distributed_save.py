@@ -432,6 +432,18 @@ def test_resume_on_two_ranks_continues_exactly(runs):
     assert len(moved) == len(trained["weights"]), "every weight moved after the resume"
 
 
+def _assert_resumed_within(reference: dict, resumed: dict) -> None:
+    """Every final weight of `resumed` within the bound propagated through AdamW (over the steps after the resume)
+    from the measured clipped-gradient differences against `reference`, the run that went on uninterrupted."""
+    bound = _adamw_bound(reference, resumed, range(SAVED, TOTAL), range(TOTAL))
+    worst = 0.0
+    for n, w in reference["weights"].items():
+        excess = float(((resumed["weights"][n] - w).abs() - bound[n]["Dw"]).max())
+        assert excess <= 0, f"{n}: the resumed weights exceed the bound by {excess:.3e}"
+        worst = max(worst, float(((resumed["weights"][n] - w).abs() / (bound[n]["Dw"] + 1e-300)).max()))
+    print(f"worst error / bound: {worst:.3f}")
+
+
 def test_resume_on_one_process_from_two_ranks(runs):
     """One process resumed from the 2 ranks' checkpoint and state (each expert's moments and step counts read from
     its saving rank's file): at the resume the weights are exactly the saved ones, and after the remaining steps
@@ -441,13 +453,7 @@ def test_resume_on_one_process_from_two_ranks(runs):
     resumed = runs["resumed_one"]
     for n, w in resumed["w_old"][SAVED].items():
         assert torch.equal(w, trained["w_old"][SAVED][n]), f"{n} differs at the resume"
-    bound = _adamw_bound(trained, resumed, range(SAVED, TOTAL), range(TOTAL))
-    worst = 0.0
-    for n, w in trained["weights"].items():
-        excess = float(((resumed["weights"][n] - w).abs() - bound[n]["Dw"]).max())
-        assert excess <= 0, f"{n}: the resumed weights exceed the bound by {excess:.3e}"
-        worst = max(worst, float(((resumed["weights"][n] - w).abs() / (bound[n]["Dw"] + 1e-300)).max()))
-    print(f"worst error / bound: {worst:.3f}")
+    _assert_resumed_within(trained, resumed)
 
 
 def test_resume_on_two_ranks_from_one_process(runs):
@@ -459,13 +465,7 @@ def test_resume_on_two_ranks_from_one_process(runs):
     split = _whole(runs["split"])
     for n, w in split["w_old"][SAVED].items():
         assert torch.equal(w, one["w_old"][SAVED][n]), f"{n} differs at the resume"
-    bound = _adamw_bound(one, split, range(SAVED, TOTAL), range(TOTAL))
-    worst = 0.0
-    for n, w in one["weights"].items():
-        excess = float(((split["weights"][n] - w).abs() - bound[n]["Dw"]).max())
-        assert excess <= 0, f"{n}: the resumed weights exceed the bound by {excess:.3e}"
-        worst = max(worst, float(((split["weights"][n] - w).abs() / (bound[n]["Dw"] + 1e-300)).max()))
-    print(f"worst error / bound: {worst:.3f}")
+    _assert_resumed_within(one, split)
 
 
 def test_state_dict_across_ranks(runs):
