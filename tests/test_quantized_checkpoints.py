@@ -799,6 +799,36 @@ def test_save_with_quantize_writes_what_quantize_gives(tmp_path):
     assert_bits(tiles_of(full, BF16), want(ref.mxfp4_dequantize_f32(wb, ws), BF16), BF16)
 
 
+def test_the_checkpoint_block_from_a_quantization_config_is_taken_where_the_scales_fit(tmp_path):
+    """A file that records no block, written (96, 256) in 64 x 64 blocks: its (2, 4) scale grid reads as 48 x 64
+    blocks by the shape rule (a grid dividing the shape), and as 64 x 64 once the checkpoint's block is given
+    (sw.safetensors.open(fp8_block=), what from_pretrained passes from quantization_config.weight_block_size),
+    bit for bit against the reference; a tensor whose scales do not fit the given block keeps the shape rule."""
+    seed = BASE_SEED + 8
+    rng = np.random.default_rng(seed)
+    print(f"seed={seed}")
+    b = rng.standard_normal((3, 96, 256)).astype(np.float32)
+    c = rng.standard_normal((3, 256, 256)).astype(np.float32)
+    qs = [ref.quantize_fp8(b[e], (64, 64)) for e in range(3)]
+    qc = [ref.quantize_fp8(c[e], (128, 128)) for e in range(3)]
+    other = "model.layers.0.mlp.experts.gate_up_proj"
+    path = tmp_path / "q.safetensors"
+    ref.write_safetensors(path, {**ref.fp8_fused_entries(FUSED, np.stack([q for q, _ in qs]),
+                                                         np.stack([s for _, s in qs])),
+                                 **ref.fp8_fused_entries(other, np.stack([q for q, _ in qc]),
+                                                         np.stack([s for _, s in qc]))})
+    assert sw.safetensors.open(path).dtype(FUSED).block == (48, 64)  # the shape rule alone misreads it
+    ckpt = sw.safetensors.open(path, fp8_block=(64, 64))
+    assert ckpt.dtype(FUSED).block == (64, 64)
+    assert ckpt.dtype(other).block == (128, 128)  # (2, 2) scales do not fit 64 x 64 blocks of (256, 256)
+    expected = np.stack([ref.fp8_dequantize_f32(q, s.astype(np.float64), (64, 64)) for q, s in qs])
+    assert_bits(tiles_of(ckpt.tiled(FUSED, dtype=F32), F32), expected, F32)
+    with pytest.raises(TypeError, match="fp8_block must be"):
+        sw.safetensors.open(path, fp8_block=64)
+    with pytest.raises(ValueError, match="at least 1 x 1"):
+        sw.safetensors.open(path, fp8_block=(0, 64))
+
+
 def test_save_with_a_block_the_reader_cannot_infer_reads_back_its_values(tmp_path):
     """A (2, 2) grid of 64 x 32 blocks over (96, 64) would read back as 48 x 32 blocks by the shape rule (a grid
     dividing the shape): save records the block in the metadata, and the reader takes it from there."""

@@ -227,6 +227,8 @@ void bind_checkpoint(nb::module_& m) {
         for (const auto& [k, v] : c.metadata()) d[nb::str(k.c_str())] = nb::str(v.c_str());
         return nb::borrow<nb::typed<nb::dict, nb::str, nb::str>>(d);
       }, "The files' __metadata__ (str -> str; the first file's value wins).")
+      .def("_set_fp8_block", &Checkpoint::set_fp8_block, nb::arg("rows"), nb::arg("cols"),
+           "The FP8 block of the checkpoint's quantized tensors (sw.safetensors.open(fp8_block=)).")
       .def_prop_ro("bytes_read", &Checkpoint::bytes_read,
                    "Bytes read from the checkpoint's files so far, by every tensor and tier over it.")
       .def("tensor", [](Checkpoint& c, nb::handle name) {

@@ -22,8 +22,13 @@ __all__ = ["Checkpoint", "CheckpointCarrier", "Quantized", "dequantize", "open",
 StrPath = Union[str, "os.PathLike[str]"]
 
 
-def open(path_or_paths: Union[StrPath, Iterable[StrPath]]) -> Checkpoint:  # noqa: A001 (the contract's name)
+def open(path_or_paths: Union[StrPath, Iterable[StrPath]], *,  # noqa: A001 (the contract's name)
+         fp8_block: Optional[tuple] = None) -> Checkpoint:
     """Opens a safetensors checkpoint: a file, a folder, or a list of files.
+
+    ``fp8_block``: the (rows, cols) block of its FP8 tensors' scales, as a model's ``quantization_config``
+    (``weight_block_size``) states it; taken for each FP8 tensor whose scales' shape fits it, before the rule that
+    infers the block from that shape (docs/guide.md, "Quantized checkpoints (FP8, MXFP4)").
 
     ValueError, naming the file (and the tensor), for a malformed header, index or folder; nothing stays open then.
     """
@@ -31,7 +36,13 @@ def open(path_or_paths: Union[StrPath, Iterable[StrPath]]) -> Checkpoint:  # noq
         paths = [os.fspath(path_or_paths)]
     else:
         paths = [os.fspath(p) for p in path_or_paths]
-    return _core._safetensors_open(paths)
+    if fp8_block is not None and (not isinstance(fp8_block, (tuple, list)) or len(fp8_block) != 2 or
+                                  not all(isinstance(b, int) and not isinstance(b, bool) for b in fp8_block)):
+        raise TypeError(f"safetensors.open: fp8_block must be (rows, cols), two ints, got {fp8_block!r}")
+    ckpt = _core._safetensors_open(paths)
+    if fp8_block is not None:
+        ckpt._set_fp8_block(*fp8_block)
+    return ckpt
 
 
 def save(path: StrPath, tensors: Mapping[str, Tensor], metadata: Optional[Mapping[str, str]] = None, *,

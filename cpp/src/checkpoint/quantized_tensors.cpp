@@ -41,6 +41,12 @@ std::pair<int64_t, int64_t> fp8_block_by_shape(int64_t rows, int64_t cols, int64
   return {0, 0};
 }
 
+void Checkpoint::set_fp8_block(int64_t rows, int64_t cols) {
+  if (rows < 1 || cols < 1) raise<ValueError>("an FP8 block is at least 1 x 1, got ", rows, " x ", cols);
+  fp8_block_rows_ = rows;
+  fp8_block_cols_ = cols;
+}
+
 std::optional<Quantization> Checkpoint::quantization(const std::string& name, const std::string& scale_name,
                                                      int64_t block_rows, int64_t block_cols) const {
   std::string data = name;
@@ -97,7 +103,8 @@ std::optional<Quantization> Checkpoint::quantization(const std::string& name, co
       raise<ValueError>("tensor '", data, "': block=(", block_rows, ", ", block_cols, ") is not a block");
     if (br == 0) {
       // The block the file records (save(quantize=) writes it where the shape rule would not find it), else the
-      // shape rule: 128 x 128, or transformers' rule, the block the scale grid divides the matrix into.
+      // checkpoint's block (the model's quantization_config, set_fp8_block) where the scales' shape fits it, else
+      // the shape rule: 128 x 128, or transformers' rule, the block the scale grid divides the matrix into.
       auto recorded = metadata_.find(std::string(kFp8BlockKey) + q.scale);
       long long r = 0, c = 0;
       if (recorded != metadata_.end()) {
@@ -105,6 +112,10 @@ std::optional<Quantization> Checkpoint::quantization(const std::string& name, co
           fail("its metadata records the block '", recorded->second, "' for '", q.scale, "', which is not [rows, cols]");
         br = r;
         bc = c;
+      } else if (leading && fp8_block_rows_ > 0 && sr == ceil_div(R, fp8_block_rows_) &&
+                 sc == ceil_div(C, fp8_block_cols_)) {
+        br = fp8_block_rows_;
+        bc = fp8_block_cols_;
       } else if (leading) {
         std::tie(br, bc) = fp8_block_by_shape(R, C, sr, sc);
       }

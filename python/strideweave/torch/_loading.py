@@ -142,7 +142,8 @@ def from_pretrained(path: Any, budget: Any, *, torch_dtype: Any = None, layers: 
     classes = {type(m): None for _, m, _, _ in experts_modules(probe)}
     del probe
     sw = _sw()
-    ckpt = sw.safetensors.open(folder)
+    block = (quantization or {}).get("weight_block_size") if (quantization or {}).get("quant_method") == "fp8" else None
+    ckpt = sw.safetensors.open(folder, fp8_block=tuple(int(b) for b in block) if block else None)
     hf_logger = _logging.getLogger("transformers")
     level = hf_logger.level
     hf_logger.setLevel(_logging.ERROR)  # the experts' tensors are unexpected keys by design; checked below

@@ -125,7 +125,8 @@ const DType* dtype_of(std::string_view element_type);
 //    (U8 or F8_E8M0, shape (..., G)), named "X_blocks" or "X" (the parameter's name, which no tensor has); the
 //    values are (..., 32 G).
 // A file's metadata may record a block the shape rule would not find: "fp8_block_size:<scale name>" -> "[br, bc]"
-// (save(quantize=) writes it for such blocks); a block given to tiled() wins over both.
+// (save(quantize=) writes it for such blocks); a block given to tiled() wins over both, and a checkpoint's block
+// (Checkpoint::set_fp8_block, from a model's quantization_config) comes after the metadata, for scales it fits.
 // Every rule is checked from the headers (no byte read): a scale missing, of the wrong shape or element type,
 // or blocks whose count does not match their scales raise ValueError naming the tensor and its file. A tier over
 // quantized tensors also reads every scale it will use once, when it is made, and refuses NaN (and infinite)
@@ -169,6 +170,10 @@ class Checkpoint {
   // ValueError (naming the path) for a malformed file, index or folder; RuntimeError for a file that cannot be
   // opened or read.
   static std::shared_ptr<Checkpoint> open(const std::vector<std::string>& paths);
+  // The FP8 block of this checkpoint's quantized tensors (a model's quantization_config weight_block_size): taken
+  // for a tensor whose scales' shape fits it, before the shape rule (Note [Quantized tensors of a checkpoint]).
+  // ValueError for a block below 1 x 1.
+  void set_fp8_block(int64_t rows, int64_t cols);
 
   const std::vector<std::string>& keys() const noexcept { return keys_; }  // sorted
   bool contains(const std::string& name) const { return where_.count(name) != 0; }
@@ -246,6 +251,7 @@ class Checkpoint {
   std::map<std::string, size_t> where_;                             // name -> header
   std::vector<std::string> keys_;
   std::map<std::string, std::string> metadata_;
+  int64_t fp8_block_rows_ = 0, fp8_block_cols_ = 0;  // set_fp8_block (0: none)
   mutable std::mutex mutex_;  // guards readers_ and writers_
 };
 
