@@ -170,12 +170,17 @@ class Ranks:
         try:
             store = self.store()
             store.set(f"{self._prefix}alive/{self.rank}", "1")
-            waiting = [r for r in range(self.world) if r != self.rank]
             deadline = time.monotonic() + LOST_WAIT
-            while waiting and time.monotonic() < deadline:
-                waiting = [r for r in waiting if not store.check([f"{self._prefix}alive/{r}"])]
-                if waiting:
-                    time.sleep(0.05)
+            waiting = []
+            for r in range(self.world):  # the store's own wait, each bounded by what is left of LOST_WAIT
+                if r == self.rank:
+                    continue
+                left = max(0.0, deadline - time.monotonic())
+                try:
+                    store.wait([f"{self._prefix}alive/{r}"], datetime.timedelta(seconds=left))
+                except Exception:  # noqa: BLE001 (timed out: rank r did not answer)
+                    if not store.check([f"{self._prefix}alive/{r}"]):
+                        waiting.append(r)
             failed = {}
             for r in waiting:
                 if store.check([f"{self._prefix}failed/{r}"]):
