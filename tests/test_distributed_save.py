@@ -511,25 +511,28 @@ def test_failed_state_save_on_one_rank(runs):
     assert "optimizer.pt" not in os.listdir(runs["failed_state"])
 
 
+def _saved_tensors(folder: str) -> tuple:
+    """(the index, {name: torch tensor}) of a saved checkpoint folder, every tensor read with safetensors'
+    safe_open from the shard the index names."""
+    from safetensors import safe_open
+    with open(os.path.join(folder, "model.safetensors.index.json")) as f:
+        index = json.load(f)
+    out = {}
+    for name, filename in index["weight_map"].items():
+        with safe_open(os.path.join(folder, filename), "pt") as f:
+            out[name] = f.get_tensor(name)
+    return index, out
+
+
 def test_quantized_save_by_two_ranks(runs):
     """quantize=True on 2 ranks (a tiny FP8 DeepSeek-V3 of tests/test_quantized_models.py, stored one matrix per
     expert, opened and saved untouched): every tensor, e4m3 values and Float32 scales, is bit for bit what one
     process writes (each tensor is quantized from the same values by the same arithmetic, whichever rank writes
     it), config.json carries the same quantization_config, and transformers loads it."""
-    from safetensors import safe_open
     import transformers
 
-    def tensors(folder):
-        with open(os.path.join(folder, "model.safetensors.index.json")) as f:
-            index = json.load(f)
-        out = {}
-        for name, filename in index["weight_map"].items():
-            with safe_open(os.path.join(folder, filename), "pt") as f:
-                out[name] = f.get_tensor(name)
-        return index, out
-
-    index2, two = tensors(runs["fp8_target"])
-    index1, one = tensors(runs["fp8_one"])
+    index2, two = _saved_tensors(runs["fp8_target"])
+    index1, one = _saved_tensors(runs["fp8_one"])
     assert len(set(index2["weight_map"].values())) > 2
     assert index2["metadata"] == index1["metadata"]
     assert set(two) == set(one)
@@ -547,19 +550,8 @@ def test_fused_experts_saved_by_two_ranks(runs):
     (E, I, H), Float32), opened by 2 ranks and saved untouched: each rank writes its experts' rows of those tensors
     into the one shard that holds them; every tensor is bit for bit what one process writes, transformers loads the
     result with the source's weights bit for bit, and each tensor is in one shard only."""
-    from safetensors import safe_open
-
-    def tensors(folder):
-        with open(os.path.join(folder, "model.safetensors.index.json")) as f:
-            index = json.load(f)
-        out = {}
-        for name, filename in index["weight_map"].items():
-            with safe_open(os.path.join(folder, filename), "pt") as f:
-                out[name] = f.get_tensor(name)
-        return index, out
-
-    index2, two = tensors(runs["fused_target"])
-    index1, one = tensors(runs["fused_one"])
+    index2, two = _saved_tensors(runs["fused_target"])
+    index1, one = _saved_tensors(runs["fused_one"])
     assert index2["metadata"] == index1["metadata"] and set(two) == set(one)
     fused = [n for n in two if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]
     assert len(fused) == 4 and len(set(index2["weight_map"].values())) > 2

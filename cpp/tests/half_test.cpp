@@ -20,19 +20,10 @@
 using namespace sw::detail;
 using sw::testing_support::Rng;
 using sw::testing_support::test_seed;
+using sw::testing_support::bits;
+using sw::testing_support::from_bits;
 
 namespace {
-
-uint32_t bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-float from_bits(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
 
 // The value of an fp16 bit pattern, computed in double from the format's definition.
 double f16_value(uint16_t h) {

@@ -24,20 +24,11 @@
 
 using sw::testing_support::Rng;
 using sw::testing_support::test_seed;
+using sw::testing_support::bits;
+using sw::testing_support::from_bits;
 namespace q = sw::quant;
 
 namespace {
-
-uint32_t bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-float from_bits(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
 
 // ---------------------------------------------------------------- the formats, from their definitions, in double
 

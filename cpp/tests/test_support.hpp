@@ -23,6 +23,7 @@
 #include <sys/wait.h>
 
 #include <atomic>
+#include <bit>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
@@ -101,6 +102,10 @@ inline std::string message_of(const std::exception_ptr& e) {
 }
 
 // ---------------------------------------------------------------- seeds
+
+// A Float32's bit pattern, and the Float32 of a bit pattern (the half-precision and quantized-format tests).
+inline uint32_t bits(float f) { return std::bit_cast<uint32_t>(f); }
+inline float from_bits(uint32_t u) { return std::bit_cast<float>(u); }
 
 inline uint64_t test_seed() {
   static const uint64_t seed = [] {
