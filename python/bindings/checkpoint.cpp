@@ -93,10 +93,6 @@ sw::safetensors::TierOptions tier_options(nb::handle dtype, nb::handle scales, n
   return o;
 }
 
-const char* scale_kind_name(sw::QuantizedRange::Scale s) {
-  return s == sw::QuantizedRange::Scale::F32 ? "F32" : s == sw::QuantizedRange::Scale::BF16 ? "BF16" : "E8M0";
-}
-
 std::string describe(const Quantization& q) {
   std::string out = q.format == Format::FP8 ? "F8_E4M3 with " : "E2M1 (MXFP4) with ";
   out += q.scale_dtype + " scales per ";
@@ -347,15 +343,7 @@ void bind_checkpoint(nb::module_& m) {
     GilRelease nogil;
     if (fp8) {
       std::vector<float> f(static_cast<size_t>(sr * sc));
-      for (size_t i = 0; i < f.size(); ++i) {
-        if (sk == sw::QuantizedRange::Scale::F32) std::memcpy(&f[i], raw + 4 * i, 4);
-        else if (sk == sw::QuantizedRange::Scale::BF16) {
-          uint16_t h;
-          std::memcpy(&h, raw + 2 * i, 2);
-          const uint32_t bits = static_cast<uint32_t>(h) << 16;
-          std::memcpy(&f[i], &bits, 4);
-        } else f[i] = sw::quant::e8m0_to_float(static_cast<uint8_t>(raw[i]));
-      }
+      sw::quant::scales_to_float(raw, sk, sr * sc, f.data());
       sw::quant::dequantize_fp8(q, rows, cols, 0, f.data(), sc, br, bc, out.data(),
                                 out_bf16 ? sw::quant::Out::BFloat16 : sw::quant::Out::Float32);
     } else {

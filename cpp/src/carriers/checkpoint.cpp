@@ -222,23 +222,6 @@ void CheckpointCarrier::read_from_file(const Range& g, int64_t within, int64_t n
 }
 
 namespace {
-// Scales as Float32 (the FP8 kernel's form): F32 as they are, BF16 widened, e8m0 2^(b - 127).
-void scales_to_float(const std::byte* raw, QuantizedRange::Scale type, int64_t count, float* out) {
-  switch (type) {
-    case QuantizedRange::Scale::F32: std::memcpy(out, raw, static_cast<size_t>(count) * 4); break;
-    case QuantizedRange::Scale::BF16:
-      for (int64_t i = 0; i < count; ++i) {
-        uint16_t h;
-        std::memcpy(&h, raw + 2 * i, 2);
-        const uint32_t bits = static_cast<uint32_t>(h) << 16;
-        std::memcpy(out + i, &bits, 4);
-      }
-      break;
-    case QuantizedRange::Scale::E8M0:
-      for (int64_t i = 0; i < count; ++i) out[i] = quant::e8m0_to_float(static_cast<uint8_t>(raw[i]));
-      break;
-  }
-}
 constexpr int64_t kQuantChunk = int64_t{1} << 20;  // quantized bytes read and dequantized at a time
 }  // namespace
 
@@ -305,7 +288,7 @@ void CheckpointCarrier::read_quantized(const Range& g, int64_t within, int64_t n
     g.file->count_read(static_cast<uint64_t>(bytes));
     if (fp8) {
       scales.resize(static_cast<size_t>(s1 - s0));
-      scales_to_float(raw_scales.data(), q.scale_type, s1 - s0, scales.data());
+      quant::scales_to_float(raw_scales.data(), q.scale_type, s1 - s0, scales.data());
       quant::dequantize_fp8(src, units, q.cols, u, scales.data(), sc, q.block_rows, q.block_cols, to, out);
     } else {
       quant::dequantize_mxfp4(src, reinterpret_cast<const uint8_t*>(raw_scales.data()), units, to, out);

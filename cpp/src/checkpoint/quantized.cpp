@@ -525,6 +525,23 @@ float e2m1_to_float(uint8_t nibble) noexcept { return kE2m1[nibble & 0xF]; }
 float e8m0_to_float(uint8_t byte) noexcept { return float_of(e8m0_bits(byte)); }
 uint16_t float_to_bf16(float value) noexcept { return narrow(value); }
 
+void scales_to_float(const void* raw, Scales type, int64_t count, float* out) noexcept {
+  const auto* bytes = static_cast<const unsigned char*>(raw);
+  switch (type) {
+    case Scales::F32: std::memcpy(out, raw, static_cast<size_t>(count) * 4); break;
+    case Scales::BF16:
+      for (int64_t i = 0; i < count; ++i) {
+        uint16_t h;
+        std::memcpy(&h, bytes + 2 * i, 2);
+        out[i] = float_of(static_cast<uint32_t>(h) << 16);
+      }
+      break;
+    case Scales::E8M0:
+      for (int64_t i = 0; i < count; ++i) out[i] = e8m0_to_float(bytes[i]);
+      break;
+  }
+}
+
 void dequantize_fp8(const uint8_t* q, int64_t rows, int64_t cols, int64_t row0, const float* scales,
                     int64_t scale_cols, int64_t block_rows, int64_t block_cols, void* out, Out out_type) noexcept {
   if (rows <= 0 || cols <= 0) return;

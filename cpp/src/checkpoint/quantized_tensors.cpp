@@ -196,6 +196,7 @@ CheckpointCarrier::Range Checkpoint::quantized_range(const Quantization& q, int6
   const size_t item = qr->scale_itemsize();
   const int64_t count = qr->scale_count(), sc = qr->scale_cols();
   std::vector<std::byte> raw;
+  std::vector<float> as_float;
   constexpr int64_t kChunk = int64_t{1} << 20;
   for (int64_t k0 = 0; k0 < count; k0 += kChunk) {
     const int64_t n = std::min(kChunk, count - k0);
@@ -203,18 +204,10 @@ CheckpointCarrier::Range Checkpoint::quantized_range(const Quantization& q, int6
     io::pread_full(qr->scale_file->fd(), raw.data(), raw.size(),
                    static_cast<int64_t>(qr->scale_offset + static_cast<uint64_t>(k0) * item), qr->scale_file->path());
     qr->scale_file->count_read(raw.size());
+    as_float.resize(static_cast<size_t>(n));
+    quant::scales_to_float(raw.data(), qr->scale_type, n, as_float.data());
     for (int64_t k = 0; k < n; ++k) {
-      float v;
-      if (qr->scale_type == QuantizedRange::Scale::F32) {
-        std::memcpy(&v, raw.data() + 4 * k, 4);
-      } else if (qr->scale_type == QuantizedRange::Scale::BF16) {
-        uint16_t h;
-        std::memcpy(&h, raw.data() + 2 * k, 2);
-        const uint32_t bits = static_cast<uint32_t>(h) << 16;
-        std::memcpy(&v, &bits, 4);
-      } else {
-        v = quant::e8m0_to_float(static_cast<uint8_t>(raw[k]));
-      }
+      const float v = as_float[static_cast<size_t>(k)];
       if (std::isfinite(v)) continue;
       const int64_t at = k0 + k;
       const std::string slab = slabs > 1 ? " of slab " + std::to_string(index) : std::string();

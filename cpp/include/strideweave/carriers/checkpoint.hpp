@@ -44,6 +44,7 @@
 
 #include "strideweave/carrier.hpp"
 #include "strideweave/carriers/journal.hpp"
+#include "strideweave/checkpoint/quantized.hpp"
 
 namespace sw {
 
@@ -138,7 +139,7 @@ struct PromotionStats {
 // write copies the dequantized range there first); a quantized tier cannot write in place (ValueError).
 struct QuantizedRange {
   enum class Format : uint8_t { FP8, MXFP4 };
-  enum class Scale : uint8_t { F32, BF16, E8M0 };
+  using Scale = quant::Scales;
   Format format = Format::FP8;
   Scale scale_type = Scale::F32;
   std::shared_ptr<CheckpointFile> scale_file;

@@ -44,6 +44,11 @@ float e8m0_to_float(uint8_t byte) noexcept;
 // Float32 -> BFloat16 bits, round to nearest even; NaN -> 0x7FC0.
 uint16_t float_to_bf16(float value) noexcept;
 
+// How block scales are stored: Float32, BFloat16, or e8m0 exponents (F8_E8M0, or U8 holding them).
+enum class Scales : uint8_t { F32, BF16, E8M0 };
+// `count` stored scales at `raw` as their exact Float32 values (the FP8 kernel's form).
+void scales_to_float(const void* raw, Scales type, int64_t count, float* out) noexcept;
+
 // FP8 block-scaled: `rows` consecutive rows (each `cols` bytes, row-major) of a matrix whose first row here is row
 // `row0` of the whole matrix, into `out` (rows x cols values of `out_type`, row-major). `scales` points at the
 // scale row of block row row0 / block_rows (Float32, `scale_cols` = ceil(cols / block_cols) per row, row-major):
